@@ -1,0 +1,45 @@
+# kvserve: `make demo` and `make test` work on a fresh machine with Python 3.11 and make.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= data/models/tiny-llama
+
+.PHONY: setup demo test test-quick lint typecheck protos bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is the CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(VENV)/bin/kvserve model init $(MODEL_DIR) --arch llama
+
+demo: $(STAMP) $(MODEL_DIR)/config.json
+	$(PY) -m client.demo --model $(MODEL_DIR)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy engine kvstore prefill_service decode_service client
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q
+
+test-quick: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
+
+protos: $(STAMP)
+	$(PY) protos/build.py
+
+bench: $(STAMP)
+	$(VENV)/bin/kvserve bench all
+
+clean:
+	rm -rf $(VENV) data build *.egg-info

@@ -1,0 +1,171 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+
+class LookupRequest(_message.Message):
+    __slots__ = ("hashes", "lease_ttl_s")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ttl_s: float
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_hits", "tiers", "lease_id")
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    num_hits: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    lease_id: str
+    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("hash", "total_size", "checksum", "offset", "data", "shm_name")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    total_size: int
+    checksum: int
+    offset: int
+    data: bytes
+    shm_name: str
+    def __init__(self, hash: _Optional[bytes] = ..., total_size: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("chunk", "ephemeral")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    chunk: BlockChunk
+    ephemeral: bool
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("num_new", "num_existing")
+    NUM_NEW_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    num_new: int
+    num_existing: int
+    def __init__(self, num_new: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("hashes", "via_shm")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    VIA_SHM_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    via_shm: bool
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., via_shm: _Optional[bool] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("chunk", "found", "tier")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    chunk: BlockChunk
+    found: bool
+    tier: Tier
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    demotions: int
+    promotions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "leases", "pinned_blocks", "checksum_failures")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    leases: int
+    pinned_blocks: int
+    checksum_failures: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("kind", "hashes", "tier")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Event.Kind]
+        KIND_STORED: _ClassVar[Event.Kind]
+        KIND_REMOVED: _ClassVar[Event.Kind]
+    KIND_UNSPECIFIED: Event.Kind
+    KIND_STORED: Event.Kind
+    KIND_REMOVED: Event.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    kind: Event.Kind
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: Tier
+    def __init__(self, kind: _Optional[_Union[Event.Kind, str]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("host_id", "shm_dir", "max_message_bytes")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    shm_dir: str
+    max_message_bytes: int
+    def __init__(self, host_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
