@@ -1,0 +1,200 @@
+"""What every kvserve gRPC server shares: error mapping, health, reflection, metrics, shutdown.
+
+Servicers raise `ServiceError` subclasses (or ValueError for bad input); one interceptor turns
+them into gRPC status codes, so handlers carry no try/except of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Room for protobuf framing around a full 4 MiB chunk.
+GRPC_MESSAGE_LIMIT = MAX_MESSAGE_BYTES + 64 * 1024
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+]
+
+
+class ServiceError(Exception):
+    """An error with a gRPC status code and a message a person can act on."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class OutOfRange(ServiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    if isinstance(exc, ServiceError):
+        return exc.code, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return None
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    status = _status_of(exc)
+    if status is None:
+        log.exception("unhandled error in RPC")
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    else:
+        context.abort(*status)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps ServiceError / ValueError raised by any handler to its gRPC status."""
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream))
+        return handler
+
+    @staticmethod
+    def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                return fn(request, context)
+            except Exception as exc:
+                _abort(context, exc)
+
+        return wrapped
+
+    @staticmethod
+    def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from fn(request, context)
+            except Exception as exc:
+                _abort(context, exc)
+
+        return wrapped
+
+
+class Server:
+    """A gRPC server with health, reflection, error mapping and optional Prometheus metrics.
+
+    `add(register_fn, servicer, service_name)` registers a business servicer; `start()` binds
+    and returns the bound port (listen on port 0 in tests).
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        *,
+        max_workers: int = 32,
+        metrics_port: int | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.listen = listen
+        self.metrics_port = metrics_port
+        self.registry = registry or CollectorRegistry()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            interceptors=[ErrorInterceptor()],
+            options=CHANNEL_OPTIONS,
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = 0
+        self.bound_metrics_port: int | None = None
+        self._metrics_server: Any = None
+
+    def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, service_name: str) -> None:
+        register(servicer, self._server)
+        self._service_names.append(service_name)
+
+    def start(self) -> int:
+        reflection.enable_server_reflection(self._service_names, self._server)
+        self.port = self._server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        self._server.start()
+        if self.metrics_port is not None:
+            self._metrics_server, _ = start_http_server(self.metrics_port, registry=self.registry)
+            self.bound_metrics_port = self._metrics_server.server_port
+        for name in ["", *self._service_names]:
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("listening on port %d (metrics: %s)", self.port, self.bound_metrics_port)
+        return self.port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def run_until_signal(server: Server, on_stop: Iterable[Callable[[], None]] = (), grace_s: float = 5.0) -> None:
+    """Blocks until SIGTERM or SIGINT, then stops the server and runs the on_stop callbacks."""
+    stopped = threading.Event()
+
+    def handle(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    stopped.wait()
+    server.stop(grace_s)
+    for fn in on_stop:
+        fn()
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '100MB', '4096' -> bytes."""
+    units = {
+        "": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+        "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
+        "tib": 1024**4,
+    }
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in units:
+        raise ValueError(f"cannot read size {text!r}: use a number with an optional unit like 512MiB or 2GiB")
+    return int(float(num) * units[unit])
