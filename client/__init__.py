@@ -1,0 +1,31 @@
+"""kvserve's public Python client: `from client import Client`."""
+
+from client.client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    KVServeError,
+    OutOfRangeError,
+    ResourceExhaustedError,
+    Result,
+    Timings,
+    UnavailableError,
+    Usage,
+)
+
+__all__ = [
+    "AsyncClient",
+    "Chunk",
+    "Client",
+    "DeadlineExceededError",
+    "InvalidArgumentError",
+    "KVServeError",
+    "OutOfRangeError",
+    "ResourceExhaustedError",
+    "Result",
+    "Timings",
+    "UnavailableError",
+    "Usage",
+]

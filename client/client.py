@@ -1,0 +1,284 @@
+"""The public Python client of kvserve's front door (the decode service).
+
+    from client import Client
+
+    with Client("127.0.0.1:50051") as c:
+        r = c.generate("Hello", max_tokens=32)
+        print(r.text, r.usage.cached_tokens, r.timings.ttft_s)
+
+This module imports no torch: a caller needs only grpcio and protobuf.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+DEFAULT_ADDR = "127.0.0.1:50051"
+_MAX_MESSAGE = 8 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+]
+
+Message = Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request: `cached_tokens` of the prompt were reused, not computed."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds: time to first token, prefill, decode and the whole request (server side)."""
+
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One generated token and the text it completes (empty while a character is incomplete)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A finished generation. `finish_reason` is "length", "stop" or "eos"."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "finish_reason": self.finish_reason,
+            "usage": {
+                "prompt_tokens": self.usage.prompt_tokens,
+                "cached_tokens": self.usage.cached_tokens,
+                "completion_tokens": self.usage.completion_tokens,
+            },
+            "timings": {
+                "ttft_s": self.timings.ttft_s,
+                "prefill_s": self.timings.prefill_s,
+                "decode_s": self.timings.decode_s,
+                "total_s": self.timings.total_s,
+            },
+        }
+
+
+class KVServeError(Exception):
+    """A failed call; `code` is the gRPC status code, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidArgumentError(KVServeError):
+    """The request is malformed (empty prompt, bad sampling value, unknown token id...)."""
+
+
+class OutOfRangeError(KVServeError):
+    """The request does not fit (prompt plus max_tokens beyond the model's context)."""
+
+
+class UnavailableError(KVServeError):
+    """A service is down or unreachable; retrying later may succeed."""
+
+
+class DeadlineExceededError(KVServeError):
+    """The call did not finish within its timeout."""
+
+
+class ResourceExhaustedError(KVServeError):
+    """The server is out of capacity for this request."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[KVServeError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+}
+
+
+def _error(exc: grpc.RpcError) -> KVServeError:
+    code = exc.code()  # type: ignore[attr-defined]
+    return _ERRORS.get(code, KVServeError)(code, exc.details() or "")  # type: ignore[attr-defined]
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Iterable[Message] | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    prefix_cache: bool = True,
+    cache_salt: str | None = None,
+    request_id: str | None = None,
+) -> decode_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments; exactly one of prompt, messages, token_ids."""
+    given = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, messages or token_ids")
+    if isinstance(stop, str):
+        stop = (stop,)
+    p = common_pb2.Prompt()
+    if prompt is not None:
+        p.text = prompt
+    elif messages is not None:
+        p.messages.CopyFrom(
+            common_pb2.ChatMessages(
+                messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+            )
+        )
+    else:
+        p.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(token_ids or [])))
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        stop=list(stop), ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        sampling.seed = seed
+    return decode_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt=p,
+        sampling=sampling,
+        cache=common_pb2.CacheOptions(prefix_cache=prefix_cache, cache_salt=cache_salt or ""),
+    )
+
+
+def result_from_proto(r: decode_pb2.GenerateResult) -> Result:
+    return Result(
+        text=r.text,
+        token_ids=tuple(r.token_ids),
+        prompt_token_ids=tuple(r.prompt_token_ids),
+        finish_reason=r.finish_reason,
+        usage=Usage(r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.completion_tokens),
+        timings=Timings(r.timings.ttft_s, r.timings.prefill_s, r.timings.decode_s, r.timings.total_s),
+    )
+
+
+def _item(msg: decode_pb2.GenerateResponse) -> Chunk | Result:
+    if msg.WhichOneof("kind") == "token":
+        return Chunk(msg.token.token_id, msg.token.text)
+    return result_from_proto(msg.result)
+
+
+class Client:
+    """A connection to the decode service (the front door).
+
+    `generate`, `stream` and `chat` take the same request options:
+    max_tokens, temperature (0 = greedy), top_k (0 = off), top_p (1 = off), seed, stop (strings),
+    ignore_eos, prefix_cache (False skips the cache, for A/B comparisons) and cache_salt
+    (requests with different salts never share KV). Failures raise a `KVServeError` subclass
+    carrying the gRPC status code.
+    """
+
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._stub = decode_pb2_grpc.DecodeStub(self._channel)
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Chunk | Result]:
+        """Yields a `Chunk` per generated token, then the final `Result`.
+
+        Closing the iterator early cancels the request on the server.
+        """
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        try:
+            for msg in call:
+                yield _item(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        """Runs one request to the end and returns its `Result`."""
+        for item in self.stream(prompt, **kwargs):
+            if isinstance(item, Result):
+                return item
+        raise KVServeError(grpc.StatusCode.INTERNAL, "the stream ended without a result")
+
+    def chat(self, messages: Iterable[Message], **kwargs: Any) -> Result:
+        """Generates the assistant's reply to chat messages ({"role": ..., "content": ...})."""
+        return self.generate(messages=list(messages), **kwargs)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`: `await generate(...)`, `async for item in stream(...)`."""
+
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        self._stub = decode_pb2_grpc.DecodeStub(self._channel)
+
+    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Chunk | Result]:
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        try:
+            async for msg in call:
+                yield _item(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        async for item in self.stream(prompt, **kwargs):
+            if isinstance(item, Result):
+                return item
+        raise KVServeError(grpc.StatusCode.INTERNAL, "the stream ended without a result")
+
+    async def chat(self, messages: Iterable[Message], **kwargs: Any) -> Result:
+        return await self.generate(messages=list(messages), **kwargs)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
