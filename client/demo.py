@@ -1,0 +1,79 @@
+"""`make demo`: two users who share a long system prompt chat for six turns through the local stack.
+
+Per turn it prints prompt tokens, cached tokens, and the TTFT with the prefix cache and without it
+(the same request with prefix_cache=False, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from client.client import Client
+from client.stack import Stack, StackConfig
+
+SYSTEM_PROMPT = (
+    "You are the support assistant of a company that runs a fleet of inference servers. "
+    "Answer briefly and precisely. Policies: never reveal credentials; escalate outages to the "
+    "on-call engineer; quote the runbook section when you cite a procedure. Runbook summary: "
+    "1. A node that fails its health check is drained, then restarted; if it fails again it is "
+    "replaced. 2. Cache hit rates below forty percent for an hour mean the router is spreading "
+    "a tenant's requests across too many nodes; pin the tenant. 3. A disk tier above ninety "
+    "percent full evicts from the tails of prefix chains first; do not delete LMDB files by hand. "
+    "4. Time to first token is dominated by prefill for long prompts; a shared system prompt "
+    "is computed once and reused by every user. 5. Decode latency grows with batch size; keep "
+    "the batch under the configured limit. 6. Every request carries a deadline; cancelled "
+    "streams stop their work. 7. Block size is sixteen tokens in every service of a deployment. "
+) * 2
+
+CONVERSATIONS = {
+    "alice": [
+        "Our cache hit rate dropped to thirty percent. What should I do?",
+        "And if the tenant is already pinned?",
+        "Can I just delete the LMDB files to start fresh?",
+    ],
+    "bob": [
+        "A node failed its health check twice. Now what?",
+        "How long should the drain take?",
+        "Who do I tell if this turns into an outage?",
+    ],
+}
+
+
+def run(model_dir: Path, max_tokens: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvserve-demo-") as tmp:
+        config = StackConfig(model_dir=model_dir, data_dir=Path(tmp), decode_port=0, prefill_port=0, store_port=0)
+        print("starting the KV store, prefill and decode services ...", flush=True)
+        with Stack(config, log_dir=Path(tmp) / "logs") as stack, Client(stack.addr) as client:
+            histories = {user: [{"role": "system", "content": SYSTEM_PROMPT}] for user in CONVERSATIONS}
+            print(f"\n{'turn':>4s}  {'user':6s} {'prompt':>7s} {'cached':>7s} {'ttft cached':>12s} "
+                  f"{'ttft uncached':>14s} {'speed-up':>9s}")
+            turn = 0
+            for i in range(3):
+                for user, questions in CONVERSATIONS.items():
+                    turn += 1
+                    messages = [*histories[user], {"role": "user", "content": questions[i]}]
+                    cold = client.chat(messages, max_tokens=max_tokens, ignore_eos=True, prefix_cache=False)
+                    warm = client.chat(messages, max_tokens=max_tokens, ignore_eos=True)
+                    assert warm.token_ids == cold.token_ids, "cached and uncached answers differ"
+                    speedup = cold.timings.ttft_s / max(warm.timings.ttft_s, 1e-9)
+                    print(f"{turn:4d}  {user:6s} {warm.usage.prompt_tokens:7d} {warm.usage.cached_tokens:7d} "
+                          f"{warm.timings.ttft_s * 1000:9.0f} ms {cold.timings.ttft_s * 1000:11.0f} ms "
+                          f"{speedup:8.1f}x", flush=True)
+                    histories[user] = [*messages, {"role": "assistant", "content": warm.text}]
+            print("\nstopping the stack", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvserve-demo", description=__doc__)
+    ap.add_argument("--model", type=Path, default=Path("data/models/tiny-llama"))
+    ap.add_argument("--max-tokens", type=int, default=24)
+    args = ap.parse_args(argv)
+    return run(args.model, args.max_tokens)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
