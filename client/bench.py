@@ -1,0 +1,90 @@
+"""`kvserve bench e2e`: per-turn TTFT of a growing chat, with the prefix cache against without it.
+
+Both are measured in the same run on the same stack; the ratio is what to read, not the seconds.
+Without the cache every turn recomputes the whole conversation, so its TTFT grows with the
+conversation; with it, each turn computes only the new message and TTFT stays about flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from client.client import Client
+from client.stack import Stack, StackConfig
+
+QUESTION = "Tell me more about block {n} of the runbook and how it relates to the previous answer. "
+
+
+def run_turns(client: Client, turns: int, max_tokens: int, system_chars: int, repeats: int) -> list[dict]:
+    messages = [{"role": "system", "content": ("Shared system prompt. " * system_chars)[:system_chars]}]
+    rows = []
+    for n in range(1, turns + 1):
+        messages.append({"role": "user", "content": QUESTION.format(n=n) * 3})
+        warm_ttft, cold_ttft = [], []
+        result = None
+        for _ in range(repeats):
+            cold = client.chat(messages, max_tokens=max_tokens, ignore_eos=True, prefix_cache=False)
+            result = client.chat(messages, max_tokens=max_tokens, ignore_eos=True)
+            cold_ttft.append(cold.timings.ttft_s)
+            warm_ttft.append(result.timings.ttft_s)
+        assert result is not None
+        rows.append({
+            "turn": n,
+            "prompt_tokens": result.usage.prompt_tokens,
+            "cached_tokens": result.usage.cached_tokens,
+            "ttft_cached_s": statistics.median(warm_ttft),
+            "ttft_uncached_s": statistics.median(cold_ttft),
+        })
+        messages.append({"role": "assistant", "content": result.text})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvserve bench e2e", description=__doc__)
+    ap.add_argument("--addr", default=None, help="use a running stack's front door (default: start one)")
+    ap.add_argument("--model", type=Path, default=Path("data/models/tiny-llama"))
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--system-chars", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=3, help="median of this many runs per turn")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    def measure(addr: str) -> list[dict]:
+        with Client(addr) as client:
+            return run_turns(client, args.turns, args.max_tokens, args.system_chars, args.repeats)
+
+    if args.addr:
+        rows = measure(args.addr)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+            config = StackConfig(model_dir=args.model, data_dir=Path(tmp), decode_port=0, prefill_port=0,
+                                 store_port=0)
+            with Stack(config, log_dir=Path(tmp) / "logs") as stack:
+                rows = measure(stack.addr)
+    first, last = rows[0], rows[-1]
+    summary = {
+        "turns": rows,
+        "uncached_growth": last["ttft_uncached_s"] / first["ttft_uncached_s"],
+        "cached_growth": last["ttft_cached_s"] / first["ttft_cached_s"],
+        "last_turn_speedup": last["ttft_uncached_s"] / last["ttft_cached_s"],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{'turn':>4s} {'prompt':>7s} {'cached':>7s} {'ttft cached':>12s} {'ttft uncached':>14s} {'ratio':>6s}")
+    for r in rows:
+        print(f"{r['turn']:4d} {r['prompt_tokens']:7d} {r['cached_tokens']:7d} {r['ttft_cached_s'] * 1000:9.1f} ms "
+              f"{r['ttft_uncached_s'] * 1000:11.1f} ms {r['ttft_uncached_s'] / r['ttft_cached_s']:5.1f}x")
+    print(f"\nTTFT growth from turn 1 to turn {last['turn']}: uncached {summary['uncached_growth']:.2f}x, "
+          f"cached {summary['cached_growth']:.2f}x; last-turn speed-up {summary['last_turn_speedup']:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
