@@ -1,0 +1,206 @@
+"""Loading a local Hugging Face causal LM, its fingerprint, and refusal of non-full-attention caches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# config.json keys that vary with the tool or folder that wrote the model, not with the model.
+VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash", "name_or_path"})
+STATE_SPACE_MODEL_TYPES = frozenset(
+    {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "retnet"}
+)
+HYBRID_MODEL_TYPES = frozenset(
+    {
+        "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
+        "lfm2_moe", "qwen3_next", "minimax", "plamo2", "gemma2", "gemma3", "gemma3_text", "gemma3n",
+        "gemma3n_text", "gemma4", "cohere2", "gpt_oss",
+    }
+)  # fmt: skip
+_STATE_CONFIG_HINTS = ("ssm_", "mamba", "conv_kernel", "linear_attn", "time_step")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's cache is not plain per-layer full-attention KV; the message names why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A loaded model with the facts about its KV cache that blocks depend on."""
+
+    hf_model: Any
+    tokenizer: Any
+    path: Path
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_model.get_output_embeddings().weight.shape[0])
+
+
+def _sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """Hex sha256 over the canonical config.json and the sha256 of each weight file, by name.
+
+    Independent of the folder's location, of the process and of the machine.
+    """
+    root = Path(path)
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    canonical = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
+    weights = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not weights:
+        raise FileNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {root}")
+    doc = {
+        "config": canonical,
+        "weights": [[p.name, _sha256_file(p)] for p in weights],
+    }
+    blob = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def check_full_attention(config: PretrainedConfig) -> None:
+    """Raise UnsupportedModelError unless every layer keeps a plain, unbounded KV cache."""
+    text = config.get_text_config(decoder=True)
+    model_type = str(getattr(text, "model_type", ""))
+    if model_type in STATE_SPACE_MODEL_TYPES:
+        raise UnsupportedModelError(f"state-space model type {model_type!r} has no per-token KV cache")
+    if model_type in HYBRID_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"hybrid model type {model_type!r} mixes full attention with sliding-window or recurrent layers"
+        )
+    hints = sorted(k for k in text.to_dict() if k.startswith(_STATE_CONFIG_HINTS))
+    if hints:
+        raise UnsupportedModelError(f"hybrid/state-space config (keys {hints}) has recurrent state, not plain KV")
+    window = getattr(text, "sliding_window", None)
+    if window is not None and getattr(text, "use_sliding_window", True):
+        raise UnsupportedModelError(f"sliding window attention is in use (sliding_window={window})")
+    if getattr(text, "attention_chunk_size", None) is not None:
+        raise UnsupportedModelError("chunked (local) attention is in use")
+    layer_types = getattr(text, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd:
+        reason = "sliding window attention" if any("sliding" in t for t in odd) else "hybrid layers"
+        raise UnsupportedModelError(f"{reason} in use (layer_types include {odd})")
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as e:  # a config the cache machinery cannot describe is not plain KV either
+        raise UnsupportedModelError(f"cannot build a KV cache for this config: {e}") from e
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if kinds:
+        raise UnsupportedModelError(f"cache layers {kinds} are not plain full-attention KV")
+
+
+def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [batch, kv_heads, seq, head_dim] of one plain full-attention cache layer."""
+    if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+        raise UnsupportedModelError(f"cache layer {type(layer).__name__} is not plain full-attention KV")
+    return layer.keys, layer.values
+
+
+def _probe_kv_shape(hf_model: Any, device: torch.device) -> tuple[int, int, int, torch.dtype]:
+    """Run one token through the model and read (layers, kv_heads, head_dim, dtype) off its cache."""
+    cache = DynamicCache(config=hf_model.config)
+    with torch.inference_mode():
+        hf_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True)
+    kvs = [layer_kv(layer) for layer in cache.layers]
+    shapes = {(tuple(k.shape), tuple(v.shape)) for k, v in kvs}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"layers keep KV of different shapes {sorted(shapes)}")
+    (key_shape, value_shape), = shapes
+    if key_shape != value_shape:
+        raise UnsupportedModelError(f"keys {key_shape} and values {value_shape} differ in shape")
+    _, num_kv_heads, _, head_dim = key_shape  # [batch, kv_heads, seq, head_dim]
+    return len(kvs), num_kv_heads, head_dim, kvs[0][0].dtype
+
+
+def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(hf_model, "generation_config", None)
+    for value in (hf_model.config.eos_token_id, getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, Sequence):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Model:
+    """Load a local HF causal-LM folder (never downloads), in eval mode, in its own dtype unless given.
+
+    Raises UnsupportedModelError before loading weights when the cache is not plain full attention.
+    """
+    root = Path(path).resolve()
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    check_full_attention(config)
+    torch_device = torch.device(device)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(
+        root, local_files_only=True, dtype=dtype if dtype is not None else "auto"
+    )
+    hf_model.to(torch_device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    num_layers, num_kv_heads, head_dim, kv_dtype = _probe_kv_shape(hf_model, torch_device)
+    return Model(
+        hf_model=hf_model,
+        tokenizer=tokenizer,
+        path=root,
+        fingerprint=model_fingerprint(root),
+        device=torch_device,
+        dtype=kv_dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        eos_token_ids=_eos_ids(hf_model, tokenizer),
+    )
+
+
+def encode_prompt(
+    model: Model,
+    *,
+    text: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+) -> list[int]:
+    """Token ids for exactly one of: raw text, chat messages (rendered with the chat template and a
+    generation prompt), or token ids (validated against the vocabulary). Raises ValueError."""
+    if sum(x is not None for x in (text, messages, token_ids)) != 1:
+        raise ValueError("give exactly one of text, messages or token_ids")
+    tokenizer = model.tokenizer
+    if text is not None:
+        ids = list(tokenizer(text)["input_ids"])
+    elif messages is not None:
+        if tokenizer.chat_template is None:
+            raise ValueError(f"model at {model.path} has no chat template")
+        rendered = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    else:
+        assert token_ids is not None
+        ids = [int(t) for t in token_ids]
+        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {model.vocab_size}): {bad[:5]}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
