@@ -6,6 +6,7 @@ format"); inside a sequence the engine keeps a Hugging Face ``DynamicCache`` of 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -44,6 +45,10 @@ class Engine:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
         self.block_size = block_size
+        # Most models can skip the LM head for all but the last position; older ones cannot.
+        self._logits_kwargs = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters else {}
+        )
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         """The namespace whose root seeds the prefix hashes of this model, dtype and block size."""
@@ -57,6 +62,8 @@ class Engine:
         blocks cover every token.
         """
         tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("cannot prefill an empty prompt")
         num_cached = len(cached_blocks) * self.block_size
         if num_cached >= len(tokens):
             raise ValueError(
@@ -118,14 +125,14 @@ class Engine:
         seq._cache = None
 
     def _forward(self, cache: DynamicCache, token_ids: list[int], start: int) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``start..``; returns logits [1, 1, vocab] of the last one."""
+        """Run ``token_ids`` at positions ``start..`` through ``cache``; logits [1, 1, vocab] of the last one."""
         device = self.model.device
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
         position_ids = torch.arange(start, start + len(token_ids), device=device)[None]  # [1, n]
         out = self.model.hf_model(
-            input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
+            input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, **self._logits_kwargs
         )
-        return out.logits
+        return out.logits[:, -1:]
 
     def _cache_from_blocks(self, blocks: Seq[torch.Tensor], tail: torch.Tensor | None = None) -> DynamicCache:
         """A DynamicCache holding the full ``blocks`` and then the ``tail``, checked against the model."""

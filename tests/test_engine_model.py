@@ -3,6 +3,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,7 @@ def test_encode_prompt() -> None:
     chat = encode_prompt(model, messages=[{"role": "user", "content": "ab"}])
     assert chat[0] == bos and model.tokenizer.decode(chat).endswith("assistant<|end_header_id|>\n\n")
     assert encode_prompt(model, token_ids=[1, 2]) == [1, 2]
-    for bad in ({}, {"text": "a", "token_ids": [1]}, {"token_ids": []}, {"token_ids": [10**6]}):
+    bad_calls: list[dict[str, Any]] = [{}, {"text": "a", "token_ids": [1]}, {"token_ids": []}, {"token_ids": [10**6]}]
+    for bad in bad_calls:
         with pytest.raises(ValueError):
-            encode_prompt(model, **bad)  # type: ignore[arg-type]
+            encode_prompt(model, **bad)
