@@ -59,6 +59,10 @@ class Unavailable(ServiceError):
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, ServiceError):
         return exc.code, str(exc)
+    # Domain errors that must not import grpc name their status: grpc_status = "NOT_FOUND".
+    code_name = getattr(exc, "grpc_status", None)
+    if isinstance(code_name, str) and code_name in grpc.StatusCode.__members__:
+        return grpc.StatusCode[code_name], str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return None

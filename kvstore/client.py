@@ -1,0 +1,224 @@
+"""KVStoreClient: the one way other packages reach the store.
+
+Payloads are verified against their xxh3-64 checksums on receipt. A client on the same host as
+the server (same boot id, shm dir accessible) reads blocks of the host tier straight from shared
+memory and stages puts there, so no payload crosses gRPC; everything it cannot read that way
+falls back to the plain chunked gRPC path, which remote clients always use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+
+from kvstore.block_format import checksum
+from kvstore.serving import CHANNEL_OPTIONS
+from kvstore.shm import host_id, read_block_file, read_block_file_into, stage_block_file, usable_dir
+from kvstore.types import LookupResult, StoreStats, Tier, TierStats
+from kvstore.wire import BlockAssembler, split_block
+from protos.kvserve.v1 import kvstore_pb2 as pb
+from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
+
+_NO_LIMIT = 1 << 62
+
+
+class StoreInfo(NamedTuple):
+    host_id: str
+    shm_dir: str
+    max_message_bytes: int
+
+
+class BlockEvent(NamedTuple):
+    stored: bool  # False: removed
+    hashes: list[bytes]
+    tier: str | None
+
+
+def _tier_name(value: int) -> str:
+    return Tier(value).label if value else "unknown"
+
+
+class KVStoreClient:
+    """Client of kvserve.v1.KVStore. Thread-safe; use as a context manager or call close().
+
+    Errors are the grpc.RpcError that grpc raises (UNAVAILABLE / DEADLINE_EXCEEDED: the store is
+    down or slow; INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED: see the message).
+    """
+
+    def __init__(self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self.use_shm = use_shm
+        self.checksum_failures = 0  # blocks received whose checksum did not match (reported as None)
+        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._shm_dir: Path | None = None
+        self._shm_checked = False
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # -- contract ------------------------------------------------------------------------------
+
+    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+        """Stores (hash, payload) pairs, in prefix order; returns how many were new."""
+        shm = self.shm_dir()
+        staged: list[Path] = []
+
+        def requests() -> Iterator[pb.PutRequest]:
+            for key, payload in blocks:
+                csum = checksum(payload)
+                if shm is not None and payload:
+                    name = stage_block_file(shm, payload, csum)
+                    staged.append(shm / name)
+                    chunk = pb.BlockChunk(hash=key, total_size=len(payload), checksum=csum, shm_name=name)
+                    yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+                else:
+                    for chunk in split_block(key, payload, csum):
+                        yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+
+        try:
+            response = self._stub.Put(requests(), timeout=self.timeout_s)
+        finally:
+            for path in staged:  # the server consumed those it stored; drop any it did not reach
+                path.unlink(missing_ok=True)
+        return int(response.num_new)
+
+    def lookup(self, hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
+        """How many leading hashes are present (and in which tier); pins them if lease_ttl_s."""
+        response = self._stub.Lookup(
+            pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0), timeout=self.timeout_s
+        )
+        tiers = [_tier_name(t) for t in response.tiers]
+        return LookupResult(int(response.num_hits), tiers, response.lease_id or None)
+
+    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Verified payloads in request order; None for a miss or a corrupt block."""
+        keys = list(hashes)
+        out: list[bytes | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        shm = self.shm_dir()
+        if shm is not None:
+            todo = self._read_shm(keys, shm, out)
+        if todo:
+            self._get_rpc(keys, todo, out, via_shm=shm is not None)
+        return out
+
+    def get_into(self, hashes: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Like get, into caller buffers (one per hash, big enough): sizes written, None for a miss."""
+        keys = list(hashes)
+        sizes: list[int | None] = [None] * len(keys)
+        shm = self.shm_dir()
+        todo = list(range(len(keys)))
+        if shm is not None:
+            found: list[int] = []
+            todo = []
+            for i, key in enumerate(keys):
+                sizes[i] = read_block_file_into(shm / key.hex(), buffers[i]) if len(key) == 32 else None
+                (found if sizes[i] is not None else todo).append(i)
+            self._report_reads([keys[i] for i in found])
+        if todo:
+            payloads = self.get([keys[i] for i in todo])
+            for i, payload in zip(todo, payloads, strict=True):
+                if payload is not None and len(payload) <= len(buffers[i]):
+                    buffers[i][: len(payload)] = payload
+                    sizes[i] = len(payload)
+        return sizes
+
+    def release(self, lease_id: str) -> None:
+        self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout_s)
+
+    def stats(self) -> StoreStats:
+        r = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        tiers = [
+            TierStats(_tier_name(t.tier), t.blocks, t.bytes, t.capacity_bytes, t.hits, t.misses, t.evictions, t.demotions, t.promotions)
+            for t in r.tiers
+        ]
+        return StoreStats(tiers, int(r.leases), int(r.pinned_blocks), int(r.checksum_failures))
+
+    # -- extras --------------------------------------------------------------------------------
+
+    def info(self) -> StoreInfo:
+        r = self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
+        return StoreInfo(r.host_id, r.shm_dir, int(r.max_message_bytes))
+
+    def events(self) -> Iterator[BlockEvent]:
+        """Blocks stored and removed, as they happen (no deadline; cancel by closing the client)."""
+        for ev in self._stub.Events(pb.EventsRequest()):
+            yield BlockEvent(ev.kind == pb.Event.KIND_STORED, list(ev.hashes), _tier_name(ev.tier) if ev.tier else None)
+
+    def shm_dir(self) -> Path | None:
+        """The server's shared-memory dir when this client can use it, else None (asked once)."""
+        if not self.use_shm:
+            return None
+        if not self._shm_checked:
+            try:
+                info = self.info()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                info = StoreInfo("", "", 0)
+            self._shm_dir = usable_dir(info.shm_dir) if info.host_id == host_id() else None
+            self._shm_checked = True
+        return self._shm_dir
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _read_shm(self, keys: list[bytes], shm: Path, out: list[bytes | None]) -> list[int]:
+        """Reads what lies in the shm tier; reports the reads so the server's LRU and hit counts
+        stay exact; returns the positions still to fetch."""
+        todo: list[int] = []
+        found: list[bytes] = []
+        for i, key in enumerate(keys):
+            payload = read_block_file(shm / key.hex()) if len(key) == 32 else None
+            if payload is None:
+                todo.append(i)
+            else:
+                out[i] = payload
+                found.append(key)
+        self._report_reads(found)
+        return todo
+
+    def _report_reads(self, keys: list[bytes]) -> None:
+        if keys:
+            self._stub.Lookup(pb.LookupRequest(hashes=keys), timeout=self.timeout_s)
+
+    def _get_rpc(self, keys: list[bytes], todo: list[int], out: list[bytes | None], *, via_shm: bool) -> None:
+        assembler = BlockAssembler(_NO_LIMIT)
+        retry: list[int] = []
+        pending = iter(todo)
+        request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=via_shm)
+        for response in self._stub.Get(request, timeout=self.timeout_s):
+            if not response.found:
+                next(pending)
+                continue
+            block = assembler.feed(response.chunk)
+            if block is None:
+                continue
+            i = next(pending)
+            if block.key != keys[i]:
+                raise ValueError(f"store answered block {block.key.hex()[:16]} for {keys[i].hex()[:16]}")
+            if block.shm_name:
+                shm = self._shm_dir
+                payload = read_block_file(shm / block.shm_name, block.checksum) if shm else None
+                if payload is None:
+                    retry.append(i)  # removed between the answer and the read
+                    continue
+            else:
+                payload = block.payload
+                if payload is None or checksum(payload) != block.checksum:
+                    self.checksum_failures += 1
+                    continue
+            out[i] = payload
+        assembler.finish()
+        if retry:
+            self._get_rpc(keys, retry, out, via_shm=False)

@@ -1,0 +1,43 @@
+"""Device tier: blocks as uint8 tensors in GPU memory (or CPU tensors, so its logic is tested here).
+
+The only module of kvstore that imports torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvstore.tier import TierStorage
+from kvstore.types import Tier
+
+
+class DeviceTier(TierStorage):
+    tier = Tier.DEVICE
+
+    def __init__(self, device: str = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but CUDA is not available; use --device cpu or off")
+        self._blocks: dict[bytes, torch.Tensor] = {}
+
+    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer on read-only bytes; we copy at once
+            src = torch.frombuffer(payload, dtype=torch.uint8)
+        block = torch.empty(len(payload), dtype=torch.uint8, device=self.device)  # [bytes]
+        block.copy_(src)
+        self._blocks[key] = block
+
+    def read(self, key: bytes) -> bytes | None:
+        block = self._blocks.get(key)
+        if block is None:
+            return None
+        return block.cpu().numpy().tobytes()
+
+    def delete(self, key: bytes) -> None:
+        self._blocks.pop(key, None)
+
+    def keys(self) -> set[bytes]:
+        return set(self._blocks)

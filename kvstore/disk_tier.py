@@ -1,0 +1,224 @@
+"""Disk tier: LMDB, crash-safe, written behind by one thread so no request waits on an fsync.
+
+Writes and deletes land in a pending map (the latest op per key, read by `read`) and a writer
+thread commits them in batches, one synced transaction each (group commit). A SIGKILL loses at
+most the pending ops, never the database. Values are `block_format` records (header + payload),
+verified on every read. The map is sized from the capacity with headroom and grown if ever full.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+import lmdb
+
+from kvstore.block_format import HEADER_BYTES, BlockHeader, CorruptBlock, pack_header, unpack_header, verify
+from kvstore.tier import TierStorage
+from kvstore.types import HASH_BYTES, Tier
+
+log = logging.getLogger(__name__)
+
+_MiB = 1024 * 1024
+TOMBSTONE = None
+
+
+class _SharedLock:
+    """Many readers or one writer; the writer is only the rare map growth."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+def initial_map_size(capacity_bytes: int) -> int:
+    # Overflow pages round each value up to 4 KiB and freed pages are reused only once no reader
+    # holds an older snapshot: twice the capacity plus slack keeps MapFullError away (sparse file).
+    return 2 * capacity_bytes + 64 * _MiB
+
+
+class DiskTier(TierStorage):
+    tier = Tier.DISK
+
+    def __init__(self, path: str | Path, capacity_bytes: int, *, max_pending_bytes: int = 64 * _MiB) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_file = self._lock_dir(self.path)
+        self._map_size = initial_map_size(capacity_bytes)
+        self._env = lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False)
+        self._env_lock = _SharedLock()
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, bytes | None] = {}
+        self._pending_bytes = 0
+        self._max_pending_bytes = max_pending_bytes
+        self._stopping = False
+        self.map_growths = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
+        self._writer.start()
+
+    @staticmethod
+    def _lock_dir(path: Path) -> IO[str]:
+        f = (path / "kvstore.lock").open("w")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise ValueError(f"disk path {path} is in use by another kvstore process") from None
+        return f
+
+    # -- TierStorage ---------------------------------------------------------------------------
+
+    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
+        record = pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq) + payload
+        self._enqueue(key, record)
+
+    def delete(self, key: bytes) -> None:
+        self._enqueue(key, TOMBSTONE)
+
+    def read(self, key: bytes) -> bytes | None:
+        """The verified payload, None when absent; raises CorruptBlock for a damaged record."""
+        with self._cond:
+            if key in self._pending:
+                record = self._pending[key]
+                return None if record is None else record[HEADER_BYTES:]
+        with self._env_lock.shared(), self._env.begin(buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return None
+            view = memoryview(value)
+            header = unpack_header(view)
+            payload = view[HEADER_BYTES:]
+            verify(header, payload)
+            return bytes(payload)
+
+    def keys(self) -> set[bytes]:
+        with self._cond:
+            pending = dict(self._pending)
+        with self._env_lock.shared(), self._env.begin() as txn:
+            stored = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+        stored.discard(b"")
+        return (stored | {k for k, v in pending.items() if v is not None}) - {
+            k for k, v in pending.items() if v is None
+        }
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        with self._cond:
+            done = self._cond.wait_for(lambda: not self._pending, timeout=timeout_s)
+        if done:
+            with self._env_lock.shared():
+                self._env.sync(True)
+        return done
+
+    def close(self) -> None:
+        self.flush(timeout_s=30.0)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._writer.join(timeout=30.0)
+        self._env.close()
+        self._lock_file.close()
+
+    # -- disk-only ------------------------------------------------------------------------------
+
+    def scan(self) -> Iterator[tuple[bytes, BlockHeader]]:
+        """Every stored block's key and header (payloads are not read); bad records are deleted."""
+        bad: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                k = bytes(key)
+                try:
+                    header = unpack_header(memoryview(value)[:HEADER_BYTES])
+                    if len(k) != HASH_BYTES or len(value) != HEADER_BYTES + header.size:
+                        raise CorruptBlock("bad key or record length")
+                except CorruptBlock:
+                    bad.append(k)
+                    continue
+                yield k, header
+        if bad:
+            log.warning("deleting %d unreadable records from %s", len(bad), self.path)
+            with self._env.begin(write=True) as txn:
+                for k in bad:
+                    txn.delete(k)
+
+    def wait_for_room(self, timeout_s: float = 30.0) -> None:
+        """Backpressure: blocks (outside the store's lock) while too many writes are pending."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending_bytes <= self._max_pending_bytes, timeout=timeout_s)
+
+    # -- writer ---------------------------------------------------------------------------------
+
+    def _enqueue(self, key: bytes, record: bytes | None) -> None:
+        with self._cond:
+            old = self._pending.get(key)
+            self._pending_bytes += (0 if record is None else len(record)) - (0 if old is None else len(old))
+            self._pending[key] = record
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._stopping)
+                if not self._pending and self._stopping:
+                    return
+                batch = dict(self._pending)
+            self._commit(batch)
+            with self._cond:
+                for key, record in batch.items():
+                    if self._pending.get(key, 0) is record:
+                        del self._pending[key]
+                        self._pending_bytes -= 0 if record is None else len(record)
+                self._cond.notify_all()
+
+    def _commit(self, batch: dict[bytes, bytes | None]) -> None:
+        for _ in range(8):
+            try:
+                with self._env_lock.shared(), self._env.begin(write=True) as txn:
+                    for key, record in batch.items():
+                        if record is None:
+                            txn.delete(key)
+                        else:
+                            txn.put(key, record)
+                return
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.Error:
+                log.exception("disk tier: dropping a batch of %d writes", len(batch))
+                return
+        log.error("disk tier: map still full after growing; dropping %d writes", len(batch))
+
+    def _grow(self) -> None:
+        with self._env_lock.exclusive():
+            self._map_size *= 2
+            self._env.set_mapsize(self._map_size)
+            self.map_growths += 1
+        log.warning("disk tier: LMDB map grown to %d bytes", self._map_size)

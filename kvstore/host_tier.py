@@ -1,0 +1,113 @@
+"""Host (RAM) tiers: a plain dict, or files in shared memory that same-host clients read in place."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from kvstore.block_format import HEADER_BYTES, pack_header
+from kvstore.tier import TierStorage
+from kvstore.types import Tier
+
+
+class MemoryHostTier(TierStorage):
+    """Blocks as bytes objects in a dict: reads are O(1) and copy nothing."""
+
+    tier = Tier.HOST
+
+    def __init__(self) -> None:
+        self._blocks: dict[bytes, bytes] = {}
+
+    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
+        self._blocks[key] = bytes(payload)
+
+    def read(self, key: bytes) -> bytes | None:
+        return self._blocks.get(key)
+
+    def delete(self, key: bytes) -> None:
+        self._blocks.pop(key, None)
+
+    def keys(self) -> set[bytes]:
+        return set(self._blocks)
+
+
+def block_file_name(key: bytes) -> str:
+    return key.hex()
+
+
+class ShmHostTier(TierStorage):
+    """One immutable file per block (header + payload) in a directory under /dev/shm.
+
+    Files appear by rename (a reader sees a whole block or none) and go by unlink (a reader that
+    already opened one keeps reading it whole). The directory is this server's alone and is
+    removed on close.
+    """
+
+    tier = Tier.HOST
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._keys: set[bytes] = set()
+
+    @classmethod
+    def create(cls, root: str = "/dev/shm") -> ShmHostTier:
+        remove_stale_dirs(Path(root))
+        return cls(Path(root) / f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+    def path(self, key: bytes) -> Path:
+        return self.dir / block_file_name(key)
+
+    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
+        tmp = self.dir / f"w-{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.writev(fd, [pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq), payload])
+        finally:
+            os.close(fd)
+        self.adopt(key, tmp)
+
+    def adopt(self, key: bytes, staged: Path) -> None:
+        """Publishes a verified staged file (header + payload) as block `key`."""
+        os.rename(staged, self.path(key))
+        self._keys.add(key)
+
+    def read(self, key: bytes) -> bytes | None:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size - HEADER_BYTES
+            return os.pread(fd, size, HEADER_BYTES)
+        finally:
+            os.close(fd)
+
+    def delete(self, key: bytes) -> None:
+        self._keys.discard(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+
+    def keys(self) -> set[bytes]:
+        return set(self._keys)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._keys.clear()
+
+
+def remove_stale_dirs(root: Path) -> None:
+    """Removes shm dirs left by kvstore processes of this user that died without cleaning up."""
+    for d in root.glob("kvserve-*-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+            if d.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, OSError):
+            continue

@@ -1,0 +1,244 @@
+"""The KVStore gRPC servicer (thin: protobuf <-> BlockStore) and the server that hosts it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from kvstore import serving
+from kvstore.disk_tier import DiskTier
+from kvstore.errors import InvalidRequest
+from kvstore.events import StoreEvent
+from kvstore.host_tier import MemoryHostTier, ShmHostTier
+from kvstore.metrics import StoreCollector
+from kvstore.shm import STAGED_NAME, host_id
+from kvstore.store import BlockStore, FlushResult
+from kvstore.tier import TierStorage
+from kvstore.types import Tier
+from kvstore.wire import BlockAssembler, split_block
+from protos.kvserve.v1 import kvstore_pb2 as pb
+from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvserve.v1.KVStore"
+_GiB = 1024**3
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: BlockStore, *, event_poll_s: float = 0.25) -> None:
+        self.store = store
+        self.host_id = host_id()
+        self.event_poll_s = event_poll_s
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        result = self.store.lookup(list(request.hashes), request.lease_ttl_s or None)
+        tiers = [_pb_tier(t) for t in result.tiers]
+        return pb.LookupResponse(num_hits=result.num_hits, tiers=tiers, lease_id=result.lease_id or "")
+
+    def Put(self, request_iterator: Iterable[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
+        assembler = BlockAssembler(self.store.max_block_bytes)
+        keys: list[bytes] = []
+        num_new = ephemeral = 0
+        for request in request_iterator:
+            if not assembler.in_block:
+                ephemeral = request.ephemeral
+            block = assembler.feed(request.chunk)
+            if block is None:
+                continue
+            if block.shm_name:
+                added = self.store.put_file(block.key, self._staged_path(block.shm_name), block.checksum, ephemeral=bool(ephemeral))
+            else:
+                assert block.payload is not None
+                added = self.store.put(block.key, block.payload, block.checksum, ephemeral=bool(ephemeral))
+            num_new += added
+            keys.append(block.key)
+        assembler.finish()
+        if not keys:
+            raise InvalidRequest("empty put: the stream carried no blocks")
+        self.store.touch(keys)
+        return pb.PutResponse(num_new=num_new, num_existing=len(keys) - num_new)
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        keys = list(request.hashes)
+        for key, read in zip(keys, self.store.get(keys, via_shm=request.via_shm), strict=True):
+            if not context.is_active():
+                return  # cancelled or past its deadline: stop reading
+            if read is None:
+                yield pb.GetResponse(chunk=pb.BlockChunk(hash=key), found=False)
+            elif read.shm_path is not None:
+                chunk = pb.BlockChunk(hash=key, total_size=read.size, checksum=read.checksum, shm_name=read.shm_path.name)
+                yield pb.GetResponse(chunk=chunk, found=True, tier=_pb_tier(read.tier))
+            else:
+                assert read.payload is not None
+                for chunk in split_block(key, read.payload, read.checksum):
+                    yield pb.GetResponse(chunk=chunk, found=True, tier=_pb_tier(read.tier))
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        self.store.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        stats = self.store.stats()
+        tiers = [
+            pb.TierStats(
+                tier=_pb_tier(t.tier), blocks=t.blocks, bytes=t.bytes,
+                capacity_bytes=t.capacity_bytes, hits=t.hits, misses=t.misses, evictions=t.evictions,
+                demotions=t.demotions, promotions=t.promotions,
+            )
+            for t in stats.tiers
+        ]
+        return pb.StatsResponse(
+            tiers=tiers, leases=stats.leases, pinned_blocks=stats.pinned_blocks,
+            checksum_failures=stats.checksum_failures,
+        )
+
+    def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        """Stored/removed hashes, batched by runs of one kind and tier. A slow subscriber loses
+        its oldest events (bounded queue), it is never disconnected and never slows the store."""
+        sub = self.store.events.subscribe()
+        context.add_callback(sub.close)
+        try:
+            while context.is_active() and not sub.closed:
+                for kind, tier, keys in _runs(sub.take(self.event_poll_s)):
+                    yield pb.Event(kind=kind, hashes=keys, tier=tier)
+        finally:
+            sub.close()
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        shm = self.store.shm_tier
+        return pb.InfoResponse(
+            host_id=self.host_id, shm_dir=str(shm.dir) if shm else "", max_message_bytes=serving.MAX_MESSAGE_BYTES
+        )
+
+    def _staged_path(self, name: str) -> Path:
+        shm = self.store.shm_tier
+        if shm is None:
+            raise InvalidRequest("this server has no shared-memory tier: send block data instead of shm_name")
+        if not STAGED_NAME.fullmatch(name):
+            raise InvalidRequest(f"bad staged block name {name!r}")
+        return shm.dir / name
+
+
+def _pb_tier(tier: Tier | str | None) -> pb.Tier:
+    if tier is None:
+        return cast(pb.Tier, 0)
+    return cast(pb.Tier, int(Tier[tier.upper()] if isinstance(tier, str) else tier))
+
+
+def _runs(events: list[StoreEvent]) -> Iterator[tuple[pb.Event.Kind, pb.Tier, list[bytes]]]:
+    run: list[bytes] = []
+    current: tuple[pb.Event.Kind, pb.Tier] | None = None
+    for ev in events:
+        key = (pb.Event.KIND_STORED if ev.stored else pb.Event.KIND_REMOVED, _pb_tier(ev.tier))
+        if key != current and run:
+            assert current is not None
+            yield (*current, run)
+            run = []
+        current = key
+        run.append(ev.key)
+    if run and current is not None:
+        yield (*current, run)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Tier sizes in bytes; a capacity of 0 turns that tier off."""
+
+    host_capacity: int = 1 * _GiB
+    disk_capacity: int = 0
+    disk_path: Path | None = None
+    device_capacity: int = 0
+    device: str = "off"  # "off" | "cpu" | "cuda"
+    shm: bool = True
+    shm_root: str = "/dev/shm"
+    sweep_interval_s: float = 0.5
+    flush_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("off", "cpu", "cuda"):
+            raise ValueError(f"--device must be off, cpu or cuda, not {self.device!r}")
+        if self.disk_capacity and self.disk_path is None:
+            raise ValueError("--disk-capacity needs --disk-path")
+        if min(self.host_capacity, self.disk_capacity, self.device_capacity) < 0:
+            raise ValueError("capacities must be >= 0")
+
+
+def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
+    tiers: list[tuple[TierStorage, int]] = []
+    if config.device != "off" and config.device_capacity > 0:
+        from kvstore.device_tier import DeviceTier  # torch only when the device tier is on
+
+        tiers.append((DeviceTier(config.device), config.device_capacity))
+    if config.host_capacity > 0:
+        host: TierStorage = ShmHostTier.create(config.shm_root) if config.shm else MemoryHostTier()
+        tiers.append((host, config.host_capacity))
+    if config.disk_capacity > 0 and config.disk_path is not None:
+        tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
+    if not tiers:
+        raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
+    return tiers
+
+
+class StoreServer:
+    """A BlockStore behind gRPC (with health, reflection, metrics) and a lease sweeper."""
+
+    def __init__(self, config: StoreConfig, listen: str = "127.0.0.1:0", *, metrics_port: int | None = None) -> None:
+        self.config = config
+        self.store = BlockStore(build_tiers(config))
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(self.store))
+        self.rpc = serving.Server(listen, metrics_port=metrics_port, registry=self.registry)
+        self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, KVStoreServicer(self.store), SERVICE_NAME)
+        self._stop_sweeper = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-lease-sweeper", daemon=True)
+        self._closed = False
+        self.flush_result: FlushResult | None = None
+
+    @property
+    def port(self) -> int:
+        return self.rpc.port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc.port}"
+
+    def start(self) -> int:
+        port = self.rpc.start()
+        self._sweeper.start()
+        return port
+
+    def stop(self, grace_s: float = 2.0) -> FlushResult | None:
+        """Stops serving, flushes the memory tiers to disk and closes the store."""
+        self.store.events.close()  # ends Events streams at once
+        self.rpc.stop(grace_s)
+        self.close_store()
+        return self.flush_result
+
+    def close_store(self) -> None:
+        """Flushes the memory tiers to disk (bounded by flush_timeout_s) and closes every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_sweeper.set()
+        self.flush_result = self.store.flush_to_disk(self.config.flush_timeout_s)
+        log.info("flushed %d blocks to disk (%d left in memory, durable=%s)", *self.flush_result)
+        self.store.close()
+
+    def __enter__(self) -> StoreServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop_sweeper.wait(self.config.sweep_interval_s):
+            self.store.sweep()

@@ -1,0 +1,502 @@
+"""The tier manager: one index over every tier, placement, demotion, promotion, leases.
+
+Blocks are exclusive to one tier. Writes land in the highest tier that can make room; making
+room demotes that tier's eviction victims to the next tier, and the last tier drops them.
+A hit in a lower tier is promoted on read. One lock guards the index and bookkeeping; it is
+never held across network I/O, disk commits (the disk tier writes behind) or payload reads
+from disk or shared memory (those retry if the block moved meanwhile).
+
+Hits and misses count block accesses by Lookup and by Get alike: a hit in tier T is a miss in
+every tier above it, and a block found nowhere is a miss in every tier. Demotions and
+promotions count on the tier the block leaves; evictions on the tier that drops it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from kvstore.block_format import HEADER_BYTES, CorruptBlock, checksum, unpack_header, verify
+from kvstore.disk_tier import DiskTier
+from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
+from kvstore.events import EventHub, StoreEvent
+from kvstore.host_tier import ShmHostTier
+from kvstore.leases import MAX_TTL_S, LeaseTable
+from kvstore.policy import EvictionPolicy
+from kvstore.tier import TierStorage
+from kvstore.types import HASH_BYTES, LookupResult, StoreStats, Tier, TierStats
+
+_READ_RETRIES = 4
+
+
+@dataclass(slots=True)
+class Entry:
+    size: int
+    checksum: int
+    ephemeral: bool
+    level: int  # index of its tier in BlockStore.tiers
+    pins: int = 0
+
+
+@dataclass(slots=True)
+class TierSlot:
+    """A tier's storage with its capacity, eviction order and counters."""
+
+    storage: TierStorage
+    capacity: int
+    policy: EvictionPolicy
+    used: int = 0
+    pinned: int = 0  # bytes of pinned blocks (not in policy)
+    blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+
+    @property
+    def tier(self) -> Tier:
+        return self.storage.tier
+
+
+class BlockRead(NamedTuple):
+    payload: bytes | None  # None when served by shm_path
+    shm_path: Path | None  # same-host path: the block's file in the shared-memory tier
+    size: int
+    checksum: int
+    tier: Tier
+
+
+class FlushResult(NamedTuple):
+    moved: int  # blocks moved from memory tiers to disk
+    left: int  # blocks still only in memory (deadline passed or disk too small)
+    durable: bool  # disk writes all committed
+
+
+class IntegrityError(AssertionError):
+    pass
+
+
+def check_key(key: bytes) -> None:
+    if len(key) != HASH_BYTES:
+        raise InvalidRequest(f"block hash must be {HASH_BYTES} bytes, got {len(key)}")
+
+
+class BlockStore:
+    """Tiers from top to bottom, each a (storage, capacity_bytes) pair."""
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple[TierStorage, int]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        events: EventHub | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = [TierSlot(storage, cap, EvictionPolicy()) for storage, cap in tiers]
+        self.events = events or EventHub()
+        self.checksum_failures = 0
+        self._index: dict[bytes, Entry] = {}
+        self._leases = LeaseTable(clock)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._disk = next((s.storage for s in self.tiers if isinstance(s.storage, DiskTier)), None)
+        if self._disk is not None:
+            self._rebuild_from_disk(len(self.tiers) - 1)
+
+    @property
+    def max_block_bytes(self) -> int:
+        return max(slot.capacity for slot in self.tiers)
+
+    @property
+    def shm_tier(self) -> ShmHostTier | None:
+        return next((s.storage for s in self.tiers if isinstance(s.storage, ShmHostTier)), None)
+
+    # -- public operations ---------------------------------------------------------------------
+
+    def put(self, key: bytes, payload: bytes, checksum_: int | None = None, *, ephemeral: bool = False) -> bool:
+        """Stores a block; False when it was already there (puts are idempotent)."""
+        check_key(key)
+        if not payload:
+            raise InvalidRequest("empty block payload")
+        actual = checksum(payload)
+        if checksum_ is not None and checksum_ != actual:
+            raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
+        return self._insert(key, len(payload), actual, ephemeral, lambda s, seq: self._write(s, key, payload, actual, ephemeral, seq))
+
+    def put_file(self, key: bytes, path: Path, checksum_: int, *, ephemeral: bool = False) -> bool:
+        """Stores a block staged by a same-host client as a file (header + payload) in the shm tier."""
+        check_key(key)
+        shm = self.shm_tier
+        if shm is None or path.parent != shm.dir:
+            raise InvalidRequest("shared-memory puts are off on this server")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise InvalidRequest(f"staged block file {path.name} does not exist") from None
+        try:
+            header = unpack_header(data)
+            verify(header, memoryview(data)[HEADER_BYTES:])
+        except CorruptBlock as exc:
+            path.unlink(missing_ok=True)
+            raise InvalidRequest(f"staged block {key.hex()[:16]}: {exc}; nothing stored") from None
+        if header.size == 0 or header.checksum != checksum_:
+            path.unlink(missing_ok=True)
+            raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
+
+        def write(slot: TierSlot, seq: int) -> None:
+            if slot.storage is shm:
+                shm.adopt(key, path)
+            else:
+                self._write(slot, key, data[HEADER_BYTES:], checksum_, ephemeral, seq)
+
+        try:
+            return self._insert(key, header.size, checksum_, ephemeral, write)
+        finally:
+            path.unlink(missing_ok=True)  # no-op once adopted
+
+    def lookup(self, keys: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
+        """How many leading keys are present and where; with a TTL, pins them under a lease."""
+        for key in keys:
+            check_key(key)
+        if lease_ttl_s is not None and not 0 <= lease_ttl_s <= MAX_TTL_S:
+            raise InvalidRequest(f"lease_ttl_s must be between 0 and {MAX_TTL_S:g}, got {lease_ttl_s:g}")
+        with self._lock:
+            self._expire_leases()
+            hits: list[tuple[bytes, Entry]] = []
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None:
+                    self._count_miss()
+                    break
+                self._count_hit(entry.level)
+                hits.append((key, entry))
+            self._touch_chain([k for k, _ in hits])
+            lease_id = None
+            if lease_ttl_s and hits:
+                if len(self._leases) >= self._leases.max_leases:
+                    raise StoreFull(f"too many leases held ({len(self._leases)}); release some")
+                for key, entry in hits:
+                    self._pin(key, entry)
+                lease_id = self._leases.add(hits, lease_ttl_s).lease_id
+            tiers = [self.tiers[e.level].tier.label for _, e in hits]
+        return LookupResult(len(hits), tiers, lease_id)
+
+    def get(self, keys: Sequence[bytes], *, via_shm: bool = False) -> Iterator[BlockRead | None]:
+        """Reads blocks one by one (lazily), after touching them as a chain."""
+        for key in keys:
+            check_key(key)
+        with self._lock:
+            self._expire_leases()
+            self._touch_chain(keys)
+        for key in keys:
+            yield self._read(key, via_shm=via_shm)
+
+    def _read(self, key: bytes, *, via_shm: bool = False) -> BlockRead | None:
+        """One block, or None for a miss (a corrupt block is deleted and counted, then a miss)."""
+        for _ in range(_READ_RETRIES):
+            with self._lock:
+                entry = self._index.get(key)
+                if entry is None:
+                    self._count_miss()
+                    return None
+                level = entry.level
+                slot = self.tiers[level]
+                if via_shm and isinstance(slot.storage, ShmHostTier):
+                    self._count_hit(level)
+                    return BlockRead(None, slot.storage.path(key), entry.size, entry.checksum, slot.tier)
+            try:
+                payload = slot.storage.read(key)
+            except CorruptBlock:
+                self._drop_corrupt(key, entry)
+                return None
+            if payload is None:
+                self._drop_if_lost(key, entry, level)
+                continue
+            with self._lock:
+                self._count_hit(level)
+            if level > 0:
+                self._promote(key, entry, payload)
+            return BlockRead(payload, None, entry.size, entry.checksum, slot.tier)
+        with self._lock:
+            self._count_miss()
+        return None
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Marks a chain of blocks (prefix order) used, tail first: parents end up more recent."""
+        with self._lock:
+            self._touch_chain(keys)
+
+    def release(self, lease_id: str) -> None:
+        with self._lock:
+            lease = self._leases.pop(lease_id)
+            if lease is None:
+                raise UnknownLease(f"no lease {lease_id!r} (never taken, released or expired)")
+            self._unpin_all(lease.entries)
+
+    def sweep(self) -> None:
+        """Expires leases whose TTL has passed (the server calls this periodically)."""
+        with self._lock:
+            self._expire_leases()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            tiers = [
+                TierStats(s.tier.label, s.blocks, s.used, s.capacity, s.hits, s.misses, s.evictions, s.demotions, s.promotions)
+                for s in self.tiers
+            ]
+            pinned = sum(1 for e in self._index.values() if e.pins > 0)
+            return StoreStats(tiers, len(self._leases), pinned, self.checksum_failures)
+
+    def tier_of(self, key: bytes) -> Tier | None:
+        with self._lock:
+            entry = self._index.get(key)
+            return None if entry is None else self.tiers[entry.level].tier
+
+    def eviction_order(self, tier: Tier) -> list[bytes]:
+        """Unpinned blocks of a tier, next victim first."""
+        with self._lock:
+            return next(s for s in self.tiers if s.tier == tier).policy.order()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def flush_to_disk(self, timeout_s: float = 10.0) -> FlushResult:
+        """Moves every memory-tier block to disk (LRU first, so the newest survive a small disk)
+        and waits for the disk writes, all within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        moved = left = 0
+        if self._disk is None:
+            return FlushResult(0, len(self._index), False)
+        disk_level = len(self.tiers) - 1
+        with self._lock:
+            for level in range(disk_level):
+                slot = self.tiers[level]
+                pinned = [k for k, e in self._index.items() if e.level == level and e.pins > 0]
+                for key in [*slot.policy.order(), *pinned]:
+                    entry = self._index[key]
+                    if time.monotonic() > deadline or not self._make_room(disk_level, entry.size):
+                        left += 1
+                        continue
+                    payload = slot.storage.read(key)
+                    if payload is None:
+                        left += 1
+                        continue
+                    self._move(key, entry, disk_level, payload)
+                    moved += 1
+        durable = self._disk.flush(max(0.0, deadline - time.monotonic()))
+        return FlushResult(moved, left, durable)
+
+    def close(self) -> None:
+        self.events.close()
+        for slot in self.tiers:
+            slot.storage.close()
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless bytes per tier <= capacity and index, tiers, eviction
+        order and leases all agree."""
+        with self._lock:
+            self._check_integrity()
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def _insert(self, key: bytes, size: int, csum: int, ephemeral: bool, write: Callable[[TierSlot, int], None]) -> bool:
+        if size > self.max_block_bytes:
+            raise BlockTooLarge(f"block of {size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)")
+        with self._lock:
+            self._expire_leases()
+            existing = self._index.get(key)
+            if existing is not None:
+                if existing.pins == 0:
+                    self.tiers[existing.level].policy.touch(key)
+                return False
+            level = next((lv for lv in range(len(self.tiers)) if self._make_room(lv, size)), None)
+            if level is None:
+                raise StoreFull(f"no tier can take a block of {size} bytes: every tier is full of pinned blocks")
+            slot = self.tiers[level]
+            self._seq += 1
+            write(slot, self._seq)
+            entry = Entry(size, csum, ephemeral, level)
+            self._index[key] = entry
+            self._account(slot, key, entry, +1)
+            self.events.publish(StoreEvent(True, key, slot.tier))
+        self._backpressure()
+        return True
+
+    def _write(self, slot: TierSlot, key: bytes, payload: bytes, csum: int, ephemeral: bool, seq: int) -> None:
+        slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
+
+    def _make_room(self, level: int, size: int) -> bool:
+        """Frees `size` bytes in tier `level` by demoting its victims; False if it cannot."""
+        slot = self.tiers[level]
+        if size > slot.capacity - slot.pinned:
+            return False
+        while slot.capacity - slot.used < size:
+            victim = slot.policy.victim()
+            if victim is None:  # unreachable while the accounting holds
+                raise IntegrityError(f"tier {slot.tier.label}: no victim but {slot.used} bytes used")
+            self._demote(victim, level)
+        return True
+
+    def _demote(self, key: bytes, level: int) -> None:
+        entry = self._index[key]
+        slot = self.tiers[level]
+        below = level + 1
+        if below < len(self.tiers) and self._make_room(below, entry.size):
+            payload = slot.storage.read(key)
+            if payload is not None:
+                self._move(key, entry, below, payload)
+                slot.demotions += 1
+                return
+        self._remove(key, entry)
+        slot.evictions += 1
+
+    def _promote(self, key: bytes, entry: Entry, payload: bytes) -> None:
+        with self._lock:
+            if self._index.get(key) is not entry or entry.level == 0:
+                return
+            src = entry.level
+            self._pin(key, entry)  # so making room above cannot demote it out from under us
+            try:
+                target = next((lv for lv in range(src) if self._make_room(lv, entry.size)), None)
+            finally:
+                self._unpin(key, entry)
+            if target is None:
+                return
+            self._move(key, entry, target, payload)
+            self.tiers[src].promotions += 1
+        self._backpressure()
+
+    def _move(self, key: bytes, entry: Entry, dst: int, payload: bytes) -> None:
+        src_slot, dst_slot = self.tiers[entry.level], self.tiers[dst]
+        self._seq += 1
+        dst_slot.storage.write(key, payload, entry.checksum, ephemeral=entry.ephemeral, seq=self._seq)
+        src_slot.storage.delete(key)
+        self._account(src_slot, key, entry, -1)
+        entry.level = dst
+        self._account(dst_slot, key, entry, +1)
+
+    def _remove(self, key: bytes, entry: Entry) -> None:
+        slot = self.tiers[entry.level]
+        slot.storage.delete(key)
+        self._account(slot, key, entry, -1)
+        del self._index[key]
+        self.events.publish(StoreEvent(False, key, slot.tier))
+
+    @staticmethod
+    def _account(slot: TierSlot, key: bytes, entry: Entry, sign: int) -> None:
+        slot.used += sign * entry.size
+        slot.blocks += sign
+        if entry.pins > 0:
+            slot.pinned += sign * entry.size
+        elif sign > 0:
+            slot.policy.add(key, ephemeral=entry.ephemeral)
+        else:
+            slot.policy.remove(key)
+
+    def _touch_chain(self, keys: Sequence[bytes]) -> None:
+        # Tail first, so each parent ends up more recent than its children.
+        for key in reversed(keys):
+            entry = self._index.get(key)
+            if entry is not None and entry.pins == 0:
+                self.tiers[entry.level].policy.touch(key)
+
+    def _backpressure(self) -> None:
+        if self._disk is not None:
+            self._disk.wait_for_room()
+
+    # -- pins and leases -----------------------------------------------------------------------
+
+    def _pin(self, key: bytes, entry: Entry) -> None:
+        entry.pins += 1
+        if entry.pins == 1:
+            slot = self.tiers[entry.level]
+            slot.policy.remove(key)
+            slot.pinned += entry.size
+
+    def _unpin(self, key: bytes, entry: Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and self._index.get(key) is entry:
+            slot = self.tiers[entry.level]
+            slot.pinned -= entry.size
+            slot.policy.add(key, ephemeral=entry.ephemeral)
+
+    def _unpin_all(self, entries: list[tuple[bytes, Entry]]) -> None:
+        for key, entry in reversed(entries):  # tail first: parents end up more recent
+            self._unpin(key, entry)
+
+    def _expire_leases(self) -> None:
+        for lease in self._leases.expired():
+            self._unpin_all(lease.entries)
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _drop_corrupt(self, key: bytes, entry: Entry) -> None:
+        with self._lock:
+            self.checksum_failures += 1
+            self._count_miss()
+            if self._index.get(key) is entry:
+                self._remove(key, entry)
+
+    def _drop_if_lost(self, key: bytes, entry: Entry, level: int) -> None:
+        # A read found nothing where the index said: either it moved meanwhile (retry) or its
+        # storage lost it (a failed disk write): then forget it.
+        with self._lock:
+            if self._index.get(key) is entry and entry.level == level:
+                self._remove(key, entry)
+
+    def _count_hit(self, level: int) -> None:
+        for slot in self.tiers[:level]:
+            slot.misses += 1
+        self.tiers[level].hits += 1
+
+    def _count_miss(self) -> None:
+        for slot in self.tiers:
+            slot.misses += 1
+
+    # -- start-up and checks -------------------------------------------------------------------
+
+    def _rebuild_from_disk(self, level: int) -> None:
+        assert self._disk is not None
+        records = sorted(self._disk.scan(), key=lambda kh: kh[1].seq)
+        slot = self.tiers[level]
+        for key, header in records:
+            entry = Entry(header.size, header.checksum, header.ephemeral, level)
+            self._index[key] = entry
+            self._account(slot, key, entry, +1)
+            self._seq = max(self._seq, header.seq)
+        while slot.used > slot.capacity:  # capacity shrank since the last run
+            victim = slot.policy.victim()
+            assert victim is not None
+            self._remove(victim, self._index[victim])
+            slot.evictions += 1
+
+    def _check_integrity(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise IntegrityError(what)
+
+        pins: dict[int, int] = {}
+        for lease in self._leases:
+            for _, entry in lease.entries:
+                pins[id(entry)] = pins.get(id(entry), 0) + 1
+        for level, slot in enumerate(self.tiers):
+            entries = {k: e for k, e in self._index.items() if e.level == level}
+            label = slot.tier.label
+            need(slot.used == sum(e.size for e in entries.values()), f"{label}: used bytes != sum of block sizes")
+            need(slot.used <= slot.capacity, f"{label}: {slot.used} bytes used > capacity {slot.capacity}")
+            need(slot.blocks == len(entries), f"{label}: block count off")
+            need(slot.pinned == sum(e.size for e in entries.values() if e.pins), f"{label}: pinned bytes off")
+            unpinned = {k for k, e in entries.items() if e.pins == 0}
+            need(set(slot.policy.order()) == unpinned and len(slot.policy) == len(unpinned), f"{label}: LRU != unpinned blocks")
+            need(slot.storage.keys() == set(entries), f"{label}: storage keys != index keys")
+        for entry in self._index.values():
+            need(entry.pins == pins.get(id(entry), 0), "pin count != leases holding the block")

@@ -1,0 +1,37 @@
+"""The one interface every storage tier implements; the store walks tiers through it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kvstore.types import Tier
+
+
+class TierStorage(ABC):
+    """Bytes of blocks in one tier. Knows nothing of capacity, LRU order or leases (the store does).
+
+    `read` may run concurrently with `write`/`delete` from other threads and returns None for a
+    block that is not (or no longer) there. `write` and `delete` are called under the store's lock,
+    so they must be quick (memory) or deferred (disk).
+    """
+
+    tier: Tier
+
+    @abstractmethod
+    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None: ...
+
+    @abstractmethod
+    def read(self, key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def delete(self, key: bytes) -> None: ...
+
+    @abstractmethod
+    def keys(self) -> set[bytes]: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Makes written blocks durable; True when everything was flushed in time."""
+        return True
+
+    def close(self) -> None:
+        return None

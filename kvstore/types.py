@@ -1,0 +1,53 @@
+"""Names and results shared across the store, its server and its client (no grpc, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+HASH_BYTES = 32
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, top to bottom; values match kvserve.v1.Tier."""
+
+    DEVICE = 1
+    HOST = 2
+    DISK = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_hits: int  # leading hashes present
+    tiers: list[str]  # one tier name per hit: "device" | "host" | "disk"
+    lease_id: str | None  # None when no lease was taken
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    tier: str
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: list[TierStats] = field(default_factory=list)
+    leases: int = 0
+    pinned_blocks: int = 0
+    checksum_failures: int = 0
+
+    def tier(self, name: str) -> TierStats:
+        return next(t for t in self.tiers if t.tier == name)

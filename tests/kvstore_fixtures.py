@@ -1,0 +1,94 @@
+"""Helpers for the kvstore tests: keys, payloads, stores of tiny capacity, a fake clock, servers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvstore.disk_tier import DiskTier
+from kvstore.host_tier import MemoryHostTier, ShmHostTier
+from kvstore.server import StoreConfig, StoreServer
+from kvstore.store import BlockStore
+from kvstore.tier import TierStorage
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def key(i: int | str) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def payload(i: int | str, size: int = 100) -> bytes:
+    seed = hashlib.sha256(f"payload-{i}".encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_store(
+    *,
+    host: int = 400,
+    disk: int = 0,
+    device: int = 0,
+    tmp: Path | None = None,
+    shm: bool = False,
+    clock: FakeClock | None = None,
+) -> BlockStore:
+    """A store of tiny capacities (bytes); tiers with capacity 0 are left out."""
+    tiers: list[tuple[TierStorage, int]] = []
+    if device:
+        from kvstore.device_tier import DeviceTier
+
+        tiers.append((DeviceTier("cpu"), device))
+    if host:
+        assert not shm or tmp is not None
+        tiers.append((ShmHostTier(tmp / "shm") if shm and tmp else MemoryHostTier(), host))
+    if disk:
+        assert tmp is not None
+        tiers.append((DiskTier(tmp / "lmdb", disk), disk))
+    return BlockStore(tiers, clock=clock or FakeClock())
+
+
+@contextmanager
+def running_server(tmp: Path, **config: object) -> Iterator[StoreServer]:
+    """An in-process store server on a free port; shm dir under tmp unless shm=False."""
+    defaults: dict[str, object] = {"shm_root": str(tmp), "sweep_interval_s": 0.05}
+    server = StoreServer(StoreConfig(**{**defaults, **config}))  # type: ignore[arg-type]
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def start_process(args: list[str]) -> tuple[subprocess.Popen[str], int]:
+    """`python -m kvstore ARGS` on port 0; returns the process and its port once it serves."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--log-level", "WARNING", *args],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("LISTENING "):
+            return proc, int(line.split()[1])
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"kvstore did not start (exit code {proc.poll()})")

@@ -1,0 +1,298 @@
+"""BlockStore semantics with plain bytes and tiny capacities; check_integrity after every op."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvstore.block_format import HEADER_BYTES, checksum
+from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
+from kvstore.store import BlockStore
+from kvstore.types import Tier
+from tests.kvstore_fixtures import FakeClock, key, make_store, payload
+
+HOST, DISK = Tier.HOST, Tier.DISK
+
+
+def put(store: BlockStore, i: int | str, size: int = 100, *, ephemeral: bool = False) -> bool:
+    new = store.put(key(i), payload(i, size), ephemeral=ephemeral)
+    store.check_integrity()
+    return new
+
+
+def read(store: BlockStore, i: int | str) -> bytes | None:
+    (block,) = store.get([key(i)])
+    store.check_integrity()
+    return None if block is None else block.payload
+
+
+def order(store: BlockStore, tier: Tier = HOST) -> list[bytes]:
+    return store.eviction_order(tier)
+
+
+def keys(*ids: int | str) -> list[bytes]:
+    return [key(i) for i in ids]
+
+
+def test_three_times_host_capacity_all_readable_from_disk(tmp_path: Path) -> None:
+    store = make_store(host=1000, disk=10_000, tmp=tmp_path)
+    for i in range(30):  # 3000 bytes into a 1000-byte host tier
+        assert put(store, i)
+        for slot in store.tiers:
+            assert slot.used <= slot.capacity
+    assert store.stats().tier("host").bytes == 1000
+    assert store.stats().tier("disk").blocks == 20
+    for i in range(30):
+        assert read(store, i) == payload(i)
+    store.close()
+
+
+def test_lru_order_exact_and_victim_is_least_recent() -> None:
+    store = make_store(host=400)  # four blocks of 100
+    for i in "abcd":
+        put(store, i)
+    assert order(store) == keys(*"abcd")
+    read(store, "a")
+    assert order(store) == keys(*"bcda")
+    put(store, "e")  # no disk: the victim is dropped
+    assert order(store) == keys(*"cdae")
+    assert key("b") not in store
+    assert store.stats().tier("host").evictions == 1
+
+
+def test_chain_is_evicted_tail_first() -> None:
+    store = make_store(host=500)
+    chain = keys(*"abcd")
+    for k in chain:
+        store.put(k, payload(k.hex()))
+        store.check_integrity()
+    store.touch(chain)  # as the servicer does after a Put stream
+    assert order(store) == keys(*"dcba")
+    store.lookup(chain)  # a lookup touches the chain in reverse, too
+    put(store, "x")
+    assert order(store) == keys(*"dcbax")
+    put(store, "y")
+    put(store, "z")
+    assert [k in store for k in chain] == [True, True, False, False]  # d then c went first
+
+
+def test_ephemeral_blocks_go_first() -> None:
+    store = make_store(host=300)
+    put(store, "a")
+    put(store, "tail", ephemeral=True)
+    put(store, "b")
+    read(store, "tail")
+    assert order(store) == keys("tail", "a", "b")
+    put(store, "c")
+    assert key("tail") not in store
+    assert order(store) == keys(*"abc")
+
+
+def test_demotion_then_promotion_on_hit(tmp_path: Path) -> None:
+    store = make_store(host=300, disk=1000, tmp=tmp_path)
+    for i in "abcd":
+        put(store, i)
+    assert store.tier_of(key("a")) == DISK
+    assert read(store, "a") == payload("a")
+    assert store.tier_of(key("a")) == HOST
+    assert store.tier_of(key("b")) == DISK  # made room for the promoted block
+    stats = store.stats()
+    assert (stats.tier("disk").promotions, stats.tier("host").demotions) == (1, 2)
+    assert (stats.tier("disk").hits, stats.tier("host").misses) == (1, 1)
+    store.close()
+
+
+def test_pinned_blocks_survive_pressure_and_new_writes_go_below(tmp_path: Path) -> None:
+    store = make_store(host=300, disk=600, tmp=tmp_path)
+    for i in "abc":
+        put(store, i)
+    lease = store.lookup(keys(*"ab"), lease_ttl_s=30).lease_id
+    assert lease is not None
+    for i in range(10):
+        put(store, i)
+    assert store.tier_of(key("a")) == HOST and store.tier_of(key("b")) == HOST
+    assert order(store) == keys(9)
+    store.release(lease)
+    store.check_integrity()
+    assert order(store) == keys(9, "b", "a")  # released tail first: the parent is most recent
+    store.close()
+
+
+def test_store_full_of_pinned_blocks_refuses_new_blocks() -> None:
+    store = make_store(host=200)
+    put(store, "a")
+    put(store, "b")
+    store.lookup(keys("a", "b"), lease_ttl_s=5)
+    with pytest.raises(StoreFull):
+        put(store, "c")
+    store.check_integrity()
+
+
+def test_leases_expire_and_release_is_refused_after() -> None:
+    clock = FakeClock()
+    store = make_store(host=400, clock=clock)
+    put(store, "a")
+    put(store, "b")
+    result = store.lookup(keys("a", "b", "zz", "a"), lease_ttl_s=10)
+    assert (result.num_hits, result.tiers) == (2, ["host", "host"])
+    assert result.lease_id is not None
+    assert store.stats().pinned_blocks == 2
+    clock.advance(9.9)
+    store.sweep()
+    assert store.stats().leases == 1
+    clock.advance(0.2)
+    store.sweep()
+    store.check_integrity()
+    assert (store.stats().leases, store.stats().pinned_blocks) == (0, 0)
+    with pytest.raises(UnknownLease):
+        store.release(result.lease_id)
+    assert store.lookup([key("zz")], lease_ttl_s=10).lease_id is None  # no hits, no lease
+
+
+def test_burst_of_leases_leaves_nothing_pinned() -> None:
+    clock = FakeClock()
+    store = make_store(host=10_000, clock=clock)
+    for i in range(50):
+        put(store, i)
+    for n in range(200):
+        store.lookup(keys(*range(n % 50)), lease_ttl_s=1 + n % 5)
+        clock.advance(0.01)
+    assert store.stats().pinned_blocks > 0
+    clock.advance(6)
+    put(store, "after")  # any operation expires leases lazily
+    assert (store.stats().leases, store.stats().pinned_blocks) == (0, 0)
+
+
+def test_puts_are_idempotent() -> None:
+    store = make_store(host=400)
+    assert put(store, "a")
+    assert not put(store, "a")
+    assert store.stats().tier("host").bytes == 100
+
+
+def test_bad_inputs_store_nothing() -> None:
+    store = make_store(host=400)
+    with pytest.raises(InvalidRequest, match="32 bytes"):
+        store.put(b"short", b"x")
+    with pytest.raises(InvalidRequest, match="empty"):
+        store.put(key(1), b"")
+    with pytest.raises(InvalidRequest, match="checksum"):
+        store.put(key(1), b"abc", checksum(b"abd"))
+    with pytest.raises(BlockTooLarge):
+        store.put(key(1), b"x" * 401)
+    with pytest.raises(InvalidRequest):
+        store.lookup([key(1)], lease_ttl_s=-1)
+    with pytest.raises(UnknownLease):
+        store.release("nope")
+    store.check_integrity()
+    assert len(store) == 0
+
+
+def corrupt_lmdb_value(path: Path, k: bytes) -> None:
+    env = lmdb.open(str(path))
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(k))
+        value[HEADER_BYTES + 3] ^= 0xFF  # one payload byte
+        txn.put(k, bytes(value))
+    env.close()
+
+
+def test_corrupt_disk_value_is_deleted_counted_and_a_miss(tmp_path: Path) -> None:
+    store = make_store(host=100, disk=1000, tmp=tmp_path)
+    put(store, "a")
+    put(store, "b")  # demotes a to disk
+    store.flush_to_disk()
+    store.close()
+    corrupt_lmdb_value(tmp_path / "lmdb", key("a"))
+    store = make_store(host=100, disk=1000, tmp=tmp_path)
+    assert key("a") in store  # the index comes from headers; payloads are verified on read
+    assert read(store, "a") is None
+    assert key("a") not in store
+    assert store.stats().checksum_failures == 1
+    assert read(store, "b") == payload("b")
+    store.close()
+    store = make_store(host=100, disk=1000, tmp=tmp_path)
+    assert key("a") not in store  # deleted from disk too
+    store.close()
+
+
+def test_disk_tier_survives_restart_in_lru_order(tmp_path: Path) -> None:
+    store = make_store(host=100, disk=1000, tmp=tmp_path)
+    for i in "abcd":
+        put(store, i)
+    result = store.flush_to_disk(5)
+    assert result.moved == 1 and result.durable
+    store.close()
+    store = make_store(host=100, disk=1000, tmp=tmp_path)
+    store.check_integrity()
+    assert store.eviction_order(DISK) == keys(*"abcd")
+    assert [read(store, i) for i in "abcd"] == [payload(i) for i in "abcd"]
+    store.close()
+
+
+def test_device_tier_over_cpu_tensors(tmp_path: Path) -> None:
+    store = make_store(device=200, host=200, disk=1000, tmp=tmp_path)
+    for i in "abcde":
+        put(store, i)
+    assert [store.tier_of(key(i)) for i in "abcde"] == [DISK, Tier.HOST, Tier.HOST, Tier.DEVICE, Tier.DEVICE]
+    assert read(store, "a") == payload("a")
+    assert store.tier_of(key("a")) == Tier.DEVICE
+    assert store.stats().tier("device").demotions == 4
+    store.close()
+
+
+def test_shm_host_tier_files_and_staged_puts(tmp_path: Path) -> None:
+    store = make_store(host=300, disk=1000, tmp=tmp_path, shm=True)
+    shm = store.shm_tier
+    assert shm is not None
+    put(store, "a")
+    assert (shm.dir / key("a").hex()).stat().st_size == HEADER_BYTES + 100
+    from kvstore.shm import read_block_file, stage_block_file
+
+    name = stage_block_file(shm.dir, payload("b"), checksum(payload("b")))
+    assert store.put_file(key("b"), shm.dir / name, checksum(payload("b")))
+    store.check_integrity()
+    assert read_block_file(shm.dir / key("b").hex()) == payload("b")
+    assert not (shm.dir / name).exists()
+    bad = stage_block_file(shm.dir, payload("c"), checksum(payload("c")) ^ 1)
+    with pytest.raises(InvalidRequest):
+        store.put_file(key("c"), shm.dir / bad, checksum(payload("c")))
+    assert not (shm.dir / bad).exists() and key("c") not in store
+    for i in range(5):
+        put(store, i)
+    assert not (shm.dir / key("a").hex()).exists()  # demoted to disk: file unlinked
+    store.close()
+    assert not shm.dir.exists()
+
+
+def test_random_operations_keep_integrity(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = make_store(device=300, host=500, disk=1500, tmp=tmp_path, clock=clock)
+    rng = random.Random(7)
+    leases: list[str] = []
+    for _ in range(400):
+        op = rng.random()
+        i = rng.randrange(40)
+        if op < 0.45:
+            put(store, i, size=rng.choice([50, 100, 150]), ephemeral=rng.random() < 0.1)
+        elif op < 0.75:
+            got = read(store, i)
+            assert got is None or got == payload(i, len(got))
+        elif op < 0.9:
+            lease = store.lookup(keys(*range(i, i + 3)), lease_ttl_s=rng.choice([0, 1, 5])).lease_id
+            if lease:
+                leases.append(lease)
+        elif leases:
+            with contextlib.suppress(UnknownLease):
+                store.release(leases.pop(rng.randrange(len(leases))))
+        clock.advance(0.05)
+        store.check_integrity()
+    clock.advance(10)
+    store.sweep()
+    store.check_integrity()
+    assert store.stats().pinned_blocks == 0
+    store.close()
