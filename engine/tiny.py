@@ -24,6 +24,7 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
 )
+from transformers.utils import logging as hf_logging
 
 ARCHS = ("llama", "qwen2", "gpt2")
 DEFAULT_LAYERS = 8
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden size (heads = hidden/64)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing model folder")
     args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()
     if (args.dir / "config.json").exists():
         if not args.force:
             print(f"{args.dir} already holds a model; pass --force to overwrite", file=sys.stderr)
