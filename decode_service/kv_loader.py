@@ -1,0 +1,55 @@
+"""Decode's side of the hand-off: the prompt's KV from the store, or recomputed where it is not.
+
+A block that is missing or fails verification is a miss (DESIGN.md, "Failure policy"): decode
+keeps the leading good blocks and recomputes the rest of the prompt itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from engine.engine import Engine, Sequence
+from engine.hashing import Namespace
+from engine.kv_codec import BlockError
+from prefill_service.handle import PrefillHandle
+from prefill_service.service import leading_blocks, load_block
+from prefill_service.store import StoreSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPrompt:
+    seq: Sequence
+    num_stored_blocks: int  # leading full prompt blocks found good in the store
+    num_recomputed_tokens: int
+    bad_block: BlockError | None = None
+
+
+def load_prompt_kv(
+    engine: Engine, engine_lock: threading.Lock, store: StoreSession, handle: PrefillHandle, namespace: Namespace
+) -> LoadedPrompt:
+    prompt = handle.prompt_token_ids
+    bs = engine.block_size
+    num_full, tail_len = divmod(len(prompt), bs)
+    keys, tail_key = list(handle.block_hashes), handle.tail_key
+    if handle.block_size != bs or len(keys) != num_full:
+        log.warning("prefill used block size %d (%d blocks), decode %d: recomputing the prompt",
+                    handle.block_size, len(keys), bs)
+        keys, tail_key = [], b""
+    payloads = store.get(keys + [tail_key] if tail_key else keys)
+    blocks, bad = leading_blocks(engine, payloads[:num_full] if keys else [], namespace)
+    tail = None
+    if len(blocks) == num_full and tail_len and tail_key and payloads[-1] is not None:
+        try:
+            tail = load_block(engine, payloads[-1], namespace, tail_len)
+        except BlockError as exc:
+            bad = exc
+    complete = len(blocks) == num_full and (tail_len == 0 or tail is not None)
+    with engine_lock:
+        if complete:
+            return LoadedPrompt(engine.resume(prompt, blocks, tail), len(blocks), 0, bad)
+        result = engine.prefill(prompt, blocks)
+    return LoadedPrompt(result.sequence, len(blocks), result.num_computed_tokens, bad)

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the decode service (the front door), in the Server's registry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prefill_service.metrics import LATENCY_BUCKETS, outcome_of
+
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        p = "kvserve_decode_"
+        self.requests = Counter(p + "requests", "Generate requests by outcome", ["outcome"], registry=registry)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received", registry=registry)
+        self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens whose KV prefill found in the store",
+                                     registry=registry)
+        self.computed_tokens = Counter(p + "computed_tokens", "Prompt tokens computed by prefill",
+                                       registry=registry)
+        self.recomputed_tokens = Counter(
+            p + "recomputed_tokens", "Prompt tokens decode recomputed because their KV was missing or bad",
+            registry=registry,
+        )
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=registry)
+        self.stored_blocks = Counter(p + "stored_blocks", "New KV blocks of generated tokens put into the store",
+                                     registry=registry)
+        self.store_failures = Counter(
+            p + "store_failures", "Store calls that failed or timed out (decode recomputed instead)",
+            ["op"], registry=registry,
+        )
+        self.bad_blocks = Counter(p + "bad_blocks", "Fetched blocks that failed verification, by kind",
+                                  ["kind"], registry=registry)
+        self.ttft = Histogram(p + "ttft_seconds", "Request arrival to first token sent",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens sent",
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram(p + "request_seconds", "Request arrival to final result",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_size = Histogram(p + "batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS,
+                                    registry=registry)
+        self.running = Gauge(p + "running_requests", "Sequences in the decode batch", registry=registry)
+        self.waiting = Gauge(p + "waiting_requests", "Requests not yet in the decode batch (prefill, KV fetch, queue)",
+                             registry=registry)
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        """Counts one request by its outcome (the exception it ends with, if any)."""
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.requests.labels(outcome=outcome_of(error)).inc()

@@ -1,0 +1,54 @@
+"""The Decode gRPC servicer: protobuf in, domain stream, protobuf out. Errors map in the interceptor."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from decode_service.scheduler import Cancellation
+from decode_service.service import DecodeService, GenerateJob, GenerateOutcome
+from decode_service.stopping import TokenOutput
+from prefill_service.requests import options_from_proto, prompt_from_proto
+from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+def _response(item: TokenOutput | GenerateOutcome) -> decode_pb2.GenerateResponse:
+    if isinstance(item, TokenOutput):
+        return decode_pb2.GenerateResponse(token=decode_pb2.TokenChunk(token_id=item.token_id, text=item.text))
+    u, t = item.usage, item.timings
+    return decode_pb2.GenerateResponse(result=decode_pb2.GenerateResult(
+        finish_reason=item.finish_reason,
+        text=item.text,
+        token_ids=list(item.token_ids),
+        prompt_token_ids=list(item.prompt_token_ids),
+        usage=common_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens
+        ),
+        timings=common_pb2.Timings(ttft_s=t.ttft_s, prefill_s=t.prefill_s, decode_s=t.decode_s, total_s=t.total_s),
+    ))
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, service: DecodeService) -> None:
+        self.service = service
+
+    def Generate(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.GenerateResponse]:
+        arrival = time.perf_counter()
+        job = GenerateJob(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt=prompt_from_proto(request.prompt),
+            options=options_from_proto(request.sampling, request.cache),
+            arrival=arrival,
+            time_left_s=context.time_remaining(),
+        )
+        cancel = Cancellation()
+        context.add_callback(cancel.cancel)
+        for item in self.service.generate(job, cancel):
+            yield _response(item)

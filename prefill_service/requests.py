@@ -1,0 +1,152 @@
+"""Request options: kvserve.v1 protobuf <-> domain values, validated where they enter a service.
+
+Shared by the prefill and the decode service (both receive the same `Prompt`, `SamplingParams`
+and `CacheOptions`). Checks that need no model live here; checks against the model (vocabulary,
+context length) run where the model is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.model import Model, encode_prompt
+from engine.sampling import SamplingParams
+from kvstore.serving import InvalidArgument, OutOfRange
+from protos.kvserve.v1 import common_pb2
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+MAX_STOP_STRINGS = 16
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """Exactly one of text, chat messages ((role, content) pairs) or token ids."""
+
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What a client may ask of one generation; `max_tokens` 0 means the service default."""
+
+    sampling: SamplingParams
+    max_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    prefix_cache: bool = True
+    cache_salt: str = ""
+
+
+def prompt_from_proto(prompt: common_pb2.Prompt) -> PromptInput:
+    kind = prompt.WhichOneof("kind")
+    if kind == "text":
+        if not prompt.text:
+            raise InvalidArgument("the prompt text is empty")
+        return PromptInput(text=prompt.text)
+    if kind == "messages":
+        messages = tuple((m.role, m.content) for m in prompt.messages.messages)
+        if not messages:
+            raise InvalidArgument("the prompt has no chat messages")
+        unknown = sorted({role for role, _ in messages} - CHAT_ROLES)
+        if unknown:
+            raise InvalidArgument(f"unknown chat role(s) {unknown}: use one of {sorted(CHAT_ROLES)}")
+        return PromptInput(messages=messages)
+    if kind == "token_ids":
+        if not prompt.token_ids.ids:
+            raise InvalidArgument("the prompt has no token ids")
+        return PromptInput(token_ids=tuple(prompt.token_ids.ids))
+    raise InvalidArgument("the request has no prompt: set one of text, messages or token_ids")
+
+
+def prompt_to_proto(prompt: PromptInput) -> common_pb2.Prompt:
+    if prompt.text is not None:
+        return common_pb2.Prompt(text=prompt.text)
+    if prompt.messages is not None:
+        msgs = [common_pb2.ChatMessage(role=r, content=c) for r, c in prompt.messages]
+        return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=msgs))
+    return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=list(prompt.token_ids or ())))
+
+
+def options_from_proto(sampling: common_pb2.SamplingParams, cache: common_pb2.CacheOptions) -> RequestOptions:
+    temperature, top_p = float(sampling.temperature), float(sampling.top_p)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if not math.isfinite(top_p) or not 0 <= top_p <= 1:
+        raise InvalidArgument(f"top_p must be in [0, 1] (0 or 1 is off), got {top_p}")
+    stop = tuple(sampling.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not s for s in stop):
+        raise InvalidArgument("stop strings must not be empty")
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=int(sampling.top_k),
+        top_p=top_p if top_p > 0 else 1.0,
+        seed=int(sampling.seed) if sampling.HasField("seed") else None,
+    )
+    return RequestOptions(
+        sampling=params,
+        max_tokens=int(sampling.max_tokens),
+        stop=stop,
+        ignore_eos=bool(sampling.ignore_eos),
+        prefix_cache=cache.prefix_cache if cache.HasField("prefix_cache") else True,
+        cache_salt=cache.cache_salt,
+    )
+
+
+def options_to_proto(options: RequestOptions) -> tuple[common_pb2.SamplingParams, common_pb2.CacheOptions]:
+    p = options.sampling
+    sampling = common_pb2.SamplingParams(
+        max_tokens=options.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        stop=list(options.stop), ignore_eos=options.ignore_eos,
+    )
+    if p.seed is not None:
+        sampling.seed = p.seed
+    cache = common_pb2.CacheOptions(prefix_cache=options.prefix_cache, cache_salt=options.cache_salt)
+    return sampling, cache
+
+
+def encode(model: Model, prompt: PromptInput) -> list[int]:
+    """Token ids of the prompt; a bad prompt (token id outside the vocabulary...) is InvalidArgument."""
+    messages = None
+    if prompt.messages is not None:
+        messages = [{"role": role, "content": content} for role, content in prompt.messages]
+    try:
+        return encode_prompt(
+            model,
+            text=prompt.text,
+            messages=messages,
+            token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def max_positions(model: Model) -> int | None:
+    value = getattr(model.hf_model.config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def resolve_max_tokens(model: Model, num_prompt_tokens: int, max_tokens: int) -> int:
+    """The number of tokens to generate at most; OutOfRange when the request cannot fit the model."""
+    limit = max_positions(model)
+    if limit is None:
+        return max_tokens or DEFAULT_MAX_TOKENS
+    if num_prompt_tokens >= limit:
+        raise OutOfRange(
+            f"the prompt has {num_prompt_tokens} tokens; the model takes at most {limit} positions, "
+            f"so the prompt must be shorter than {limit} tokens"
+        )
+    room = limit - num_prompt_tokens
+    if max_tokens == 0:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if max_tokens > room:
+        raise OutOfRange(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
+            f"exceeds the model's {limit} positions: ask for at most {room} tokens"
+        )
+    return max_tokens

@@ -1,0 +1,32 @@
+"""The Prefill gRPC servicer: protobuf in, domain call, protobuf out. Errors map in the interceptor."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from prefill_service.handle import handle_to_proto
+from prefill_service.requests import options_from_proto, prompt_from_proto
+from prefill_service.service import PrefillJob, PrefillService
+from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, service: PrefillService) -> None:
+        self.service = service
+
+    def Prefill(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        remaining = context.time_remaining()
+        job = PrefillJob(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt=prompt_from_proto(request.prompt),
+            options=options_from_proto(request.sampling, request.cache),
+            deadline=time.monotonic() + remaining if remaining is not None else None,
+        )
+        return handle_to_proto(self.service.prefill(job))

@@ -1,0 +1,174 @@
+"""Prefill: compute only the part of a prompt whose KV the store does not have, and leave all of it
+in the store for decode (DESIGN.md, "Request flow", steps 1-5)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from engine.engine import Engine
+from engine.hashing import Namespace, prefix_hashes
+from engine.kv_codec import BlockError, decode_block, encode_block
+from engine.sampling import Sampler
+from kvstore import KVStoreClient
+from kvstore.serving import ServiceError
+from prefill_service.handle import PrefillHandle, PrefillTimings
+from prefill_service.metrics import PrefillMetrics
+from prefill_service.requests import PromptInput, RequestOptions, encode, resolve_max_tokens
+from prefill_service.store import StoreSession
+
+DEFAULT_LEASE_TTL_S = 30.0
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    request_id: str
+    prompt: PromptInput
+    options: RequestOptions
+    deadline: float | None = None  # time.monotonic() after which the caller has given up
+
+
+def request_scoped_keys(root: bytes, request_id: str, num_blocks: int) -> tuple[list[bytes], bytes]:
+    """Random 32-byte keys for one request's blocks and tail: no other request can name them."""
+    base = hashlib.sha256(b"kvserve/request\x00" + root + os.urandom(16) + request_id.encode()).digest()
+    blocks = [hashlib.sha256(base + b"block" + i.to_bytes(4, "little")).digest() for i in range(num_blocks)]
+    return blocks, hashlib.sha256(base + b"tail").digest()
+
+
+def load_block(engine: Engine, payload: bytes, namespace: Namespace, num_tokens: int) -> torch.Tensor:
+    """A verified block [layers, 2, kv_heads, num_tokens, head_dim] for this engine's model."""
+    model = engine.model
+    return decode_block(
+        payload, namespace, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, dtype=model.dtype, num_tokens=num_tokens,
+    )
+
+
+def leading_blocks(
+    engine: Engine, payloads: Sequence[bytes | None], namespace: Namespace
+) -> tuple[list[torch.Tensor], BlockError | None]:
+    """Decoded full blocks up to the first miss or bad block (a bad block is a miss: recompute from
+    there), and the error of the bad block if one ended the run."""
+    blocks: list[torch.Tensor] = []
+    for payload in payloads:
+        if payload is None:
+            break
+        try:
+            blocks.append(load_block(engine, payload, namespace, engine.block_size))
+        except BlockError as exc:
+            return blocks, exc
+    return blocks, None
+
+
+class PrefillService:
+    """Domain logic of the Prefill RPC over an Engine and the KV store; one forward pass at a time."""
+
+    def __init__(
+        self, engine: Engine, store: KVStoreClient, metrics: PrefillMetrics, lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.metrics = metrics
+        self.lease_ttl_s = lease_ttl_s
+        self._engine_lock = threading.Lock()
+
+    @contextmanager
+    def _engine_turn(self) -> Iterator[None]:
+        self.metrics.waiting.inc()
+        with self._engine_lock:
+            self.metrics.waiting.dec()
+            self.metrics.running.inc()
+            try:
+                yield
+            finally:
+                self.metrics.running.dec()
+
+    def _store_failed(self, op: str) -> None:
+        self.metrics.store_failures.labels(op=op).inc()
+
+    def prefill(self, job: PrefillJob) -> PrefillHandle:
+        with self.metrics.track():
+            return self._prefill(job)
+
+    def _prefill(self, job: PrefillJob) -> PrefillHandle:
+        start = time.perf_counter()
+        engine, opts, bs = self.engine, job.options, self.engine.block_size
+        token_ids = encode(engine.model, job.prompt)
+        resolve_max_tokens(engine.model, len(token_ids), opts.max_tokens)
+        namespace = engine.namespace(opts.cache_salt)
+        store = StoreSession(self.store, self._store_failed)
+
+        # 1-2: hash full blocks; look up those that may be reused (never the last prompt token).
+        if opts.prefix_cache:
+            keys: list[bytes] = list(prefix_hashes(token_ids, bs, namespace.root()))
+            tail_key = request_scoped_keys(namespace.root(), job.request_id, 0)[1]
+            reusable = keys[: (len(token_ids) - 1) // bs]
+        else:
+            keys, tail_key = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
+            reusable = []
+        num_hits, lookup_lease = store.lookup(reusable, self.lease_ttl_s)
+        t_lookup = time.perf_counter()
+
+        # 3: fetch the leading hits.
+        cached, bad = leading_blocks(engine, store.get(reusable[:num_hits]), namespace)
+        if bad is not None:
+            self.metrics.bad_blocks.labels(kind=bad.kind).inc()
+        t_fetch = time.perf_counter()
+
+        # 4: compute the rest and sample the first token.
+        if job.deadline is not None and time.monotonic() > job.deadline:
+            store.release(lookup_lease)
+            raise DeadlineExceeded("the caller's deadline passed before the prefill started")
+        with self._engine_turn():
+            t_compute0 = time.perf_counter()
+            result = engine.prefill(token_ids, cached)
+            first_token = Sampler(opts.sampling).sample(result.logits)
+            new_blocks = [encode_block(kv, namespace) for kv in result.new_blocks]
+            tail = encode_block(result.tail, namespace) if result.tail is not None else None
+            engine.release(result.sequence)
+        t_compute = time.perf_counter()
+        ttft = t_compute - start
+
+        # 5: put the new full blocks and the tail; lease every prompt block for decode.
+        stored = store.put(zip(keys[len(cached):], new_blocks, strict=True), ephemeral=not opts.prefix_cache)
+        if tail is not None:
+            store.put([(tail_key, tail)], ephemeral=True)
+        _, lease = store.lookup(keys, self.lease_ttl_s)
+        store.release(lookup_lease)
+        done = time.perf_counter()
+
+        m = self.metrics
+        m.prompt_tokens.inc(len(token_ids))
+        m.cached_tokens.inc(result.num_cached_tokens)
+        m.computed_tokens.inc(result.num_computed_tokens)
+        m.generated_tokens.inc()
+        m.stored_blocks.inc(stored)
+        m.ttft.observe(ttft)
+        m.compute.observe(t_compute - t_compute0)
+        return PrefillHandle(
+            request_id=job.request_id,
+            prompt_token_ids=tuple(token_ids),
+            block_size=bs,
+            block_hashes=tuple(keys),
+            tail_key=tail_key if tail is not None else b"",
+            num_cached_tokens=result.num_cached_tokens,
+            num_computed_tokens=result.num_computed_tokens,
+            first_token_id=first_token,
+            timings=PrefillTimings(
+                lookup_s=t_lookup - start, fetch_s=t_fetch - t_lookup, compute_s=t_compute - t_fetch,
+                put_s=done - t_compute, total_s=done - start,
+            ),
+            lease_id=lease,
+        )

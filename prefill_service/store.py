@@ -1,0 +1,75 @@
+"""The KV store as a cache: every call is best effort (DESIGN.md, "Failure policy").
+
+A store that is down, slow or failing is a miss, never an error for the request. The first
+failure within a request ends the store's part in it (no second deadline to wait out), and each
+failure is reported to `on_failure(op)` for the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+
+from kvstore import KVStoreClient
+
+log = logging.getLogger(__name__)
+
+# grpc.RpcError: down, slow or refusing; OSError: its shared-memory path; ValueError: a bad answer.
+STORE_ERRORS = (grpc.RpcError, OSError, ValueError)
+
+
+class StoreSession:
+    """One request's view of the store."""
+
+    def __init__(self, client: KVStoreClient, on_failure: Callable[[str], None]) -> None:
+        self._client = client
+        self._on_failure = on_failure
+        self.failed = False
+
+    def _fail(self, op: str, exc: Exception) -> None:
+        self.failed = True
+        if isinstance(exc, grpc.Call):
+            log.warning("KV store %s failed (%s): going on without the cache", op, exc.code())
+        else:  # not the network: shared-memory staging or a malformed answer
+            log.warning("KV store %s failed: going on without the cache", op, exc_info=exc)
+        self._on_failure(op)
+
+    def lookup(self, hashes: Sequence[bytes], lease_ttl_s: float | None) -> tuple[int, str]:
+        """(number of leading hits, lease id or "")."""
+        if self.failed or not hashes:
+            return 0, ""
+        try:
+            result = self._client.lookup(hashes, lease_ttl_s=lease_ttl_s)
+        except STORE_ERRORS as exc:
+            self._fail("lookup", exc)
+            return 0, ""
+        return result.num_hits, result.lease_id or ""
+
+    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        if self.failed or not hashes:
+            return [None] * len(hashes)
+        try:
+            return self._client.get(hashes)
+        except STORE_ERRORS as exc:
+            self._fail("get", exc)
+            return [None] * len(hashes)
+
+    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+        items = list(blocks)
+        if self.failed or not items:
+            return 0
+        try:
+            return self._client.put(items, ephemeral=ephemeral)
+        except STORE_ERRORS as exc:
+            self._fail("put", exc)
+            return 0
+
+    def release(self, lease_id: str) -> None:
+        if self.failed or not lease_id:
+            return
+        try:
+            self._client.release(lease_id)
+        except STORE_ERRORS as exc:
+            self._fail("release", exc)

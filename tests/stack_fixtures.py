@@ -1,0 +1,207 @@
+"""Helpers for the prefill, decode and end-to-end tests: tiny models, the HF oracle, an in-memory
+store with fault injection, the two services in process, and the three as real processes."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import grpc
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from engine.engine import Engine
+from engine.model import Model, load_model
+from engine.tiny import init_tiny_model
+from tests.engine_fixtures import assert_greedy_matches
+
+ARCHS = ("llama", "qwen2", "gpt2")
+BLOCK_SIZE = 16
+# Small but not trivial: several layers, grouped-query attention on llama/qwen2, fast on 2 cores.
+LAYERS, HIDDEN = 3, 128
+
+__all__ = ["ARCHS", "BLOCK_SIZE", "assert_greedy_matches"]
+
+
+@cache
+def _workdir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="kvserve-stack-tests-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def workdir() -> Path:
+    return _workdir()
+
+
+@cache
+def model_dir(arch: str) -> Path:
+    """A tiny seeded model of `arch`, written once per test process."""
+    return init_tiny_model(_workdir() / f"model-{arch}", arch, seed=0, layers=LAYERS, hidden=HIDDEN)
+
+
+@cache
+def _hf_model(arch: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir(arch), local_files_only=True).eval()
+
+
+def oracle(arch: str, token_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Hugging Face `generate`, greedy, EOS ignored: the tokens and the logits [vocab] of each step."""
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    with torch.inference_mode():
+        out = _hf_model(arch).generate(torch.tensor([list(token_ids)]), generation_config=config)  # type: ignore[operator]
+    return out.sequences[0, len(token_ids):].tolist(), [step[0] for step in out.logits]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """n random byte tokens (valid ids for every tiny model)."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- an in-memory KV store with fault injection ------------------------------------------------
+
+
+class FakeRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"fake store: {self._code.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class FakeLookup:
+    num_hits: int
+    tiers: list[int]
+    lease_id: str
+
+
+@dataclass
+class FakeStore:
+    """What KVStoreClient offers, in memory. `down` makes every call fail with UNAVAILABLE."""
+
+    blocks: dict[bytes, bytes] = field(default_factory=dict)
+    ephemeral: set[bytes] = field(default_factory=set)
+    leases: dict[str, list[bytes]] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)
+    down: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if self.down:
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+
+    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+        self._call("put")
+        new = 0
+        with self._lock:
+            for key, payload in blocks:
+                assert len(key) == 32
+                new += key not in self.blocks
+                self.blocks[key] = payload
+                if ephemeral:
+                    self.ephemeral.add(key)
+        return new
+
+    def lookup(self, hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> FakeLookup:
+        self._call("lookup")
+        with self._lock:
+            hits = 0
+            while hits < len(hashes) and hashes[hits] in self.blocks:
+                hits += 1
+            lease = ""
+            if lease_ttl_s and hits:
+                lease = f"lease-{len(self.leases)}"
+                self.leases[lease] = list(hashes[:hits])
+        return FakeLookup(hits, [2] * hits, lease)
+
+    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        self._call("get")
+        with self._lock:
+            return [self.blocks.get(h) for h in hashes]
+
+    def release(self, lease_id: str) -> None:
+        self._call("release")
+        with self._lock:
+            self.leases.pop(lease_id, None)
+
+    def close(self) -> None:
+        pass
+
+    def corrupt(self, key: bytes) -> None:
+        payload = bytearray(self.blocks[key])
+        payload[-1] ^= 0xFF
+        self.blocks[key] = bytes(payload)
+
+    def persistent_keys(self) -> set[bytes]:
+        return set(self.blocks) - self.ephemeral
+
+
+@cache
+def _model(arch: str, role: str) -> Model:
+    return load_model(model_dir(arch))
+
+
+def engine(arch: str, role: str = "prefill") -> Engine:
+    """An Engine over a model loaded once per (arch, role): prefill and decode never share one."""
+    return Engine(_model(arch, role), block_size=BLOCK_SIZE)
+
+
+# --- prefill and decode in this process, over a FakeStore --------------------------------------
+
+
+class LocalStack:
+    """The prefill and decode gRPC servers in this process (port 0), sharing one FakeStore."""
+
+    def __init__(self, arch: str, store: FakeStore | None = None, max_batch_size: int = 32) -> None:
+        from decode_service.metrics import DecodeMetrics
+        from decode_service.prefill_client import PrefillClient
+        from decode_service.server import SERVICE_NAME as DECODE
+        from decode_service.server import DecodeServicer
+        from decode_service.service import DecodeService
+        from kvstore.serving import Server
+        from prefill_service.metrics import PrefillMetrics
+        from prefill_service.server import SERVICE_NAME as PREFILL
+        from prefill_service.server import PrefillServicer
+        from prefill_service.service import PrefillService
+        from protos.kvserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+        self.arch = arch
+        self.store = store if store is not None else FakeStore()
+        self.prefill_server = Server("127.0.0.1:0", metrics_port=0)
+        self.prefill = PrefillService(engine(arch, "prefill"), self.store,  # type: ignore[arg-type]
+                                      PrefillMetrics(self.prefill_server.registry))
+        self.prefill_server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.prefill), PREFILL)
+        self.prefill_addr = f"127.0.0.1:{self.prefill_server.start()}"
+        self.decode_server = Server("127.0.0.1:0", metrics_port=0)
+        self.decode = DecodeService(
+            engine(arch, "decode"), self.store, PrefillClient(self.prefill_addr, timeout_s=30.0),  # type: ignore[arg-type]
+            DecodeMetrics(self.decode_server.registry), max_batch_size=max_batch_size,
+        )
+        self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), DECODE)
+        self.decode.start()
+        self.addr = f"127.0.0.1:{self.decode_server.start()}"
+
+    def prefill_metric(self, name: str, **labels: str) -> float:
+        return self.prefill_server.registry.get_sample_value(name, labels) or 0.0
+
+    def decode_metric(self, name: str, **labels: str) -> float:
+        return self.decode_server.registry.get_sample_value(name, labels) or 0.0
+
+    def close(self) -> None:
+        self.decode_server.stop(0)
+        self.decode.stop()
+        self.prefill_server.stop(0)

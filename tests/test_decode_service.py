@@ -1,0 +1,213 @@
+"""The decode service (the front door) in process, with a real prefill server and an in-memory
+store: tokens against the HF oracle, the hand-off and its failures, stop conditions, the reply's
+blocks reused by the next turn, concurrent streams, cancellation, statuses and metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+import grpc
+import pytest
+
+from client import Client
+from client.client import Chunk, Result, build_request
+from engine.hashing import prefix_hashes
+from protos.kvserve.v1 import decode_pb2_grpc
+from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
+
+ARCH = "qwen2"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LocalStack]:
+    s = LocalStack(ARCH)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack: LocalStack) -> Iterator[Client]:
+    with Client(stack.addr, timeout_s=60) as c:
+        yield c
+
+
+def greedy(client: Client, ids: list[int], n: int, **kw: object) -> Result:
+    return client.generate(token_ids=ids, max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def test_cold_and_warm_match_the_oracle(stack: LocalStack, client: Client) -> None:
+    ids = tokens(3 * BLOCK_SIZE + 5, seed=11)
+    want, logits = oracle(ARCH, ids, 24)
+    cold = greedy(client, ids, 24)
+    assert_greedy_matches(cold.token_ids, want, logits)
+    assert cold.finish_reason == "length" and cold.prompt_token_ids == tuple(ids)
+    assert (cold.usage.prompt_tokens, cold.usage.cached_tokens, cold.usage.completion_tokens) == (len(ids), 0, 24)
+    warm = greedy(client, ids, 24)
+    assert warm.token_ids == cold.token_ids and warm.usage.cached_tokens == 3 * BLOCK_SIZE
+    t = warm.timings
+    assert 0 < t.ttft_s <= t.total_s and t.prefill_s <= t.ttft_s and t.decode_s <= t.total_s
+
+
+def test_stream_chunks_add_up_to_the_result(client: Client) -> None:
+    items = list(client.stream(token_ids=tokens(40, seed=12), max_tokens=30, ignore_eos=True))
+    chunks, result = items[:-1], items[-1]
+    assert isinstance(result, Result) and all(isinstance(c, Chunk) for c in chunks)
+    assert tuple(c.token_id for c in chunks) == result.token_ids  # type: ignore[union-attr]
+    assert "".join(c.text for c in chunks) == result.text  # type: ignore[union-attr]
+
+
+def test_reply_blocks_are_stored_for_the_next_turn(stack: LocalStack, client: Client) -> None:
+    turn1 = tokens(2 * BLOCK_SIZE + 3, seed=13)
+    r1 = greedy(client, turn1, 40)
+    turn2 = [*turn1, *r1.token_ids, *tokens(10, seed=14)]
+    root = stack.decode.engine.namespace().root()
+    stored = prefix_hashes([*turn1, *r1.token_ids], BLOCK_SIZE, root)
+    assert set(stored[: (len(turn1) + 39) // BLOCK_SIZE]) <= stack.store.persistent_keys()
+    r2 = greedy(client, turn2, 8)
+    assert r2.usage.cached_tokens >= len(turn1) + len(r1.token_ids) - 2 * BLOCK_SIZE
+    want, logits = oracle(ARCH, turn2, 8)
+    assert_greedy_matches(r2.token_ids, want, logits)
+
+
+def test_missing_and_corrupt_blocks_are_recomputed_by_decode(stack: LocalStack, client: Client) -> None:
+    ids = tokens(4 * BLOCK_SIZE + 9, seed=15)
+    want, logits = oracle(ARCH, ids, 12)
+    before = stack.decode_metric("kvserve_decode_recomputed_tokens_total")
+    real_get = stack.store.get
+
+    def damaged_get(hashes: Sequence[bytes]) -> list[bytes | None]:
+        out = real_get(hashes)
+        block = out[1]
+        if len(out) == 5 and block is not None:  # decode's fetch: 4 blocks + tail
+            out[1] = block[:-1] + bytes([block[-1] ^ 1])
+            out[4] = None
+        return out
+
+    stack.store.get = damaged_get  # type: ignore[method-assign,assignment]
+    try:
+        r = greedy(client, ids, 12)
+    finally:
+        stack.store.get = real_get  # type: ignore[method-assign]
+    assert_greedy_matches(r.token_ids, want, logits)
+    assert stack.decode_metric("kvserve_decode_recomputed_tokens_total") - before == len(ids) - BLOCK_SIZE
+    assert stack.decode_metric("kvserve_decode_bad_blocks_total", kind="checksum") >= 1
+
+
+def test_store_down_still_answers(stack: LocalStack, client: Client) -> None:
+    ids = tokens(2 * BLOCK_SIZE + 2, seed=16)
+    greedy(client, ids, 4)
+    stack.store.down = True
+    try:
+        r = greedy(client, ids, 10)
+    finally:
+        stack.store.down = False
+    assert r.usage.cached_tokens == 0
+    assert_greedy_matches(r.token_ids, *oracle(ARCH, ids, 10))
+    assert stack.decode_metric("kvserve_decode_store_failures_total", op="get") >= 1
+    assert stack.prefill_metric("kvserve_prefill_store_failures_total", op="lookup") >= 1
+
+
+def test_prefix_cache_off_computes_everything_and_stores_nothing_shared(stack: LocalStack, client: Client) -> None:
+    ids = tokens(3 * BLOCK_SIZE, seed=17)
+    before = stack.store.persistent_keys()
+    r = greedy(client, ids, 20, prefix_cache=False)
+    assert r.usage.cached_tokens == 0 and stack.store.persistent_keys() == before
+    assert_greedy_matches(r.token_ids, *oracle(ARCH, ids, 20))
+    assert greedy(client, ids, 20, prefix_cache=False).usage.cached_tokens == 0
+
+
+def test_stop_strings_and_max_tokens(client: Client) -> None:
+    ids = tokens(30, seed=18)
+    full = greedy(client, ids, 30)
+    text = full.text
+    cut = next(i for i in range(3, len(text)) if text[i - 1 : i + 1].isprintable())
+    stop = text[cut - 1 : cut + 1]
+    first = text.find(stop)
+    r = greedy(client, ids, 30, stop=(stop,))
+    assert r.finish_reason == "stop" and r.text == text[:first]
+    assert r.token_ids == full.token_ids[: len(r.token_ids)]
+    one = greedy(client, ids, 1)
+    assert one.token_ids == full.token_ids[:1] and one.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(client: Client) -> None:
+    ids = tokens(20, seed=19)
+    a = client.generate(token_ids=ids, max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    b = client.generate(token_ids=ids, max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+
+
+def test_concurrent_streams_give_the_tokens_of_sequential_ones(stack: LocalStack, client: Client) -> None:
+    prompts = [tokens(10 + 13 * i, seed=100 + i) for i in range(6)]
+    alone = [greedy(client, p, 20 + i).token_ids for i, p in enumerate(prompts)]
+    together: list[tuple[int, ...] | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        together[i] = greedy(client, prompts[i], 20 + i).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert together == alone
+    assert stack.decode_metric("kvserve_decode_batch_size_bucket", le="1.0") < stack.decode_metric(
+        "kvserve_decode_batch_size_count"
+    )  # some steps decoded several sequences
+
+
+def test_a_cancelled_stream_stops_its_work(stack: LocalStack) -> None:
+    before = stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled")
+    with grpc.insecure_channel(stack.addr) as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        call = stub.Generate(build_request(token_ids=tokens(20, seed=20), max_tokens=3000, ignore_eos=True))
+        for i, _ in enumerate(call):
+            if i == 5:
+                call.cancel()
+                break
+    deadline = time.monotonic() + 10
+    while stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled") == before:
+        assert time.monotonic() < deadline, "the cancelled request never ended"
+        time.sleep(0.02)
+    assert stack.decode_metric("kvserve_decode_running_requests") == 0
+    assert stack.decode_metric("kvserve_decode_waiting_requests") == 0
+    assert stack.decode_metric("kvserve_decode_generated_tokens_total") < 3000
+
+
+def test_bad_input_gets_a_precise_status(client: Client) -> None:
+    from client.client import InvalidArgumentError, OutOfRangeError
+
+    with pytest.raises(InvalidArgumentError, match="temperature"):
+        client.generate("hi", temperature=-2.0)
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        client.generate(token_ids=[1, 10**6])
+    with pytest.raises(OutOfRangeError, match="4096 positions"):
+        client.generate("hi", max_tokens=5000)
+    with pytest.raises(InvalidArgumentError, match="unknown chat role"):
+        client.chat([{"role": "robot", "content": "hi"}])
+
+
+def test_metrics_are_served(stack: LocalStack) -> None:
+    for server in (stack.decode_server, stack.prefill_server):
+        url = f"http://127.0.0.1:{server.bound_metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert "_requests_total" in text and "_ttft_seconds_bucket" in text and "_running_requests" in text
+    assert stack.decode_metric("kvserve_decode_inter_token_latency_seconds_count") > 0
+    assert stack.decode_metric("kvserve_decode_generated_tokens_total") > 0
+
+
+def test_prefill_down_fails_fast_with_unavailable() -> None:
+    from client.client import UnavailableError
+
+    stack = LocalStack(ARCH)
+    try:
+        stack.prefill_server.stop(0)
+        start = time.monotonic()
+        with Client(stack.addr, timeout_s=30) as c, pytest.raises(UnavailableError, match="prefill service at"):
+            c.generate("hello", max_tokens=4)
+        assert time.monotonic() - start < 5
+    finally:
+        stack.close()
