@@ -1,0 +1,69 @@
+"""`python -m kvstore` as a real process: SIGTERM flushes memory to disk, SIGKILL never corrupts it."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from kvstore import KVStoreClient
+from kvstore.__main__ import main
+from tests.kvstore_fixtures import key, payload, start_process
+
+
+def args(tmp: Path) -> list[str]:
+    return ["--host-capacity", "64KiB", "--disk-capacity", "16MiB", "--disk-path", str(tmp / "db"), "--shm-root", str(tmp)]
+
+
+def test_sigterm_flushes_and_restart_is_warm(tmp_path: Path) -> None:
+    blocks = [(key(i), payload(i, 10_000)) for i in range(20)]  # 200 kB: most on disk, the rest in host
+    proc, port = start_process(args(tmp_path))
+    with KVStoreClient(f"127.0.0.1:{port}") as c:
+        assert c.put(blocks) == 20
+        assert c.stats().tier("host").blocks > 0
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert not list(tmp_path.glob("kvserve-*"))  # shm dir cleaned up
+
+    proc, port = start_process(args(tmp_path))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            assert c.stats().tier("disk").blocks == 20
+            assert c.lookup([k for k, _ in blocks]).num_hits == 20
+            assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_sigkill_never_corrupts_the_disk_tier(tmp_path: Path) -> None:
+    proc, port = start_process(args(tmp_path))
+    with KVStoreClient(f"127.0.0.1:{port}") as c:
+        for n in range(5):
+            c.put([(key(f"{n}-{i}"), payload(f"{n}-{i}", 10_000)) for i in range(10)])
+        time.sleep(0.5)  # let the disk writer commit what was demoted
+        on_disk = c.stats().tier("disk").blocks
+        assert on_disk > 0
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    proc, port = start_process(args(tmp_path))  # LMDB opens cleanly, stale shm dir is removed
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            stats = c.stats()
+            assert stats.tier("disk").blocks == on_disk
+            assert stats.tier("host").blocks == 0  # memory-only blocks are lost, nothing else
+            names = [f"{n}-{i}" for n in range(5) for i in range(10)]
+            got = c.get([key(name) for name in names])
+            assert sum(g is not None for g in got) == on_disk
+            assert all(g == payload(name, 10_000) for name, g in zip(names, got, strict=True) if g is not None)
+            assert c.stats().checksum_failures == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not list(tmp_path.glob("kvserve-*"))
+
+
+def test_cli_rejects_bad_configuration(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["--disk-capacity", "1GiB"]) == 2
+    assert "--disk-path" in capsys.readouterr().err

@@ -1,0 +1,236 @@
+"""The store behind a real gRPC server on port 0: streaming, concurrency, integrity, bad inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvstore.client as client_module
+from kvstore import KVStoreClient
+from kvstore.block_format import checksum
+from kvstore.server import StoreServer
+from kvstore.serving import CHANNEL_OPTIONS
+from kvstore.types import Tier
+from protos.kvserve.v1 import kvstore_pb2 as pb
+from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.kvstore_fixtures import key, payload, running_server
+from tests.test_kvstore_store import corrupt_lmdb_value
+
+MiB = 1024 * 1024
+
+
+def healthy(server: StoreServer) -> bool:
+    with grpc.insecure_channel(server.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvserve.v1.KVStore"))
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def status_of(fn) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_10_mib_block_round_trip(tmp_path: Path, use_shm: bool) -> None:
+    big = payload("big", 10 * MiB + 123)
+    with running_server(tmp_path, host_capacity=64 * MiB) as server, KVStoreClient(server.address, use_shm=use_shm) as c:
+        assert (c.shm_dir() is not None) == use_shm
+        assert c.put([(key("big"), big)]) == 1
+        assert c.put([(key("big"), big)]) == 0
+        assert c.get([key("big"), key("none")]) == [big, None]
+        assert c.lookup([key("big")]).tiers == ["host"]
+        stats = c.stats()
+        assert (stats.tier("host").blocks, stats.tier("host").bytes) == (1, len(big))
+
+
+def test_shm_and_grpc_paths_give_identical_bytes(tmp_path: Path) -> None:
+    blocks = [(key(i), payload(i, 1000 + i)) for i in range(20)]
+    with running_server(tmp_path) as server:
+        with KVStoreClient(server.address) as local:
+            assert local.put(blocks) == 20
+            via_shm = local.get([k for k, _ in blocks])
+            bufs = [memoryview(bytearray(2000)) for _ in blocks]
+            sizes = local.get_into([k for k, _ in blocks], bufs)
+        with KVStoreClient(server.address, use_shm=False) as remote:
+            via_grpc = remote.get([k for k, _ in blocks])
+    assert via_shm == via_grpc == [p for _, p in blocks]
+    assert [bytes(b[:n]) for b, n in zip(bufs, sizes, strict=True) if n is not None] == via_grpc
+
+
+def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = dict(host_capacity=3000, disk_capacity=100_000, disk_path=tmp_path / "db")
+    with running_server(tmp_path, **config) as server, KVStoreClient(server.address) as c:
+        assert c.shm_dir() is not None
+        c.put([(key(i), payload(i, 1000)) for i in range(3)])
+        c.put([(key(i), payload(i, 1000)) for i in range(3, 6)])  # 0..2 demoted: their files are gone
+        assert c.get([key(0), key(4)]) == [payload(0, 1000), payload(4, 1000)]
+
+        real = client_module.read_block_file
+        calls: list[Path] = []
+
+        def vanishing(path: Path, expected: int | None = None) -> bytes | None:
+            calls.append(path)
+            return None if len(calls) <= 2 else real(path, expected)  # gone for the direct read and the shm answer
+
+        monkeypatch.setattr(client_module, "read_block_file", vanishing)
+        assert server.store.tier_of(key(3)) == Tier.HOST
+        assert c.get([key(3)]) == [payload(3, 1000)]
+        assert len(calls) == 2  # direct read, shm_name answer, then plain gRPC bytes
+
+
+def test_eight_threads_put_and_get_byte_exact(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with running_server(tmp_path, host_capacity=2 * MiB, disk_capacity=64 * MiB, disk_path=tmp_path / "db") as server:
+
+        def work(t: int) -> None:
+            try:
+                with KVStoreClient(server.address, timeout_s=30, use_shm=t % 2 == 0) as c:
+                    for round_ in range(6):
+                        blocks = [(key(f"{t}-{round_}-{i}"), payload(f"{t}-{round_}-{i}", 20_000 + t)) for i in range(8)]
+                        assert c.put(blocks) == 8
+                        shared = [(key(f"shared-{i}"), payload(f"shared-{i}", 30_000)) for i in range(4)]
+                        c.put(shared)
+                        got = c.get([k for k, _ in blocks + shared])
+                        assert got == [p for _, p in blocks + shared]
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        server.store.check_integrity()
+        stats = server.store.stats()
+        assert stats.tier("host").bytes <= 2 * MiB and stats.tier("disk").demotions == 0
+        assert sum(t.blocks for t in stats.tiers) == 8 * 6 * 8 + 4
+
+
+def test_bad_inputs_get_precise_codes_and_server_stays_healthy(tmp_path: Path) -> None:
+    with running_server(tmp_path, host_capacity=1 * MiB) as server, KVStoreClient(server.address, use_shm=False) as c:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        assert status_of(lambda: c.lookup([b"short"])) == invalid
+        assert status_of(lambda: c.get([b"short"])) == invalid
+        assert status_of(lambda: c.put([(b"short", b"x")])) == invalid
+        assert status_of(lambda: c.put([])) == invalid
+        assert status_of(lambda: c.put([(key(1), b"")])) == invalid
+        assert status_of(lambda: c.lookup([key(1)], lease_ttl_s=-1)) == invalid
+        assert status_of(lambda: c.release("no-such-lease")) == grpc.StatusCode.NOT_FOUND
+        assert status_of(lambda: c.put([(key(1), b"x" * (MiB + 1))])) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.KVStoreStub(channel)
+
+            def raw_put(*chunks: pb.BlockChunk) -> None:
+                stub.Put(iter([pb.PutRequest(chunk=ch) for ch in chunks]), timeout=5)
+
+            data = b"abcdefgh"
+            good = checksum(data)
+            assert status_of(lambda: raw_put(pb.BlockChunk(hash=key(2), total_size=8, checksum=good ^ 1, data=data))) == invalid
+            first = pb.BlockChunk(hash=key(2), total_size=8, checksum=good, data=data[:4])
+            assert status_of(lambda: raw_put(first, pb.BlockChunk(hash=key(2), offset=5, data=data[4:]))) == invalid
+            assert status_of(lambda: raw_put(first)) == invalid  # stream ends mid-block
+            assert status_of(lambda: raw_put(first, pb.BlockChunk(hash=key(3), offset=4, data=data[4:]))) == invalid
+            shm_put = pb.BlockChunk(hash=key(2), total_size=8, checksum=good, shm_name="../../etc/passwd")
+            assert status_of(lambda: raw_put(shm_put)) == invalid
+        assert c.get([key(1), key(2)]) == [None, None]  # nothing stored by any of it
+        assert healthy(server)
+        server.store.check_integrity()
+
+
+def test_deadline_is_honoured_and_server_stays_healthy(tmp_path: Path) -> None:
+    blocks = [(key(i), payload(i, 4 * MiB)) for i in range(8)]
+    with running_server(tmp_path, host_capacity=64 * MiB) as server:
+        with KVStoreClient(server.address, use_shm=False) as c:
+            c.put(blocks)
+        with KVStoreClient(server.address, timeout_s=0.001, use_shm=False) as hurried:
+            assert status_of(lambda: hurried.get([k for k, _ in blocks])) == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert healthy(server)
+
+
+def test_leases_over_rpc_leave_nothing_pinned_after_a_burst(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        c.put([(key(i), payload(i)) for i in range(10)])
+        released = c.lookup([key(i) for i in range(3)], lease_ttl_s=30)
+        assert released.num_hits == 3 and released.lease_id
+        c.release(released.lease_id)
+        assert status_of(lambda: c.release(released.lease_id or "")) == grpc.StatusCode.NOT_FOUND
+
+        def burst() -> None:
+            for n in range(30):
+                c.lookup([key(i) for i in range(n % 10)], lease_ttl_s=0.3)
+
+        threads = [threading.Thread(target=burst) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert c.stats().pinned_blocks > 0
+        time.sleep(0.5)  # TTL passes; the sweeper expires them with no further request needed
+        assert server.store.stats().leases == 0
+        assert (c.stats().leases, c.stats().pinned_blocks) == (0, 0)
+
+
+def test_events_stream_stored_and_removed(tmp_path: Path) -> None:
+    with running_server(tmp_path, host_capacity=200) as server, KVStoreClient(server.address) as c:
+        events: list[tuple[bool, list[bytes]]] = []
+        stream = c._stub.Events(pb.EventsRequest())
+        got_all = threading.Event()
+
+        def listen() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                for ev in stream:
+                    events.append((ev.kind == pb.Event.KIND_STORED, list(ev.hashes)))
+                    if sum(len(h) for _, h in events) >= 4:
+                        got_all.set()
+
+        th = threading.Thread(target=listen, daemon=True)
+        th.start()
+        time.sleep(0.2)  # subscribed
+        c.put([(key("a"), payload("a")), (key("b"), payload("b"))])
+        c.put([(key("c"), payload("c"))])  # evicts b, the tail of the chain a-b (no disk tier)
+        assert got_all.wait(5)
+        stream.cancel()
+        flat = [(stored, h) for stored, hs in events for h in hs]
+        assert flat == [(True, key("a")), (True, key("b")), (False, key("b")), (True, key("c"))]
+
+
+def test_corrupt_lmdb_value_is_detected_deleted_counted_and_a_miss(tmp_path: Path) -> None:
+    config = dict(host_capacity=1000, disk_capacity=100_000, disk_path=tmp_path / "db")
+    with running_server(tmp_path, **config) as server, KVStoreClient(server.address) as c:
+        c.put([(key(i), payload(i)) for i in range(5)])
+    corrupt_lmdb_value(tmp_path / "db", key(2))  # server stopped: everything was flushed to disk
+    with running_server(tmp_path, **config) as server, KVStoreClient(server.address) as c:
+        assert c.get([key(i) for i in range(5)]) == [payload(0), payload(1), None, payload(3), payload(4)]
+        stats = c.stats()
+        assert stats.checksum_failures == 1
+        assert c.lookup([key(2)]).num_hits == 0
+
+
+def test_metrics_are_served(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        c.put([(key(1), payload(1))])
+        c.get([key(1), key(2)])
+    server = StoreServer(server.config, metrics_port=0)
+    server.start()
+    try:
+        with KVStoreClient(server.address) as c:
+            c.put([(key(1), payload(1))])
+            c.lookup([key(1), key(2)], lease_ttl_s=10)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.rpc.bound_metrics_port}/metrics").read().decode()
+    finally:
+        server.stop(0.5)
+    assert 'kvstore_blocks{tier="host"} 1.0' in text
+    assert 'kvstore_hits_total{tier="host"} 1.0' in text
+    assert "kvstore_leases 1.0" in text
+    for name in ("bytes", "misses_total", "evictions_total", "demotions_total", "promotions_total", "checksum_failures_total"):
+        assert f"kvstore_{name}" in text
