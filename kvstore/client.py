@@ -8,6 +8,9 @@ falls back to the plain chunked gRPC path, which remote clients always use.
 
 from __future__ import annotations
 
+import ctypes
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -16,13 +19,15 @@ import grpc
 
 from kvstore.block_format import checksum
 from kvstore.serving import CHANNEL_OPTIONS
-from kvstore.shm import host_id, read_block_file, read_block_file_into, stage_block_file, usable_dir
+from kvstore.shm import ShmReader, host_id, stage_block_file, usable_dir
 from kvstore.types import LookupResult, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 
 _NO_LIMIT = 1 << 62
+_REPORT_INTERVAL_S = 0.05
+_REPORT_KEYS = 4096
 
 
 class StoreInfo(NamedTuple):
@@ -48,15 +53,25 @@ class KVStoreClient:
     down or slow; INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED: see the message).
     """
 
-    def __init__(self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True) -> None:
+    def __init__(
+        self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True, shm_map_bytes: int = 1 << 30
+    ) -> None:
+        """`use_shm=False` forces plain gRPC bytes; `shm_map_bytes` bounds the shared-memory
+        mappings this client keeps open (they may outlive blocks the server evicted)."""
         self.addr = addr
         self.timeout_s = timeout_s
         self.use_shm = use_shm
+        self.shm_map_bytes = shm_map_bytes
         self.checksum_failures = 0  # blocks received whose checksum did not match (reported as None)
         self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._shm_dir: Path | None = None
+        self._reader: ShmReader | None = None
         self._shm_checked = False
+        self._report: grpc.Future | None = None
+        self._unreported: list[bytes] = []
+        self._reported_at = 0.0
+        self._reports_lock = threading.Lock()
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -65,6 +80,9 @@ class KVStoreClient:
         self.close()
 
     def close(self) -> None:
+        self._report_reads([], now=True)
+        if self._reader is not None:
+            self._reader.close()
         self._channel.close()
 
     # -- contract ------------------------------------------------------------------------------
@@ -95,6 +113,7 @@ class KVStoreClient:
 
     def lookup(self, hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading hashes are present (and in which tier); pins them if lease_ttl_s."""
+        self._report_reads([], now=True)
         response = self._stub.Lookup(
             pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0), timeout=self.timeout_s
         )
@@ -106,26 +125,27 @@ class KVStoreClient:
         keys = list(hashes)
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        shm = self.shm_dir()
-        if shm is not None:
-            todo = self._read_shm(keys, shm, out)
+        if self.shm_dir() is not None:
+            todo = self._read_shm(keys, out)
         if todo:
-            self._get_rpc(keys, todo, out, via_shm=shm is not None)
+            self._get_rpc(keys, todo, out, via_shm=self._reader is not None)
         return out
 
     def get_into(self, hashes: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
-        """Like get, into caller buffers (one per hash, big enough): sizes written, None for a miss."""
+        """Like get, into caller buffers (one per hash, big enough): sizes written, None for a miss.
+        On the same host this copies each block once, from shared memory into the buffer."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
-        shm = self.shm_dir()
         todo = list(range(len(keys)))
-        if shm is not None:
-            found: list[int] = []
+        reader = self._reader if self.shm_dir() is not None else None
+        if reader is not None:
+            found_at: list[int] = []
             todo = []
             for i, key in enumerate(keys):
-                sizes[i] = read_block_file_into(shm / key.hex(), buffers[i]) if len(key) == 32 else None
-                (found if sizes[i] is not None else todo).append(i)
-            self._report_reads([keys[i] for i in found])
+                sizes[i] = reader.read_into(key.hex(), buffers[i]) if len(key) == 32 else None
+                (todo if sizes[i] is None else found_at).append(i)
+            found = [keys[i] for i in found_at]
+            self._report_reads(found)
         if todo:
             payloads = self.get([keys[i] for i in todo])
             for i, payload in zip(todo, payloads, strict=True):
@@ -138,6 +158,7 @@ class KVStoreClient:
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout_s)
 
     def stats(self) -> StoreStats:
+        self._report_reads([], now=True)
         r = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         tiers = [
             TierStats(_tier_name(t.tier), t.blocks, t.bytes, t.capacity_bytes, t.hits, t.misses, t.evictions, t.demotions, t.promotions)
@@ -168,18 +189,20 @@ class KVStoreClient:
                     raise
                 info = StoreInfo("", "", 0)
             self._shm_dir = usable_dir(info.shm_dir) if info.host_id == host_id() else None
+            self._reader = ShmReader(self._shm_dir, self.shm_map_bytes) if self._shm_dir else None
             self._shm_checked = True
         return self._shm_dir
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _read_shm(self, keys: list[bytes], shm: Path, out: list[bytes | None]) -> list[int]:
+    def _read_shm(self, keys: list[bytes], out: list[bytes | None]) -> list[int]:
         """Reads what lies in the shm tier; reports the reads so the server's LRU and hit counts
         stay exact; returns the positions still to fetch."""
+        assert self._reader is not None
         todo: list[int] = []
         found: list[bytes] = []
         for i, key in enumerate(keys):
-            payload = read_block_file(shm / key.hex()) if len(key) == 32 else None
+            payload = self._reader.read(key.hex()) if len(key) == 32 else None
             if payload is None:
                 todo.append(i)
             else:
@@ -188,9 +211,26 @@ class KVStoreClient:
         self._report_reads(found)
         return todo
 
-    def _report_reads(self, keys: list[bytes]) -> None:
-        if keys:
-            self._stub.Lookup(pb.LookupRequest(hashes=keys), timeout=self.timeout_s)
+    def _report_reads(self, keys: list[bytes], *, now: bool = False) -> None:
+        # Best effort, off the critical path: a Lookup touches the blocks read in place (LRU
+        # order, hit counts). Reads are batched: one report in flight at a time, and at most one
+        # every _REPORT_INTERVAL_S unless many keys wait; lookup/stats/close send what is left.
+        with self._reports_lock:
+            self._unreported.extend(keys)
+            if not self._unreported:
+                return
+            in_flight = self._report is not None and not self._report.done()
+            due = now or len(self._unreported) >= _REPORT_KEYS or time.monotonic() - self._reported_at >= _REPORT_INTERVAL_S
+            if in_flight and now:
+                self._report.exception()  # type: ignore[union-attr]
+            elif in_flight or not due:
+                return
+            request = pb.LookupRequest(hashes=self._unreported)
+            self._unreported = []
+            self._reported_at = time.monotonic()
+            self._report = self._stub.Lookup.future(request, timeout=self.timeout_s)
+            if now:
+                self._report.exception()
 
     def _get_rpc(self, keys: list[bytes], todo: list[int], out: list[bytes | None], *, via_shm: bool) -> None:
         assembler = BlockAssembler(_NO_LIMIT)
@@ -208,17 +248,30 @@ class KVStoreClient:
             if block.key != keys[i]:
                 raise ValueError(f"store answered block {block.key.hex()[:16]} for {keys[i].hex()[:16]}")
             if block.shm_name:
-                shm = self._shm_dir
-                payload = read_block_file(shm / block.shm_name, block.checksum) if shm else None
+                payload = self._reader.read(block.shm_name, block.checksum) if self._reader else None
                 if payload is None:
                     retry.append(i)  # removed between the answer and the read
                     continue
+                out[i] = payload
+            elif block.payload is not None and checksum(block.payload) == block.checksum:
+                out[i] = block.payload
             else:
-                payload = block.payload
-                if payload is None or checksum(payload) != block.checksum:
-                    self.checksum_failures += 1
-                    continue
-            out[i] = payload
+                self.checksum_failures += 1
         assembler.finish()
         if retry:
             self._get_rpc(keys, retry, out, via_shm=False)
+
+
+def tune_malloc_for_blocks() -> bool:
+    """Keeps freed block-sized allocations in glibc's heap instead of returning them to the OS.
+
+    By default every payload over 128 KiB is a fresh mmap whose pages fault in on first write,
+    which caps `get()` far below memory bandwidth. A process that fetches many large blocks
+    (decode, prefill) can call this once at start. Returns False where it does not apply.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 64 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import kvstore.client as client_module
 from kvstore import KVStoreClient
 from kvstore.block_format import checksum
 from kvstore.server import StoreServer
 from kvstore.serving import CHANNEL_OPTIONS
+from kvstore.shm import ShmReader
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
@@ -73,14 +73,14 @@ def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path, monkeypatch
         c.put([(key(i), payload(i, 1000)) for i in range(3, 6)])  # 0..2 demoted: their files are gone
         assert c.get([key(0), key(4)]) == [payload(0, 1000), payload(4, 1000)]
 
-        real = client_module.read_block_file
-        calls: list[Path] = []
+        real = ShmReader.read
+        calls: list[str] = []
 
-        def vanishing(path: Path, expected: int | None = None) -> bytes | None:
-            calls.append(path)
-            return None if len(calls) <= 2 else real(path, expected)  # gone for the direct read and the shm answer
+        def vanishing(self: ShmReader, name: str, expected: int | None = None) -> memoryview | None:
+            calls.append(name)
+            return None if len(calls) <= 2 else real(self, name, expected)  # gone for the direct read and the shm answer
 
-        monkeypatch.setattr(client_module, "read_block_file", vanishing)
+        monkeypatch.setattr(ShmReader, "read", vanishing)
         assert server.store.tier_of(key(3)) == Tier.HOST
         assert c.get([key(3)]) == [payload(3, 1000)]
         assert len(calls) == 2  # direct read, shm_name answer, then plain gRPC bytes

@@ -1,0 +1,179 @@
+"""`kvserve bench store`: put/get throughput of a real store server over loopback, against memcpy.
+
+Starts `python -m kvstore` as a separate process (host tier in /dev/shm), then measures, in one
+run: memcpy of warm buffers (the baseline), put and get through the same-host shared-memory
+path, put and get through plain gRPC bytes (the remote path), and lookups per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.client import KVStoreClient, tune_malloc_for_blocks
+from kvstore.serving import parse_size
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    total_bytes: int
+    block_bytes: int
+    blocks: int
+    memcpy_gbps: float
+    gbps: dict[str, float]  # put_shm, put_grpc, get_shm, get_grpc, get_*_tuned, get_into_shm
+    lookups_per_s: float
+    lookup_hashes: int
+
+    def ratio(self, name: str) -> float:
+        return self.gbps[name] / self.memcpy_gbps
+
+
+def best_of(repeat: int, fn: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)  # touch both
+    return nbytes / best_of(repeat, lambda: np.copyto(dst, src)) / 1e9
+
+
+def start_server(host_capacity: int) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--host-capacity", str(host_capacity), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("LISTENING "):
+        proc.kill()
+        raise RuntimeError("kvstore server did not start")
+    return proc, f"127.0.0.1:{line.split()[1]}"
+
+
+def make_blocks(tag: str, count: int, size: int) -> list[tuple[bytes, bytes]]:
+    base = np.random.default_rng(0).integers(0, 256, size + count, dtype=np.uint8).tobytes()
+    return [(hashlib.sha256(f"{tag}-{i}".encode()).digest(), base[i : i + size]) for i in range(count)]
+
+
+def consume(get: Callable[[Sequence[bytes]], list[bytes | None]], parts: list[Sequence[bytes]]) -> int:
+    """Gets batch after batch, dropping each before the next, as a consumer decoding blocks would."""
+    n = 0
+    for part in parts:
+        n += sum(len(p) for p in get(part) if p is not None)
+    return n
+
+
+def batches(items: Sequence[bytes], n: int) -> list[Sequence[bytes]]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
+    count = max(1, total // block)
+    nbytes = count * block
+    memcpy = memcpy_gbps(nbytes, repeat)
+    proc, addr = start_server(host_capacity=3 * nbytes + (64 << 20))
+    gbps: dict[str, float] = {}
+    try:
+        with KVStoreClient(addr, timeout_s=120) as local, KVStoreClient(addr, timeout_s=120, use_shm=False) as remote:
+            if local.shm_dir() is None:
+                raise RuntimeError("same-host path unavailable (server not on this host or shm off)")
+            clients = {"shm": local, "grpc": remote}
+            keys: dict[str, list[bytes]] = {}
+            for name, client in clients.items():
+                blocks = make_blocks(name, count, block)
+                keys[name] = [k for k, _ in blocks]
+                start = time.perf_counter()
+                for i in range(0, count, batch):
+                    client.put(blocks[i : i + batch])
+                gbps[f"put_{name}"] = nbytes / (time.perf_counter() - start) / 1e9
+                got = [p for part in batches(keys[name], batch) for p in client.get(part)]
+                assert got == [p for _, p in blocks], "bench read back wrong bytes"
+                del got, blocks
+            for tuned in (False, True):
+                if tuned:
+                    tune_malloc_for_blocks()
+                for name, client in clients.items():
+                    parts = batches(keys[name], batch)
+                    t = best_of(repeat, lambda c=client, p=parts: consume(c.get, p))  # type: ignore[misc]
+                    gbps[f"get_{name}{'_tuned' if tuned else ''}"] = nbytes / t / 1e9
+            bufs = [memoryview(bytearray(block)) for _ in range(batch)]
+            parts = batches(keys["shm"], batch)
+            gbps["get_into_shm"] = nbytes / best_of(repeat, lambda: [local.get_into(p, bufs) for p in parts]) / 1e9
+            chain = keys["shm"][:16]
+            n_lookups = 0
+            start = time.perf_counter()
+            while time.perf_counter() - start < 1.0:
+                local.lookup(chain)
+                n_lookups += 1
+            lookups = n_lookups / (time.perf_counter() - start)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return BenchResult(nbytes, block, count, memcpy, gbps, lookups, len(chain))
+
+
+ROWS = {
+    "put_shm": "put, same host (shm)",
+    "get_shm": "get, same host (shm) -> bytes",
+    "get_shm_tuned": "  same, malloc tuned",
+    "get_into_shm": "get_into, same host (warm buffers)",
+    "put_grpc": "put, gRPC bytes",
+    "get_grpc": "get, gRPC bytes",
+    "get_grpc_tuned": "  same, malloc tuned",
+}
+
+
+def report(r: BenchResult) -> str:
+    lines = [
+        f"kvstore bench: {r.total_bytes / 2**20:.0f} MiB in {r.blocks} blocks of {r.block_bytes / 2**10:.0f} KiB "
+        "through a kvstore server process over loopback (host tier in /dev/shm)",
+        f"  {'memcpy (warm buffers, best)':<36} {r.memcpy_gbps:7.2f} GB/s",
+    ]
+    lines += [f"  {label:<36} {r.gbps[k]:7.2f} GB/s   {r.ratio(k):5.2f} x memcpy" for k, label in ROWS.items()]
+    lines.append(f"  {'lookups (' + str(r.lookup_hashes) + ' hashes each)':<36} {r.lookups_per_s:7.0f} /s")
+    best = max(r.ratio("get_shm_tuned"), r.ratio("get_into_shm"))
+    lines.append(
+        f"  goal: same-host get >= 0.5 x memcpy: {'met' if best >= 0.5 else 'NOT met'} "
+        f"(get_into {r.ratio('get_into_shm'):.2f}, get with tuned malloc {r.ratio('get_shm_tuned'):.2f}, "
+        f"get with default malloc {r.ratio('get_shm'):.2f})"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvserve bench store", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--total", type=parse_size, default=parse_size("256MiB"), help="bytes of blocks (default 256MiB)")
+    p.add_argument("--block-size", type=parse_size, default=parse_size("256KiB"), help="block size (default 256KiB)")
+    p.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
+    p.add_argument("--repeat", type=int, default=3, help="best of N for get and memcpy (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    result = run(args.total, args.block_size, args.batch, args.repeat)
+    if args.json:
+        ratios = {f"{k}_ratio": round(result.ratio(k), 3) for k in result.gbps}
+        print(json.dumps({**asdict(result), **ratios}))
+    else:
+        print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
