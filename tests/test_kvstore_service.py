@@ -38,11 +38,12 @@ def status_of(fn) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
     return info.value.code()
 
 
-@pytest.mark.parametrize("use_shm", [False, True])
-def test_10_mib_block_round_trip(tmp_path: Path, use_shm: bool) -> None:
+@pytest.mark.parametrize(("server_shm", "use_shm"), [(True, False), (True, True), (False, True)])
+def test_10_mib_block_round_trip(tmp_path: Path, server_shm: bool, use_shm: bool) -> None:
     big = payload("big", 10 * MiB + 123)
-    with running_server(tmp_path, host_capacity=64 * MiB) as server, KVStoreClient(server.address, use_shm=use_shm) as c:
-        assert (c.shm_dir() is not None) == use_shm
+    running = running_server(tmp_path, host_capacity=64 * MiB, shm=server_shm)
+    with running as server, KVStoreClient(server.address, use_shm=use_shm) as c:
+        assert (c.shm_dir() is not None) == (use_shm and server_shm)
         assert c.put([(key("big"), big)]) == 1
         assert c.put([(key("big"), big)]) == 0
         assert c.get([key("big"), key("none")]) == [big, None]
@@ -76,7 +77,7 @@ def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path, monkeypatch
         real = ShmReader.read
         calls: list[str] = []
 
-        def vanishing(self: ShmReader, name: str, expected: int | None = None) -> memoryview | None:
+        def vanishing(self: ShmReader, name: str, expected: int | None = None) -> bytes | None:
             calls.append(name)
             return None if len(calls) <= 2 else real(self, name, expected)  # gone for the direct read and the shm answer
 

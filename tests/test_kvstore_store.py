@@ -108,8 +108,8 @@ def test_demotion_then_promotion_on_hit(tmp_path: Path) -> None:
 
 def test_pinned_blocks_survive_pressure_and_new_writes_go_below(tmp_path: Path) -> None:
     store = make_store(host=300, disk=600, tmp=tmp_path)
-    for i in "abc":
-        put(store, i)
+    for name in "abc":
+        put(store, name)
     lease = store.lookup(keys(*"ab"), lease_ttl_s=30).lease_id
     assert lease is not None
     for i in range(10):
@@ -195,7 +195,7 @@ def test_bad_inputs_store_nothing() -> None:
 def corrupt_lmdb_value(path: Path, k: bytes) -> None:
     env = lmdb.open(str(path))
     with env.begin(write=True) as txn:
-        value = bytearray(txn.get(k))
+        value = bytearray(txn.get(k) or b"")
         value[HEADER_BYTES + 3] ^= 0xFF  # one payload byte
         txn.put(k, bytes(value))
     env.close()
@@ -296,3 +296,18 @@ def test_random_operations_keep_integrity(tmp_path: Path) -> None:
     store.check_integrity()
     assert store.stats().pinned_blocks == 0
     store.close()
+
+
+@pytest.mark.gpu
+def test_device_tier_on_cuda(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kvstore.device_tier import DeviceTier
+
+    store = BlockStore([(DeviceTier("cuda"), 300), (make_store(host=300).tiers[0].storage, 300)], clock=FakeClock())
+    for i in "abcd":
+        put(store, i)
+    assert store.tier_of(key("d")) == Tier.DEVICE and store.tier_of(key("a")) == Tier.HOST
+    assert read(store, "a") == payload("a")
+    assert store.tier_of(key("a")) == Tier.DEVICE
