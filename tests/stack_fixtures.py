@@ -57,8 +57,12 @@ def oracle(arch: str, token_ids: Sequence[int], max_new_tokens: int) -> tuple[li
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         output_logits=True, return_dict_in_generate=True,
     )
+    input_ids = torch.tensor([list(token_ids)])
+    # An explicit mask: generate would otherwise mask every prompt token equal to pad_token_id.
     with torch.inference_mode():
-        out = _hf_model(arch).generate(torch.tensor([list(token_ids)]), generation_config=config)  # type: ignore[operator]
+        out = _hf_model(arch).generate(  # type: ignore[operator]
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+        )
     return out.sequences[0, len(token_ids):].tolist(), [step[0] for step in out.logits]
 
 
@@ -205,3 +209,84 @@ class LocalStack:
         self.decode_server.stop(0)
         self.decode.stop()
         self.prefill_server.stop(0)
+
+
+# --- the three services as real processes on loopback ------------------------------------------
+
+
+class ProcessStack:
+    """A KV store process, and a prefill + decode process per arch, all on port 0 over loopback.
+
+    Started with `python -m <package>`; ports come from their `LISTENING <port>` lines. Logs go to
+    files under the test workdir (named in failures).
+    """
+
+    def __init__(self, name: str, archs: Sequence[str], store_args: Sequence[str] = ()) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from client.stack import Service, start_service
+
+        for arch in archs:  # build here, once: the start-up threads below must not race to write them
+            model_dir(arch)
+        self.dir = workdir() / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.store_args = ["--disk-capacity", "256MiB", "--disk-path", str(self.dir / "lmdb"), *store_args]
+        self.store: Service = start_service(
+            "kvstore", "kvstore", ["--listen", "127.0.0.1:0", *self.store_args], self.dir / "kvstore.log"
+        )
+        self.prefill: dict[str, Service] = {}
+        self.decode: dict[str, Service] = {}
+        try:
+            with ThreadPoolExecutor(len(archs)) as pool:
+                for arch, svc in zip(archs, pool.map(self._start_prefill, archs), strict=True):
+                    self.prefill[arch] = svc
+                for arch, svc in zip(archs, pool.map(self._start_decode, archs), strict=True):
+                    self.decode[arch] = svc
+        except BaseException:
+            self.stop()
+            raise
+
+    def _common(self, arch: str) -> list[str]:
+        return ["--model", str(model_dir(arch)), "--kvstore", self.store.addr, "--block-size", str(BLOCK_SIZE),
+                "--listen", "127.0.0.1:0", "--log-level", "WARNING"]
+
+    def _start_prefill(self, arch: str):  # type: ignore[no-untyped-def]
+        from client.stack import start_service
+
+        return start_service(f"prefill-{arch}", "prefill_service", self._common(arch),
+                             self.dir / f"prefill-{arch}.log")
+
+    def _start_decode(self, arch: str):  # type: ignore[no-untyped-def]
+        from client.stack import start_service
+
+        return start_service(f"decode-{arch}", "decode_service",
+                             [*self._common(arch), "--prefill", self.prefill[arch].addr],
+                             self.dir / f"decode-{arch}.log")
+
+    def kill_store(self) -> None:
+        """SIGKILL: no flush, no goodbye."""
+        self.store.process.kill()
+        self.store.process.wait()
+
+    def restart_store(self) -> None:
+        """A new store process on the same port (same disk path)."""
+        from client.stack import start_service
+
+        self.store = start_service("kvstore", "kvstore", ["--listen", f"127.0.0.1:{self.store.port}",
+                                                          *self.store_args], self.dir / "kvstore.log")
+
+    def stop(self) -> None:
+        """SIGTERM to every process at once, then wait (SIGKILL after 10 s)."""
+        import signal
+        import subprocess
+
+        procs = [svc.process for svc in [*self.decode.values(), *self.prefill.values(), self.store]]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
