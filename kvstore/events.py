@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
 from typing import NamedTuple
 
 from kvstore.types import Tier
@@ -73,7 +72,3 @@ class EventHub:
     def close(self) -> None:
         for sub in list(self._subs):
             sub.close()
-
-    def stream(self, sub: Subscription, timeout_s: float) -> Iterator[list[StoreEvent]]:
-        while not sub.closed:
-            yield sub.take(timeout_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Lease]:
         return iter(self._leases.values())
 
     def add(self, entries: list[tuple[bytes, Any]], ttl_s: float) -> Lease:

@@ -135,6 +135,8 @@ class BlockStore:
         shm = self.shm_tier
         if shm is None or path.parent != shm.dir:
             raise InvalidRequest("shared-memory puts are off on this server")
+        if path.is_symlink():
+            raise InvalidRequest(f"staged block file {path.name} is a symlink")
         try:
             data = path.read_bytes()
         except FileNotFoundError:
