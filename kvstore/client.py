@@ -9,6 +9,7 @@ falls back to the plain chunked gRPC path, which remote clients always use.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -65,9 +66,9 @@ class KVStoreClient:
         self.checksum_failures = 0  # blocks received whose checksum did not match (reported as None)
         self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._shm_dir: Path | None = None
         self._reader: ShmReader | None = None
         self._shm_checked = False
+        self._shm_lock = threading.Lock()
         self._report: grpc.Future | None = None
         self._unreported: list[bytes] = []
         self._reported_at = 0.0
@@ -89,20 +90,24 @@ class KVStoreClient:
 
     def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
         """Stores (hash, payload) pairs, in prefix order; returns how many were new."""
-        shm = self.shm_dir()
+        reader = self._shm()
+        shm = None if reader is None else Path(reader.dir)
         staged: list[Path] = []
 
         def requests() -> Iterator[pb.PutRequest]:
+            nonlocal shm
             for key, payload in blocks:
                 csum = checksum(payload)
-                if shm is not None and payload:
-                    name = stage_block_file(shm, payload, csum)
+                name = self._stage(shm, payload, csum) if shm is not None and payload else None
+                if name is not None:
+                    assert shm is not None
                     staged.append(shm / name)
                     chunk = pb.BlockChunk(hash=key, total_size=len(payload), checksum=csum, shm_name=name)
                     yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
-                else:
-                    for chunk in split_block(key, payload, csum):
-                        yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+                    continue
+                shm = None  # shared memory failed us: the rest goes as bytes
+                for chunk in split_block(key, payload, csum):
+                    yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
 
         try:
             response = self._stub.Put(requests(), timeout=self.timeout_s)
@@ -125,10 +130,11 @@ class KVStoreClient:
         keys = list(hashes)
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        if self.shm_dir() is not None:
-            todo = self._read_shm(keys, out)
+        reader = self._shm()
+        if reader is not None:
+            todo = self._read_shm(reader, keys, out)
         if todo:
-            self._get_rpc(keys, todo, out, via_shm=self._reader is not None)
+            self._get_rpc(keys, todo, out, reader)
         return out
 
     def get_into(self, hashes: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
@@ -137,7 +143,7 @@ class KVStoreClient:
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        reader = self._reader if self.shm_dir() is not None else None
+        reader = self._shm()
         if reader is not None:
             found_at: list[int] = []
             todo = []
@@ -178,31 +184,53 @@ class KVStoreClient:
             yield BlockEvent(ev.kind == pb.Event.KIND_STORED, list(ev.hashes), _tier_name(ev.tier) if ev.tier else None)
 
     def shm_dir(self) -> Path | None:
-        """The server's shared-memory dir when this client can use it, else None (asked once)."""
+        """The server's shared-memory dir when this client can use it, else None."""
+        reader = self._shm()
+        return None if reader is None else Path(reader.dir)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _shm(self) -> ShmReader | None:
+        # Asks Info once, and again whenever the dir has gone (the server restarted elsewhere).
         if not self.use_shm:
             return None
-        if not self._shm_checked:
+        with self._shm_lock:
+            reader = self._reader
+            if self._shm_checked and (reader is None or os.path.isdir(reader.dir)):
+                return reader
+            if reader is not None:
+                reader.close()
             try:
                 info = self.info()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 info = StoreInfo("", "", 0)
-            self._shm_dir = usable_dir(info.shm_dir) if info.host_id == host_id() else None
-            self._reader = ShmReader(self._shm_dir, self.shm_map_bytes) if self._shm_dir else None
+            shm = usable_dir(info.shm_dir) if info.host_id == host_id() else None
+            self._reader = ShmReader(shm, self.shm_map_bytes) if shm else None
             self._shm_checked = True
-        return self._shm_dir
+            return self._reader
+
+    def _forget_shm(self) -> None:
+        with self._shm_lock:
+            self._shm_checked = False
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _read_shm(self, keys: list[bytes], out: list[bytes | None]) -> list[int]:
+    def _stage(self, shm: Path, payload: bytes, csum: int) -> str | None:
+        try:
+            return stage_block_file(shm, payload, csum)
+        except OSError:  # the dir went away (server restarted) or shm is full
+            self._forget_shm()
+            return None
+
+    def _read_shm(self, reader: ShmReader, keys: list[bytes], out: list[bytes | None]) -> list[int]:
         """Reads what lies in the shm tier; reports the reads so the server's LRU and hit counts
         stay exact; returns the positions still to fetch."""
-        assert self._reader is not None
         todo: list[int] = []
         found: list[bytes] = []
         for i, key in enumerate(keys):
-            payload = self._reader.read(key.hex()) if len(key) == 32 else None
+            payload = reader.read(key.hex()) if len(key) == 32 else None
             if payload is None:
                 todo.append(i)
             else:
@@ -232,11 +260,11 @@ class KVStoreClient:
             if now:
                 self._report.exception()
 
-    def _get_rpc(self, keys: list[bytes], todo: list[int], out: list[bytes | None], *, via_shm: bool) -> None:
+    def _get_rpc(self, keys: list[bytes], todo: list[int], out: list[bytes | None], reader: ShmReader | None) -> None:
         assembler = BlockAssembler(_NO_LIMIT)
         retry: list[int] = []
         pending = iter(todo)
-        request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=via_shm)
+        request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=reader is not None)
         for response in self._stub.Get(request, timeout=self.timeout_s):
             if not response.found:
                 next(pending)
@@ -248,7 +276,7 @@ class KVStoreClient:
             if block.key != keys[i]:
                 raise ValueError(f"store answered block {block.key.hex()[:16]} for {keys[i].hex()[:16]}")
             if block.shm_name:
-                payload = self._reader.read(block.shm_name, block.checksum) if self._reader else None
+                payload = reader.read(block.shm_name, block.checksum) if reader else None
                 if payload is None:
                     retry.append(i)  # removed between the answer and the read
                     continue
@@ -259,7 +287,7 @@ class KVStoreClient:
                 self.checksum_failures += 1
         assembler.finish()
         if retry:
-            self._get_rpc(keys, retry, out, via_shm=False)
+            self._get_rpc(keys, retry, out, None)
 
 
 def tune_malloc_for_blocks() -> bool:

@@ -112,7 +112,7 @@ class ShmReader:
         # less memory bandwidth, and it checks exactly the bytes handed out.
         try:
             inode = os.stat(name, dir_fd=self._dir_fd).st_ino
-        except FileNotFoundError:
+        except OSError:  # gone, or this reader was closed
             self._forget(name)
             return None
         with self._lock:
@@ -141,7 +141,7 @@ class ShmReader:
     def _map(self, name: str, path: str) -> memoryview | None:
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        except OSError:
             return None
         try:
             st = os.fstat(fd)

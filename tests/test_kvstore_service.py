@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import KVStoreClient
 from kvstore.block_format import checksum
-from kvstore.server import StoreServer
+from kvstore.server import StoreConfig, StoreServer
 from kvstore.serving import CHANNEL_OPTIONS
 from kvstore.shm import ShmReader
 from kvstore.types import Tier
@@ -235,3 +235,22 @@ def test_metrics_are_served(tmp_path: Path) -> None:
     assert "kvstore_leases 1.0" in text
     for name in ("bytes", "misses_total", "evictions_total", "demotions_total", "promotions_total", "checksum_failures_total"):
         assert f"kvstore_{name}" in text
+
+
+def test_client_follows_a_restarted_store_to_its_new_shm_dir(tmp_path: Path) -> None:
+    config = StoreConfig(shm_root=str(tmp_path), disk_capacity=1 * MiB, disk_path=tmp_path / "db")
+    first = StoreServer(config)
+    port = first.start()
+    with KVStoreClient(f"127.0.0.1:{port}") as c:
+        old_dir = c.shm_dir()
+        assert c.put([(key(1), payload(1))]) == 1
+        first.stop(0.5)  # flushes to disk, removes its shm dir
+        second = StoreServer(config, f"127.0.0.1:{port}")
+        second.start()
+        try:
+            assert c.put([(key(2), payload(2))]) == 1
+            assert c.shm_dir() not in (None, old_dir)
+            assert c.get([key(1), key(2)]) == [payload(1), payload(2)]
+            assert c.put([(key(3), payload(3))]) == 1
+        finally:
+            second.stop(0.5)
