@@ -71,5 +71,8 @@ class StoreSession:
             return
         try:
             self._client.release(lease_id)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]  # NOT_FOUND: it expired
+                self._fail("release", exc)
         except STORE_ERRORS as exc:
             self._fail("release", exc)

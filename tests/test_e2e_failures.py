@@ -58,16 +58,7 @@ def test_bad_input_gets_a_precise_status(client: Client) -> None:
         client.generate("hi", max_tokens=9000)
 
 
-SHM_BUG = (
-    "kvstore bug: KVStoreClient remembers the store's shared-memory dir for good; after the store "
-    "restarts in a new dir every put fails (FileNotFoundError staging the block), so nothing is stored again"
-)
-
-
-@pytest.mark.parametrize(
-    "shm", [pytest.param(True, id="shm", marks=pytest.mark.xfail(strict=True, reason=SHM_BUG)),
-            pytest.param(False, id="no-shm")],
-)
+@pytest.mark.parametrize("shm", [pytest.param(True, id="shm"), pytest.param(False, id="no-shm")])
 def test_store_killed_then_restarted(stack: ProcessStack, shm: bool) -> None:
     if shm:
         check_store_restart(stack)
