@@ -29,12 +29,14 @@ from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 _NO_LIMIT = 1 << 62
 _REPORT_INTERVAL_S = 0.05
 _REPORT_KEYS = 4096
+_STAGED_BATCH_BYTES = 4 << 20  # same-host put: staged blocks named per message
 
 
 class StoreInfo(NamedTuple):
     host_id: str
     shm_dir: str
     max_message_bytes: int
+    shm_token: str = ""
 
 
 class BlockEvent(NamedTuple):
@@ -89,25 +91,36 @@ class KVStoreClient:
     # -- contract ------------------------------------------------------------------------------
 
     def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
-        """Stores (hash, payload) pairs, in prefix order; returns how many were new."""
+        """Stores (hash, payload) pairs, in prefix order; returns how many were new. A hash
+        already stored keeps its payload (blocks are immutable: the first write wins)."""
         reader = self._shm()
         shm = None if reader is None else Path(reader.dir)
         staged: list[Path] = []
 
         def requests() -> Iterator[pb.PutRequest]:
             nonlocal shm
+            batch: list[pb.BlockChunk] = []
+            batch_bytes = 0
             for key, payload in blocks:
                 csum = checksum(payload)
                 name = self._stage(shm, payload, csum) if shm is not None and payload else None
                 if name is not None:
                     assert shm is not None
                     staged.append(shm / name)
-                    chunk = pb.BlockChunk(hash=key, total_size=len(payload), checksum=csum, shm_name=name)
-                    yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+                    batch.append(pb.BlockChunk(hash=key, total_size=len(payload), checksum=csum, shm_name=name))
+                    batch_bytes += len(payload)
+                    if batch_bytes >= _STAGED_BATCH_BYTES:  # the server verifies these while we stage more
+                        yield pb.PutRequest(staged=batch, ephemeral=ephemeral)
+                        batch, batch_bytes = [], 0
                     continue
+                if batch:
+                    yield pb.PutRequest(staged=batch, ephemeral=ephemeral)
+                    batch, batch_bytes = [], 0
                 shm = None  # shared memory failed us: the rest goes as bytes
                 for chunk in split_block(key, payload, csum):
                     yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+            if batch:
+                yield pb.PutRequest(staged=batch, ephemeral=ephemeral)
 
         try:
             response = self._stub.Put(requests(), timeout=self.timeout_s)
@@ -176,7 +189,7 @@ class KVStoreClient:
 
     def info(self) -> StoreInfo:
         r = self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
-        return StoreInfo(r.host_id, r.shm_dir, int(r.max_message_bytes))
+        return StoreInfo(r.host_id, r.shm_dir, int(r.max_message_bytes), r.shm_token)
 
     def events(self) -> Iterator[BlockEvent]:
         """Blocks stored and removed, as they happen (no deadline; cancel by closing the client)."""
@@ -206,7 +219,7 @@ class KVStoreClient:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 info = StoreInfo("", "", 0)
-            shm = usable_dir(info.shm_dir) if info.host_id == host_id() else None
+            shm = usable_dir(info.shm_dir, info.shm_token) if info.host_id == host_id() else None
             self._reader = ShmReader(shm, self.shm_map_bytes) if shm else None
             self._shm_checked = True
             return self._reader

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from kvstore.tier import TierStorage
-from kvstore.types import Tier
+from kvstore.types import Buffer, Tier
 
 
 class DeviceTier(TierStorage):
@@ -22,7 +22,7 @@ class DeviceTier(TierStorage):
             raise ValueError("--device cuda asked for, but CUDA is not available; use --device cpu or off")
         self._blocks: dict[bytes, torch.Tensor] = {}
 
-    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
+    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer on read-only bytes; we copy at once
             src = torch.frombuffer(payload, dtype=torch.uint8)

@@ -11,21 +11,33 @@ from __future__ import annotations
 import fcntl
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 import lmdb
 
 from kvstore.block_format import HEADER_BYTES, BlockHeader, CorruptBlock, pack_header, unpack_header, verify
 from kvstore.tier import TierStorage
-from kvstore.types import HASH_BYTES, Tier
+from kvstore.types import HASH_BYTES, Buffer, Tier
 
 log = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
 TOMBSTONE = None
+
+
+class Record(NamedTuple):
+    """A pending write: the block's header and its payload (possibly a view of a shm file)."""
+
+    header: bytes
+    payload: Buffer
+
+
+def _size(record: Record | None) -> int:
+    return 0 if record is None else HEADER_BYTES + len(record.payload)
 
 
 class _SharedLock:
@@ -78,7 +90,7 @@ class DiskTier(TierStorage):
         self._env = lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False)
         self._env_lock = _SharedLock()
         self._cond = threading.Condition()
-        self._pending: dict[bytes, bytes | None] = {}
+        self._pending: dict[bytes, Record | None] = {}
         self._pending_bytes = 0
         self._max_pending_bytes = max_pending_bytes
         self._stopping = False
@@ -98,19 +110,19 @@ class DiskTier(TierStorage):
 
     # -- TierStorage ---------------------------------------------------------------------------
 
-    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
-        record = pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq) + payload
-        self._enqueue(key, record)
+    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
+        # No copy here (the store's lock is held): the writer thread joins header and payload.
+        self._enqueue(key, Record(pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq), payload))
 
     def delete(self, key: bytes) -> None:
         self._enqueue(key, TOMBSTONE)
 
-    def read(self, key: bytes) -> bytes | None:
+    def read(self, key: bytes) -> Buffer | None:
         """The verified payload, None when absent; raises CorruptBlock for a damaged record."""
         with self._cond:
             if key in self._pending:
                 record = self._pending[key]
-                return None if record is None else record[HEADER_BYTES:]
+                return None if record is None else record.payload
         with self._env_lock.shared(), self._env.begin(buffers=True) as txn:
             value = txn.get(key)
             if value is None:
@@ -139,12 +151,16 @@ class DiskTier(TierStorage):
                 self._env.sync(True)
         return done
 
-    def close(self) -> None:
-        self.flush(timeout_s=30.0)
+    def close(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        self.flush(timeout_s)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._writer.join(timeout=30.0)
+        self._writer.join(max(0.0, deadline - time.monotonic()))
+        if self._writer.is_alive():  # mid-commit: LMDB stays consistent if the process exits now
+            log.warning("disk tier: %d writes not committed at close", len(self._pending))
+            return
         self._env.close()
         self._lock_file.close()
 
@@ -177,10 +193,10 @@ class DiskTier(TierStorage):
 
     # -- writer ---------------------------------------------------------------------------------
 
-    def _enqueue(self, key: bytes, record: bytes | None) -> None:
+    def _enqueue(self, key: bytes, record: Record | None) -> None:
         with self._cond:
             old = self._pending.get(key)
-            self._pending_bytes += (0 if record is None else len(record)) - (0 if old is None else len(old))
+            self._pending_bytes += _size(record) - _size(old)
             self._pending[key] = record
             self._cond.notify_all()
 
@@ -196,10 +212,10 @@ class DiskTier(TierStorage):
                 for key, record in batch.items():
                     if self._pending.get(key, 0) is record:
                         del self._pending[key]
-                        self._pending_bytes -= 0 if record is None else len(record)
+                        self._pending_bytes -= _size(record)
                 self._cond.notify_all()
 
-    def _commit(self, batch: dict[bytes, bytes | None]) -> None:
+    def _commit(self, batch: dict[bytes, Record | None]) -> None:
         for _ in range(8):
             try:
                 with self._env_lock.shared(), self._env.begin(write=True) as txn:
@@ -207,7 +223,7 @@ class DiskTier(TierStorage):
                         if record is None:
                             txn.delete(key)
                         else:
-                            txn.put(key, record)
+                            txn.put(key, record.header + record.payload)
                 return
             except lmdb.MapFullError:
                 self._grow()

@@ -8,9 +8,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from kvstore.block_format import HEADER_BYTES, pack_header
+from kvstore.block_format import HEADER_BYTES
+from kvstore.shm import SHM_TOKEN_FILE, map_block_file, stage_block_file
 from kvstore.tier import TierStorage
-from kvstore.types import Tier
+from kvstore.types import Buffer, Tier
 
 
 class MemoryHostTier(TierStorage):
@@ -21,7 +22,7 @@ class MemoryHostTier(TierStorage):
     def __init__(self) -> None:
         self._blocks: dict[bytes, bytes] = {}
 
-    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
+    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         self._blocks[key] = bytes(payload)
 
     def read(self, key: bytes) -> bytes | None:
@@ -51,6 +52,8 @@ class ShmHostTier(TierStorage):
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.token = uuid.uuid4().hex  # proves to a client that it sees this very dir
+        (self.dir / SHM_TOKEN_FILE).write_text(self.token)
         self._keys: set[bytes] = set()
 
     @classmethod
@@ -61,30 +64,23 @@ class ShmHostTier(TierStorage):
     def path(self, key: bytes) -> Path:
         return self.dir / block_file_name(key)
 
-    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None:
-        tmp = self.dir / f"w-{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.writev(fd, [pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq), payload])
-        finally:
-            os.close(fd)
-        self.adopt(key, tmp)
+    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
+        self.adopt(key, self.stage(payload, checksum, ephemeral=ephemeral, seq=seq))
+
+    def stage(self, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int = 0) -> Path:
+        """Writes a block file under a temporary name, for `adopt` (callers do this outside the
+        store's lock: it is the copy)."""
+        return self.dir / stage_block_file(self.dir, payload, checksum, ephemeral=ephemeral, seq=seq)
 
     def adopt(self, key: bytes, staged: Path) -> None:
         """Publishes a verified staged file (header + payload) as block `key`."""
         os.rename(staged, self.path(key))
         self._keys.add(key)
 
-    def read(self, key: bytes) -> bytes | None:
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size - HEADER_BYTES
-            return os.pread(fd, size, HEADER_BYTES)
-        finally:
-            os.close(fd)
+    def read(self, key: bytes) -> memoryview | None:
+        """A read-only mapping of the payload (no copy); it stays valid if the block goes."""
+        mapped = map_block_file(self.path(key))
+        return None if mapped is None else mapped[0][HEADER_BYTES:]
 
     def delete(self, key: bytes) -> None:
         self._keys.discard(key)
@@ -94,7 +90,7 @@ class ShmHostTier(TierStorage):
     def keys(self) -> set[bytes]:
         return set(self._keys)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
         self._keys.clear()
 

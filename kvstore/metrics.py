@@ -10,34 +10,29 @@ from prometheus_client.registry import Collector
 from kvstore.store import BlockStore
 
 
+_PER_TIER: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
+    (GaugeMetricFamily, "blocks", "Blocks held per tier"),
+    (GaugeMetricFamily, "bytes", "Payload bytes held per tier"),
+    (GaugeMetricFamily, "capacity_bytes", "Byte capacity per tier"),
+    (CounterMetricFamily, "hits", "Block accesses (Lookup, Get) served by the tier"),
+    (CounterMetricFamily, "misses", "Block accesses that did not find the block in the tier"),
+    (CounterMetricFamily, "evictions", "Blocks dropped from the store by the tier"),
+    (CounterMetricFamily, "demotions", "Blocks moved down out of the tier"),
+    (CounterMetricFamily, "promotions", "Blocks moved up out of the tier on a hit"),
+]
+
+
 class StoreCollector(Collector):
     def __init__(self, store: BlockStore) -> None:
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
         stats = self.store.stats()
-        gauges = {
-            "blocks": ("Blocks held per tier", lambda t: t.blocks),
-            "bytes": ("Payload bytes held per tier", lambda t: t.bytes),
-            "capacity_bytes": ("Byte capacity per tier", lambda t: t.capacity_bytes),
-        }
-        for name, (doc, get) in gauges.items():
-            g = GaugeMetricFamily(f"kvstore_{name}", doc, labels=["tier"])
+        for family, name, doc in _PER_TIER:  # name: a TierStats field
+            metric = family(f"kvstore_{name}", doc, labels=["tier"])
             for t in stats.tiers:
-                g.add_metric([t.tier], get(t))
-            yield g
-        counters = {
-            "hits": ("Block accesses (Lookup, Get) served by the tier", lambda t: t.hits),
-            "misses": ("Block accesses that did not find the block in the tier", lambda t: t.misses),
-            "evictions": ("Blocks dropped from the store by the tier", lambda t: t.evictions),
-            "demotions": ("Blocks moved down out of the tier", lambda t: t.demotions),
-            "promotions": ("Blocks moved up out of the tier on a hit", lambda t: t.promotions),
-        }
-        for name, (doc, get) in counters.items():
-            c = CounterMetricFamily(f"kvstore_{name}", doc, labels=["tier"])
-            for t in stats.tiers:
-                c.add_metric([t.tier], get(t))
-            yield c
+                metric.add_metric([t.tier], getattr(t, name))
+            yield metric
         yield CounterMetricFamily(
             "kvstore_checksum_failures", "Corrupt blocks found, deleted and reported as misses",
             value=stats.checksum_failures,

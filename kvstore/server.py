@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,20 +47,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
         assembler = BlockAssembler(self.store.max_block_bytes)
         keys: list[bytes] = []
-        num_new = ephemeral = 0
+        num_new = 0
+        ephemeral = False
         for request in request_iterator:
-            if not assembler.in_block:
-                ephemeral = request.ephemeral
-            block = assembler.feed(request.chunk)
-            if block is None:
-                continue
-            if block.shm_name:
-                added = self.store.put_file(block.key, self._staged_path(block.shm_name), block.checksum, ephemeral=bool(ephemeral))
-            else:
-                assert block.payload is not None
-                added = self.store.put(block.key, block.payload, block.checksum, ephemeral=bool(ephemeral))
-            num_new += added
-            keys.append(block.key)
+            for chunk in _chunks_of(request):
+                if not assembler.in_block:
+                    ephemeral = request.ephemeral
+                block = assembler.feed(chunk)
+                if block is None:
+                    continue
+                if block.shm_name:
+                    staged = self._staged_path(block.shm_name)
+                    added = self.store.put_file(block.key, staged, block.checksum, ephemeral=ephemeral)
+                else:
+                    assert block.payload is not None
+                    added = self.store.put(block.key, block.payload, block.checksum, ephemeral=ephemeral)
+                num_new += added
+                keys.append(block.key)
         assembler.finish()
         if not keys:
             raise InvalidRequest("empty put: the stream carried no blocks")
@@ -115,7 +119,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         shm = self.store.shm_tier
         return pb.InfoResponse(
-            host_id=self.host_id, shm_dir=str(shm.dir) if shm else "", max_message_bytes=serving.MAX_MESSAGE_BYTES
+            host_id=self.host_id, shm_dir=str(shm.dir) if shm else "", shm_token=shm.token if shm else "",
+            max_message_bytes=serving.MAX_MESSAGE_BYTES,
         )
 
     def _staged_path(self, name: str) -> Path:
@@ -125,6 +130,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if not STAGED_NAME.fullmatch(name):
             raise InvalidRequest(f"bad staged block name {name!r}")
         return shm.dir / name
+
+
+def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:
+    if not request.staged:
+        return [request.chunk]
+    if request.HasField("chunk") or any(not c.shm_name for c in request.staged):
+        raise InvalidRequest("a put request carries either one chunk or staged blocks (each with shm_name)")
+    return list(request.staged)
 
 
 def _pb_tier(tier: Tier | str | None) -> pb.Tier:
@@ -228,9 +241,10 @@ class StoreServer:
             return
         self._closed = True
         self._stop_sweeper.set()
+        deadline = time.monotonic() + self.config.flush_timeout_s
         self.flush_result = self.store.flush_to_disk(self.config.flush_timeout_s)
         log.info("flushed %d blocks to disk (%d left in memory, durable=%s)", *self.flush_result)
-        self.store.close()
+        self.store.close(timeout_s=max(1.0, deadline - time.monotonic()))
 
     def __enter__(self) -> StoreServer:
         self.start()

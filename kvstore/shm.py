@@ -15,9 +15,11 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-from kvstore.block_format import HEADER_BYTES, CorruptBlock, checksum, pack_header, unpack_header, verify
+from kvstore.block_format import HEADER_BYTES, CorruptBlock, checksum, pack_header, unpack_header
+from kvstore.types import Buffer
 
 STAGED_NAME = re.compile(r"put-[0-9a-f]{32}\.tmp")
+SHM_TOKEN_FILE = ".token"  # in the server's shm dir; its content is InfoResponse.shm_token
 
 
 def host_id() -> str:
@@ -28,41 +30,45 @@ def host_id() -> str:
         return socket.gethostname()
 
 
-def usable_dir(path: str) -> Path | None:
-    """The server's shm dir if this process can use it (same machine and mount, permissions)."""
-    if not path or not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-        return None
-    return Path(path)
-
-
-def read_block_file(path: Path, expected_checksum: int | None = None) -> bytes | None:
-    """A verified payload (one copy from the page cache), or None if absent or damaged."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
+def usable_dir(path: str, token: str) -> Path | None:
+    """The server's shm dir if this process really shares it: the dir is accessible and holds
+    the server's token (a same-named dir in another mount namespace, such as a container
+    with its own /dev/shm on the same machine, does not)."""
+    if not path or not token or not os.access(path, os.R_OK | os.W_OK | os.X_OK):
         return None
     try:
-        header = unpack_header(os.read(fd, HEADER_BYTES))
-        payload = os.read(fd, header.size)
-        verify(header, payload)
-    except CorruptBlock:
+        seen = (Path(path) / SHM_TOKEN_FILE).read_text()
+    except OSError:
         return None
-    finally:
-        os.close(fd)
-    if expected_checksum is not None and header.checksum != expected_checksum:
-        return None
-    return payload
+    return Path(path) if seen == token else None
 
 
-def stage_block_file(directory: Path, payload: bytes, checksum: int) -> str:
-    """Writes a block as a staged file for a same-host put; returns its name."""
+def stage_block_file(directory: Path, payload: Buffer, checksum: int, *, ephemeral: bool = False, seq: int = 0) -> str:
+    """Writes a block (header + payload) as a new staged file in `directory`; returns its name."""
     name = f"put-{uuid.uuid4().hex}.tmp"
     fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.writev(fd, [pack_header(len(payload), checksum), payload])
+        os.writev(fd, [pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq), payload])
     finally:
         os.close(fd)
     return name
+
+
+def map_block_file(path: Path | str, *, populate: bool = False) -> tuple[memoryview, int] | None:
+    """A read-only mapping of a whole block file (header + payload) and its inode, or None if it
+    is absent, a symlink or shorter than a header. The mapping outlives an unlink of the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_size < HEADER_BYTES:
+            return None
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return memoryview(mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)), st.st_ino
+    finally:
+        os.close(fd)
 
 
 class ShmReader:
@@ -123,7 +129,7 @@ class ShmReader:
             else:
                 whole = None
         if whole is None:
-            whole = self._map(name, f"{self.dir}/{name}")
+            whole = self._map(name)
             if whole is None:
                 return None
         try:
@@ -138,23 +144,15 @@ class ShmReader:
             return None
         return whole[HEADER_BYTES:], header.checksum
 
-    def _map(self, name: str, path: str) -> memoryview | None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
+    def _map(self, name: str) -> memoryview | None:
+        mapped = map_block_file(f"{self.dir}/{name}", populate=True)
+        if mapped is None:
             return None
-        try:
-            st = os.fstat(fd)
-            if st.st_size < HEADER_BYTES:
-                return None
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            whole = memoryview(mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ))
-        finally:
-            os.close(fd)
+        whole, inode = mapped
         with self._lock:
             old = self._maps.pop(name, None)
             self._mapped -= 0 if old is None else len(old[1])
-            self._maps[name] = (st.st_ino, whole)
+            self._maps[name] = (inode, whole)
             self._mapped += len(whole)
             while self._mapped > self.max_mapped_bytes and len(self._maps) > 1:
                 _, (_, dropped) = self._maps.popitem(last=False)

@@ -27,8 +27,9 @@ from kvstore.events import EventHub, StoreEvent
 from kvstore.host_tier import ShmHostTier
 from kvstore.leases import MAX_TTL_S, LeaseTable
 from kvstore.policy import EvictionPolicy
+from kvstore.shm import map_block_file
 from kvstore.tier import TierStorage
-from kvstore.types import HASH_BYTES, LookupResult, StoreStats, Tier, TierStats
+from kvstore.types import HASH_BYTES, Buffer, LookupResult, StoreStats, Tier, TierStats
 
 _READ_RETRIES = 4
 
@@ -64,7 +65,7 @@ class TierSlot:
 
 
 class BlockRead(NamedTuple):
-    payload: bytes | None  # None when served by shm_path
+    payload: Buffer | None  # None when served by shm_path
     shm_path: Path | None  # same-host path: the block's file in the shared-memory tier
     size: int
     checksum: int
@@ -75,6 +76,9 @@ class FlushResult(NamedTuple):
     moved: int  # blocks moved from memory tiers to disk
     left: int  # blocks still only in memory (deadline passed or disk too small)
     durable: bool  # disk writes all committed
+
+
+Write = Callable[[TierSlot, int], None]  # writes one block into a tier slot, given its write sequence
 
 
 class IntegrityError(AssertionError):
@@ -119,48 +123,47 @@ class BlockStore:
 
     # -- public operations ---------------------------------------------------------------------
 
-    def put(self, key: bytes, payload: bytes, checksum_: int | None = None, *, ephemeral: bool = False) -> bool:
-        """Stores a block; False when it was already there (puts are idempotent)."""
+    def put(self, key: bytes, payload: Buffer, checksum_: int | None = None, *, ephemeral: bool = False) -> bool:
+        """Stores a block; False when the hash is already there, whatever the payload (blocks are
+        immutable: the first write wins and puts are idempotent)."""
         check_key(key)
         if not payload:
             raise InvalidRequest("empty block payload")
         actual = checksum(payload)
         if checksum_ is not None and checksum_ != actual:
             raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
-        return self._insert(key, len(payload), actual, ephemeral, lambda s, seq: self._write(s, key, payload, actual, ephemeral, seq))
+        self._check_size(len(payload))
+        shm = self.shm_tier
+        staged = None
+        if shm is not None and key not in self._index:  # a hint: _insert decides under the lock
+            staged = shm.stage(payload, actual, ephemeral=ephemeral)  # the copy, outside the lock
+        return self._insert_staged(key, payload, actual, ephemeral, staged)
 
     def put_file(self, key: bytes, path: Path, checksum_: int, *, ephemeral: bool = False) -> bool:
-        """Stores a block staged by a same-host client as a file (header + payload) in the shm tier."""
+        """Stores a block staged by a same-host client as a file (header + payload) in the shm
+        tier's dir: verified in place, then renamed into the tier (or copied to another tier)."""
         check_key(key)
         shm = self.shm_tier
         if shm is None or path.parent != shm.dir:
+            path.unlink(missing_ok=True)
             raise InvalidRequest("shared-memory puts are off on this server")
-        if path.is_symlink():
-            raise InvalidRequest(f"staged block file {path.name} is a symlink")
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise InvalidRequest(f"staged block file {path.name} does not exist") from None
-        try:
-            header = unpack_header(data)
-            verify(header, memoryview(data)[HEADER_BYTES:])
+            mapped = map_block_file(path, populate=True)
+            if mapped is None:
+                raise InvalidRequest(f"staged block file {path.name} is missing, a symlink or too short")
+            header = unpack_header(mapped[0])
+            payload = mapped[0][HEADER_BYTES:]
+            verify(header, payload)
+            if header.size == 0 or header.checksum != checksum_:
+                raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
+            self._check_size(header.size)
         except CorruptBlock as exc:
             path.unlink(missing_ok=True)
             raise InvalidRequest(f"staged block {key.hex()[:16]}: {exc}; nothing stored") from None
-        if header.size == 0 or header.checksum != checksum_:
+        except Exception:
             path.unlink(missing_ok=True)
-            raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
-
-        def write(slot: TierSlot, seq: int) -> None:
-            if slot.storage is shm:
-                shm.adopt(key, path)
-            else:
-                self._write(slot, key, data[HEADER_BYTES:], checksum_, ephemeral, seq)
-
-        try:
-            return self._insert(key, header.size, checksum_, ephemeral, write)
-        finally:
-            path.unlink(missing_ok=True)  # no-op once adopted
+            raise
+        return self._insert_staged(key, payload, checksum_, ephemeral, path)
 
     def lookup(self, keys: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading keys are present and where; with a TTL, pins them under a lease."""
@@ -221,6 +224,8 @@ class BlockStore:
                 self._drop_if_lost(key, entry, level)
                 continue
             with self._lock:
+                if self._index.get(key) is not entry:
+                    continue  # dropped and stored again meanwhile: read the block now there
                 self._count_hit(level)
             if level > 0:
                 self._promote(key, entry, payload)
@@ -292,15 +297,16 @@ class BlockStore:
                     if payload is None:
                         left += 1
                         continue
-                    self._move(key, entry, disk_level, payload)
+                    self._move(key, entry, disk_level, self._writer(key, payload, entry.checksum, entry.ephemeral, None))
                     moved += 1
         durable = self._disk.flush(max(0.0, deadline - time.monotonic()))
         return FlushResult(moved, left, durable)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Closes every tier, waiting at most about timeout_s for pending disk writes."""
         self.events.close()
         for slot in self.tiers:
-            slot.storage.close()
+            slot.storage.close(timeout_s)
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless bytes per tier <= capacity and index, tiers, eviction
@@ -310,9 +316,31 @@ class BlockStore:
 
     # -- placement -----------------------------------------------------------------------------
 
-    def _insert(self, key: bytes, size: int, csum: int, ephemeral: bool, write: Callable[[TierSlot, int], None]) -> bool:
+    def _check_size(self, size: int) -> None:
         if size > self.max_block_bytes:
             raise BlockTooLarge(f"block of {size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)")
+
+    def _insert_staged(self, key: bytes, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> bool:
+        try:
+            return self._insert(key, len(payload), csum, ephemeral, self._writer(key, payload, csum, ephemeral, staged))
+        finally:
+            if staged is not None:
+                staged.unlink(missing_ok=True)  # no-op once adopted
+
+    def _writer(self, key: bytes, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> Write:
+        """Writes a block into the tier chosen under the lock: a staged file is renamed into the
+        shm tier (no copy under the lock); any other tier takes the payload."""
+        shm = self.shm_tier
+
+        def write(slot: TierSlot, seq: int) -> None:
+            if staged is not None and slot.storage is shm:
+                shm.adopt(key, staged)
+            else:
+                slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
+
+        return write
+
+    def _insert(self, key: bytes, size: int, csum: int, ephemeral: bool, write: Write) -> bool:
         with self._lock:
             self._expire_leases()
             existing = self._index.get(key)
@@ -333,9 +361,6 @@ class BlockStore:
         self._backpressure()
         return True
 
-    def _write(self, slot: TierSlot, key: bytes, payload: bytes, csum: int, ephemeral: bool, seq: int) -> None:
-        slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
-
     def _make_room(self, level: int, size: int) -> bool:
         """Frees `size` bytes in tier `level` by demoting its victims; False if it cannot."""
         slot = self.tiers[level]
@@ -353,34 +378,42 @@ class BlockStore:
         slot = self.tiers[level]
         below = level + 1
         if below < len(self.tiers) and self._make_room(below, entry.size):
-            payload = slot.storage.read(key)
+            payload = slot.storage.read(key)  # a view where the tier can: no copy under the lock
             if payload is not None:
-                self._move(key, entry, below, payload)
+                self._move(key, entry, below, self._writer(key, payload, entry.checksum, entry.ephemeral, None))
                 slot.demotions += 1
                 return
         self._remove(key, entry)
         slot.evictions += 1
 
-    def _promote(self, key: bytes, entry: Entry, payload: bytes) -> None:
-        with self._lock:
-            if self._index.get(key) is not entry or entry.level == 0:
-                return
-            src = entry.level
-            self._pin(key, entry)  # so making room above cannot demote it out from under us
-            try:
-                target = next((lv for lv in range(src) if self._make_room(lv, entry.size)), None)
-            finally:
-                self._unpin(key, entry)
-            if target is None:
-                return
-            self._move(key, entry, target, payload)
-            self.tiers[src].promotions += 1
+    def _promote(self, key: bytes, entry: Entry, payload: Buffer) -> None:
+        shm = self.shm_tier
+        staged = None
+        if shm is not None and any(s.storage is shm for s in self.tiers[: entry.level]):
+            staged = shm.stage(payload, entry.checksum, ephemeral=entry.ephemeral)  # outside the lock
+        try:
+            with self._lock:
+                if self._index.get(key) is not entry or entry.level == 0:
+                    return  # gone, or moved by a concurrent reader: blocks are immutable, nothing lost
+                src = entry.level
+                self._pin(key, entry)  # so making room above cannot demote it out from under us
+                try:
+                    target = next((lv for lv in range(src) if self._make_room(lv, entry.size)), None)
+                finally:
+                    self._unpin(key, entry)
+                if target is None:
+                    return
+                self._move(key, entry, target, self._writer(key, payload, entry.checksum, entry.ephemeral, staged))
+                self.tiers[src].promotions += 1
+        finally:
+            if staged is not None:
+                staged.unlink(missing_ok=True)
         self._backpressure()
 
-    def _move(self, key: bytes, entry: Entry, dst: int, payload: bytes) -> None:
+    def _move(self, key: bytes, entry: Entry, dst: int, write: Write) -> None:
         src_slot, dst_slot = self.tiers[entry.level], self.tiers[dst]
         self._seq += 1
-        dst_slot.storage.write(key, payload, entry.checksum, ephemeral=entry.ephemeral, seq=self._seq)
+        write(dst_slot, self._seq)
         src_slot.storage.delete(key)
         self._account(src_slot, key, entry, -1)
         entry.level = dst

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from kvstore.types import Tier
+from kvstore.types import Buffer, Tier
 
 
 class TierStorage(ABC):
     """Bytes of blocks in one tier. Knows nothing of capacity, LRU order or leases (the store does).
 
     `read` may run concurrently with `write`/`delete` from other threads and returns None for a
-    block that is not (or no longer) there. `write` and `delete` are called under the store's lock,
+    block that is not (or no longer) there; it may return a read-only view that stays valid
+    after the block is deleted. `write` and `delete` are called under the store's lock,
     so they must be quick (memory) or deferred (disk).
     """
 
     tier: Tier
 
     @abstractmethod
-    def write(self, key: bytes, payload: bytes, checksum: int, *, ephemeral: bool, seq: int) -> None: ...
+    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None: ...
 
     @abstractmethod
-    def read(self, key: bytes) -> bytes | None: ...
+    def read(self, key: bytes) -> Buffer | None: ...
 
     @abstractmethod
     def delete(self, key: bytes) -> None: ...
@@ -33,5 +34,6 @@ class TierStorage(ABC):
         """Makes written blocks durable; True when everything was flushed in time."""
         return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Releases the tier; a tier that writes behind waits at most about timeout_s."""
         return None

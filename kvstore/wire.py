@@ -7,17 +7,17 @@ from typing import NamedTuple
 
 from kvstore.errors import BlockTooLarge, InvalidRequest
 from kvstore.serving import MAX_MESSAGE_BYTES
-from kvstore.types import HASH_BYTES
+from kvstore.types import HASH_BYTES, Buffer
 from protos.kvserve.v1 import kvstore_pb2 as pb
 
 CHUNK_BYTES = MAX_MESSAGE_BYTES
 
 
-def split_block(key: bytes, payload: bytes, checksum: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.BlockChunk]:
+def split_block(key: bytes, payload: Buffer, checksum: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.BlockChunk]:
     """The chunks of one block; the first (offset 0) carries total size and checksum."""
     total = len(payload)
     if total <= chunk_bytes:
-        yield pb.BlockChunk(hash=key, total_size=total, checksum=checksum, offset=0, data=payload)
+        yield pb.BlockChunk(hash=key, total_size=total, checksum=checksum, offset=0, data=bytes(payload))
         return
     view = memoryview(payload)
     for offset in range(0, total, chunk_bytes):

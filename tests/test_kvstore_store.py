@@ -251,12 +251,12 @@ def test_shm_host_tier_files_and_staged_puts(tmp_path: Path) -> None:
     assert shm is not None
     put(store, "a")
     assert (shm.dir / key("a").hex()).stat().st_size == HEADER_BYTES + 100
-    from kvstore.shm import read_block_file, stage_block_file
+    from kvstore.shm import stage_block_file
 
     name = stage_block_file(shm.dir, payload("b"), checksum(payload("b")))
     assert store.put_file(key("b"), shm.dir / name, checksum(payload("b")))
     store.check_integrity()
-    assert read_block_file(shm.dir / key("b").hex()) == payload("b")
+    assert shm.read(key("b")) == payload("b")
     assert not (shm.dir / name).exists()
     bad = stage_block_file(shm.dir, payload("c"), checksum(payload("c")) ^ 1)
     with pytest.raises(InvalidRequest):

@@ -53,12 +53,14 @@ class BlockChunk(_message.Message):
     def __init__(self, hash: _Optional[bytes] = ..., total_size: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("chunk", "ephemeral")
+    __slots__ = ("chunk", "ephemeral", "staged")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     ephemeral: bool
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
+    staged: _containers.RepeatedCompositeFieldContainer[BlockChunk]
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ..., staged: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_new", "num_existing")
@@ -161,11 +163,13 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("host_id", "shm_dir", "max_message_bytes")
+    __slots__ = ("host_id", "shm_dir", "max_message_bytes", "shm_token")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     shm_dir: str
     max_message_bytes: int
-    def __init__(self, host_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    shm_token: str
+    def __init__(self, host_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., shm_token: _Optional[str] = ...) -> None: ...
