@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +23,7 @@ import numpy as np
 
 from kvstore.client import KVStoreClient, tune_malloc_for_blocks
 from kvstore.serving import parse_size
+from kvstore.shm import stage_block_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class BenchResult:
     block_bytes: int
     blocks: int
     memcpy_gbps: float
+    shm_write_gbps: float
     gbps: dict[str, float]  # put_shm, put_grpc, get_shm, get_grpc, get_*_tuned, get_into_shm
     lookups_per_s: float
     lookup_hashes: int
@@ -52,6 +55,19 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
     dst = np.zeros(nbytes, dtype=np.uint8)
     np.copyto(dst, src)  # touch both
     return nbytes / best_of(repeat, lambda: np.copyto(dst, src)) / 1e9
+
+
+def shm_write_gbps(count: int, block: int, repeat: int) -> float:
+    """Writing blocks into new files in /dev/shm (fresh pages): the bound of a same-host put."""
+    data = np.ones(block, dtype=np.uint8).tobytes()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+
+        def write_all() -> None:
+            names = [stage_block_file(Path(tmp), data, 0) for _ in range(count)]
+            for name in names:
+                os.unlink(os.path.join(tmp, name))
+
+        return count * block / best_of(repeat, write_all) / 1e9
 
 
 def start_server(host_capacity: int) -> tuple[subprocess.Popen[str], str]:
@@ -88,7 +104,8 @@ def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
     count = max(1, total // block)
     nbytes = count * block
     memcpy = memcpy_gbps(nbytes, repeat)
-    proc, addr = start_server(host_capacity=3 * nbytes + (64 << 20))
+    shm_write = shm_write_gbps(count, block, repeat)
+    proc, addr = start_server(host_capacity=(2 * repeat + 1) * nbytes + (64 << 20))
     gbps: dict[str, float] = {}
     try:
         with KVStoreClient(addr, timeout_s=120) as local, KVStoreClient(addr, timeout_s=120, use_shm=False) as remote:
@@ -97,12 +114,15 @@ def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
             clients = {"shm": local, "grpc": remote}
             keys: dict[str, list[bytes]] = {}
             for name, client in clients.items():
-                blocks = make_blocks(name, count, block)
+                best = float("inf")
+                for round_ in range(repeat):  # new blocks each round: a put of stored blocks does nothing
+                    blocks = make_blocks(f"{name}-{round_}", count, block)
+                    start = time.perf_counter()
+                    for i in range(0, count, batch):
+                        client.put(blocks[i : i + batch])
+                    best = min(best, time.perf_counter() - start)
+                gbps[f"put_{name}"] = nbytes / best / 1e9
                 keys[name] = [k for k, _ in blocks]
-                start = time.perf_counter()
-                for i in range(0, count, batch):
-                    client.put(blocks[i : i + batch])
-                gbps[f"put_{name}"] = nbytes / (time.perf_counter() - start) / 1e9
                 got = [p for part in batches(keys[name], batch) for p in client.get(part)]
                 assert got == [p for _, p in blocks], "bench read back wrong bytes"
                 del got, blocks
@@ -126,7 +146,7 @@ def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return BenchResult(nbytes, block, count, memcpy, gbps, lookups, len(chain))
+    return BenchResult(nbytes, block, count, memcpy, shm_write, gbps, lookups, len(chain))
 
 
 ROWS = {
@@ -145,6 +165,8 @@ def report(r: BenchResult) -> str:
         f"kvstore bench: {r.total_bytes / 2**20:.0f} MiB in {r.blocks} blocks of {r.block_bytes / 2**10:.0f} KiB "
         "through a kvstore server process over loopback (host tier in /dev/shm)",
         f"  {'memcpy (warm buffers, best)':<36} {r.memcpy_gbps:7.2f} GB/s",
+        f"  {'new /dev/shm files (put bound)':<36} {r.shm_write_gbps:7.2f} GB/s   "
+        f"{r.shm_write_gbps / r.memcpy_gbps:5.2f} x memcpy",
     ]
     lines += [f"  {label:<36} {r.gbps[k]:7.2f} GB/s   {r.ratio(k):5.2f} x memcpy" for k, label in ROWS.items()]
     lines.append(f"  {'lookups (' + str(r.lookup_hashes) + ' hashes each)':<36} {r.lookups_per_s:7.0f} /s")
@@ -162,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total", type=parse_size, default=parse_size("256MiB"), help="bytes of blocks (default 256MiB)")
     p.add_argument("--block-size", type=parse_size, default=parse_size("256KiB"), help="block size (default 256KiB)")
     p.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
-    p.add_argument("--repeat", type=int, default=3, help="best of N for get and memcpy (default 3)")
+    p.add_argument("--repeat", type=int, default=3, help="best of N for every figure (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

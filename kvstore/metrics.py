@@ -9,7 +9,6 @@ from prometheus_client.registry import Collector
 
 from kvstore.store import BlockStore
 
-
 _PER_TIER: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
     (GaugeMetricFamily, "blocks", "Blocks held per tier"),
     (GaugeMetricFamily, "bytes", "Payload bytes held per tier"),

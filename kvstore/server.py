@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -191,13 +192,29 @@ def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
 
         tiers.append((DeviceTier(config.device), config.device_capacity))
     if config.host_capacity > 0:
-        host: TierStorage = ShmHostTier.create(config.shm_root) if config.shm else MemoryHostTier()
+        host: TierStorage = MemoryHostTier()
+        if config.shm and free_bytes(config.shm_root) >= config.host_capacity:
+            host = ShmHostTier.create(config.shm_root)
+        elif config.shm:  # e.g. a container's 64 MiB /dev/shm: writes would fail with ENOSPC
+            log.warning(
+                "%s has %d bytes free, less than --host-capacity %d: host tier kept in process memory, "
+                "no same-host fast path (give the container a larger shm_size)",
+                config.shm_root, free_bytes(config.shm_root), config.host_capacity,
+            )
         tiers.append((host, config.host_capacity))
     if config.disk_capacity > 0 and config.disk_path is not None:
         tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
     if not tiers:
         raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
     return tiers
+
+
+def free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 class StoreServer:

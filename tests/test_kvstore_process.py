@@ -6,7 +6,7 @@ import signal
 import time
 from pathlib import Path
 
-from kvstore import KVStoreClient
+from kvstore import KVStoreClient, bench
 from kvstore.__main__ import main
 from tests.kvstore_fixtures import key, payload, start_process
 
@@ -67,3 +67,10 @@ def test_sigkill_never_corrupts_the_disk_tier(tmp_path: Path) -> None:
 def test_cli_rejects_bad_configuration(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["--disk-capacity", "1GiB"]) == 2
     assert "--disk-path" in capsys.readouterr().err
+
+
+def test_bench_store_runs_and_reports_ratios() -> None:
+    result = bench.run(total=2 << 20, block=256 << 10, batch=4, repeat=1)
+    assert result.blocks == 8 and result.memcpy_gbps > 0 and result.shm_write_gbps > 0
+    assert set(result.gbps) == set(bench.ROWS)
+    assert "x memcpy" in bench.report(result)

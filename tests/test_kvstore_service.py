@@ -13,10 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import KVStoreClient
+from kvstore import server as server_module
 from kvstore.block_format import checksum
-from kvstore.server import StoreConfig, StoreServer
+from kvstore.server import KVStoreServicer, StoreConfig, StoreServer
 from kvstore.serving import CHANNEL_OPTIONS
-from kvstore.shm import ShmReader
+from kvstore.shm import SHM_TOKEN_FILE, ShmReader
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
@@ -254,3 +255,73 @@ def test_client_follows_a_restarted_store_to_its_new_shm_dir(tmp_path: Path) -> 
             assert c.put([(key(3), payload(3))]) == 1
         finally:
             second.stop(0.5)
+
+
+def test_reflection_lists_the_store_and_health(tmp_path: Path) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with running_server(tmp_path) as server, grpc.insecure_channel(server.address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"kvserve.v1.KVStore", "grpc.health.v1.Health"} <= services
+        assert db.FindFileContainingSymbol("kvserve.v1.KVStore").name == "protos/kvserve/v1/kvstore.proto"
+
+
+@pytest.mark.parametrize("view", ["missing", "other-dir", "other-token"])
+def test_client_not_sharing_the_shm_dir_sends_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: str) -> None:
+    # As in a compose stack where containers share the boot id but each has its own /dev/shm:
+    # the dir Info names is absent, or another dir stands at that path.
+    other = tmp_path / "client-view"
+    other.mkdir()
+    if view == "other-token":
+        (other / SHM_TOKEN_FILE).write_text("someone-else")
+    real_info = KVStoreServicer.Info
+
+    def info(self: KVStoreServicer, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        reply = real_info(self, request, context)
+        reply.shm_dir = str(tmp_path / "nowhere") if view == "missing" else str(other)
+        return reply
+
+    monkeypatch.setattr(KVStoreServicer, "Info", info)
+    blocks = [(key(i), payload(i, 5000)) for i in range(4)]
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        assert c.shm_dir() is None
+        assert c.put(blocks) == 4
+        assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
+    assert list(other.iterdir()) == ([other / SHM_TOKEN_FILE] if view == "other-token" else [])
+
+
+def test_staged_requests_must_name_files_only(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        with_data = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), data=b"abc")
+        named = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), shm_name="put-" + "0" * 32 + ".tmp")
+        for request in (pb.PutRequest(staged=[with_data]), pb.PutRequest(chunk=with_data, staged=[named])):
+            assert status_of(lambda r=request: stub.Put(iter([r]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_of(lambda: stub.Put(iter([pb.PutRequest(staged=[named])]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert healthy(server) and len(server.store) == 0
+
+
+def test_same_host_put_batches_staged_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real_chunks = server_module._chunks_of
+
+    def counting(request: pb.PutRequest) -> list[pb.BlockChunk]:
+        chunks = real_chunks(request)
+        seen.append(len(request.staged))
+        return chunks
+
+    monkeypatch.setattr(server_module, "_chunks_of", counting)
+    blocks = [(key(i), payload(i, 1 * MiB)) for i in range(10)]
+    with running_server(tmp_path, host_capacity=64 * MiB) as server, KVStoreClient(server.address) as c:
+        assert c.put(blocks) == 10
+        assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
+        assert not [p for p in server.store.shm_tier.dir.iterdir() if p.name.startswith("put-")]  # type: ignore[union-attr]
+    assert seen == [4, 4, 2]  # 4 MiB of staged blocks per message
+
+
+def test_shm_smaller_than_the_host_tier_keeps_it_in_process_memory(tmp_path: Path) -> None:
+    with running_server(tmp_path, host_capacity=1 << 60) as server, KVStoreClient(server.address) as c:
+        assert server.store.shm_tier is None and c.shm_dir() is None
+        assert c.put([(key(1), payload(1))]) == 1
+        assert c.get([key(1)]) == [payload(1)]

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
+import time
 from pathlib import Path
 
 import lmdb
 import pytest
 
 from kvstore.block_format import HEADER_BYTES, checksum
+from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
+from kvstore.host_tier import ShmHostTier
 from kvstore.store import BlockStore
 from kvstore.types import Tier
 from tests.kvstore_fixtures import FakeClock, key, make_store, payload
@@ -311,3 +315,60 @@ def test_device_tier_on_cuda(tmp_path: Path) -> None:
     assert store.tier_of(key("d")) == Tier.DEVICE and store.tier_of(key("a")) == Tier.HOST
     assert read(store, "a") == payload("a")
     assert store.tier_of(key("a")) == Tier.DEVICE
+
+
+def test_a_hash_already_stored_keeps_its_first_payload(tmp_path: Path) -> None:
+    store = make_store(host=300, disk=1000, tmp=tmp_path, shm=True)
+    shm = store.shm_tier
+    assert shm is not None
+    put(store, "a")
+    assert not store.put(key("a"), payload("other"))  # blocks are immutable: ignored, not an error
+    from kvstore.shm import stage_block_file
+
+    name = stage_block_file(shm.dir, payload("other"), checksum(payload("other")))
+    assert not store.put_file(key("a"), shm.dir / name, checksum(payload("other")))
+    assert not (shm.dir / name).exists()
+    store.check_integrity()
+    assert read(store, "a") == payload("a")
+    store.close()
+
+
+def test_threads_racing_eviction_promotion_and_leases_read_exact_bytes(tmp_path: Path) -> None:
+    # Tiny shm host tier over a disk tier: every put demotes, every disk hit promotes, and leases
+    # expire (real clock) while other threads read the same blocks.
+    store = BlockStore(
+        [(ShmHostTier(tmp_path / "shm"), 2000), (DiskTier(tmp_path / "lmdb", 20_000), 20_000)]
+    )
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        rng = random.Random(t)
+        try:
+            for _ in range(300):
+                i = rng.randrange(60)
+                op = rng.random()
+                if op < 0.4:
+                    store.put(key(i), payload(i, 200))
+                elif op < 0.8:
+                    (block,) = store.get([key(i)])
+                    assert block is None or bytes(block.payload or b"") == payload(i, 200)
+                else:
+                    store.lookup(keys(i, i + 1), lease_ttl_s=0.01)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    time.sleep(0.02)
+    store.sweep()
+    store.check_integrity()
+    assert store.stats().pinned_blocks == 0
+    assert store.stats().tier("disk").promotions > 0 and store.stats().tier("host").demotions > 0
+    for i in range(60):
+        got = read(store, i)
+        assert got is None or bytes(got) == payload(i, 200)
+    store.close()
