@@ -8,13 +8,13 @@ import sys
 from collections.abc import Sequence
 
 from decode_service.metrics import DecodeMetrics
-from decode_service.prefill_client import PrefillClient
 from decode_service.server import SERVICE_NAME, DecodeServicer
 from decode_service.service import DecodeService
 from engine.engine import Engine
 from engine.model import load_model
 from kvstore import KVStoreClient
 from kvstore.serving import Server, run_until_signal
+from prefill_service.client import PrefillClient
 from protos.kvserve.v1 import decode_pb2_grpc
 
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from engine.engine import Engine, Sequence
 from engine.hashing import Namespace
 from engine.kv_codec import BlockError
-from prefill_service.handle import PrefillHandle
-from prefill_service.service import leading_blocks, load_block
-from prefill_service.store import StoreSession
+from kvstore.cache_session import StoreSession
+from prefill_service.client import PrefillHandle
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +39,12 @@ def load_prompt_kv(
                     handle.block_size, len(keys), bs)
         keys, tail_key = [], b""
     payloads = store.get(keys + [tail_key] if tail_key else keys)
-    blocks, bad = leading_blocks(engine, payloads[:num_full] if keys else [], namespace)
+    leading = engine.load_leading(payloads[:num_full] if keys else [], namespace)
+    blocks, bad = leading.blocks, leading.error
     tail = None
     if len(blocks) == num_full and tail_len and tail_key and payloads[-1] is not None:
         try:
-            tail = load_block(engine, payloads[-1], namespace, tail_len)
+            tail = engine.load_tail(payloads[-1], namespace, tail_len)
         except BlockError as exc:
             bad = exc
     complete = len(blocks) == num_full and (tail_len == 0 or tail is not None)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prefill_service.metrics import LATENCY_BUCKETS, outcome_of
+from kvstore.serving_metrics import LATENCY_BUCKETS
 
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -47,15 +44,3 @@ class DecodeMetrics:
         self.running = Gauge(p + "running_requests", "Sequences in the decode batch", registry=registry)
         self.waiting = Gauge(p + "waiting_requests", "Requests not yet in the decode batch (prefill, KV fetch, queue)",
                              registry=registry)
-
-    @contextmanager
-    def track(self) -> Iterator[None]:
-        """Counts one request by its outcome (the exception it ends with, if any)."""
-        error: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            self.requests.labels(outcome=outcome_of(error)).inc()

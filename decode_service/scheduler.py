@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from decode_service.metrics import DecodeMetrics
 from decode_service.stopping import Generation, TokenOutput
-from engine.engine import Engine, Sequence
+from engine.engine import Engine, Sequence, StepFailed
 from engine.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,10 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     def start(self) -> None:
         self._thread.start()
 
@@ -153,21 +157,38 @@ class Scheduler:
             while self._waiting:
                 self._waiting.popleft().outputs.put(Stopped("shutdown", "the decode service is shutting down"))
 
+    def _fail(self, entry: DecodeEntry, exc: Exception) -> None:
+        log.error("decoding failed for one sequence: %s: %s", type(exc).__name__, exc)
+        self._leave(entry, Stopped("error", f"the decode step failed: {type(exc).__name__}: {exc}"))
+
     def _step(self, batch: list[DecodeEntry]) -> None:
+        """One token for every sequence of the batch. A failure fails only the requests it touches;
+        the loop goes on."""
         self._metrics.batch_size.observe(len(batch))
+        failed: set[int] = set()
         try:
             with self._engine_lock:
                 logits = self.engine.decode_step([e.seq for e in batch], [e.next_token for e in batch])
-            for entry, row in zip(batch, logits, strict=True):
-                token = entry.sampler.sample(row)
-                out = entry.generation.accept(token)
-                entry.next_token = token
-                if out.finish_reason is not None:
-                    self._leave(entry, out)
-                else:
-                    entry.outputs.put(out)
-        except Exception as exc:  # the loop must outlive a bad step; its requests fail, others go on
+        except StepFailed as exc:
+            logits, failed = exc.logits, set(exc.errors)
+            for i, error in exc.errors.items():
+                self._fail(batch[i], error)
+        except Exception as exc:  # no sequence's state is known: the batch fails, the loop goes on
             log.exception("decode step failed for %d sequences", len(batch))
             for entry in batch:
-                if entry in self._running:
-                    self._leave(entry, Stopped("error", f"decode step failed: {type(exc).__name__}: {exc}"))
+                self._fail(entry, exc)
+            return
+        for i, (entry, row) in enumerate(zip(batch, logits, strict=True)):
+            if i in failed:
+                continue
+            try:
+                token = entry.sampler.sample(row)
+                out = entry.generation.accept(token)
+            except Exception as exc:  # a bad sample or detokenization fails its own request only
+                self._fail(entry, exc)
+                continue
+            entry.next_token = token
+            if out.finish_reason is not None:
+                self._leave(entry, out)
+            else:
+                entry.outputs.put(out)

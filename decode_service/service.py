@@ -16,19 +16,18 @@ from dataclasses import dataclass
 
 from decode_service.kv_loader import LoadedPrompt, load_prompt_kv
 from decode_service.metrics import DecodeMetrics
-from decode_service.prefill_client import PrefillCancelled, PrefillClient
 from decode_service.scheduler import Cancellation, DecodeEntry, Scheduler, Stopped
 from decode_service.stopping import Generation, TokenOutput
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_codec import encode_block
+from engine.model import max_new_tokens
 from engine.sampling import Sampler, SamplingParams
 from kvstore import KVStoreClient
-from kvstore.serving import Unavailable
-from prefill_service.handle import PrefillHandle
-from prefill_service.metrics import outcome_of
-from prefill_service.requests import PromptInput, RequestOptions, resolve_max_tokens
-from prefill_service.store import StoreSession
+from kvstore.cache_session import StoreSession
+from kvstore.serving import ServiceError, Unavailable
+from kvstore.serving_metrics import outcome_of
+from prefill_service.client import PrefillCancelled, PrefillClient, PrefillHandle, PromptInput, RequestOptions
 
 log = logging.getLogger(__name__)
 
@@ -117,16 +116,18 @@ class DecodeService:
         self, job: GenerateJob, cancel: Cancellation, state: RequestState
     ) -> Iterator[TokenOutput | GenerateOutcome]:
         m, engine, opts = self.metrics, self.engine, job.options
+        if self.scheduler.stopping:
+            raise Unavailable("the decode service is shutting down")
+        call = self.prefill.start(job.request_id, job.prompt, opts, time_left_s=job.time_left_s)
+        cancel.on_cancel(call.cancel)
         try:
-            handle = self.prefill.prefill(
-                job.request_id, job.prompt, opts, cancel=cancel, time_left_s=job.time_left_s
-            )
+            handle = call.result()
         except PrefillCancelled:
             state.outcome = "cancelled"
             return
         t_prefilled = time.perf_counter()
         prompt = handle.prompt_token_ids
-        max_tokens = opts.max_tokens or self._default_max_tokens(len(prompt))
+        max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
         generation = Generation(
             engine.model.tokenizer, prompt, max_tokens, engine.model.eos_token_ids,
             stop=opts.stop, ignore_eos=opts.ignore_eos,
@@ -144,11 +145,13 @@ class DecodeService:
         if first.finish_reason is None:
             loaded = self._load(store, handle, namespace)
             state.entry = DecodeEntry(loaded.seq, self._sampler(opts.sampling), generation, first.token_id, cancel)
-            yield from self._decode(state, t_first)
-            if generation.finished and opts.prefix_cache:
-                self._put_generated(store, loaded, generation, namespace)
-            with self.engine_lock:
-                engine.release(loaded.seq)
+            try:
+                yield from self._decode(state, t_first)
+                if generation.finished and opts.prefix_cache:
+                    self._put_generated(store, loaded, generation, namespace)
+            finally:  # the loop has let go of the sequence (see _decode)
+                with self.engine_lock:
+                    engine.release(loaded.seq)
         else:
             store.release(handle.lease_id)
         if not generation.finished:
@@ -167,9 +170,6 @@ class DecodeService:
                 total_s=done - job.arrival,
             ),
         )
-
-    def _default_max_tokens(self, num_prompt_tokens: int) -> int:
-        return resolve_max_tokens(self.engine.model, num_prompt_tokens, 0)
 
     @staticmethod
     def _sampler(params: SamplingParams) -> Sampler:
@@ -202,7 +202,9 @@ class DecodeService:
                     if out.reason == "cancelled":
                         state.outcome = "cancelled"
                         return
-                    raise Unavailable(f"generation stopped: {out.error or out.reason}")
+                    if out.reason == "shutdown":
+                        raise Unavailable(out.error)
+                    raise ServiceError(f"generation failed: {out.error}")
                 now = time.perf_counter()
                 self.metrics.itl.observe(now - last_sent)
                 last_sent = now

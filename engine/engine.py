@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.hashing import Namespace
+from engine.kv_codec import LeadingBlocks, decode_block, decode_leading
 from engine.model import Model, layer_kv
 
 
@@ -35,6 +36,20 @@ class PrefillResult:
     logits: torch.Tensor  # [vocab] fp32, at the last prompt position
     num_cached_tokens: int
     num_computed_tokens: int
+
+
+class StepFailed(RuntimeError):
+    """Some sequences of a decode step failed; the others advanced and their ``logits`` rows are valid.
+
+    ``errors`` maps a batch index to its exception; those sequences are left in an undefined state
+    and must be released, never decoded again.
+    """
+
+    def __init__(self, errors: dict[int, Exception], logits: torch.Tensor) -> None:
+        super().__init__(f"{len(errors)} of {len(logits)} sequences failed: "
+                         + "; ".join(f"#{i}: {type(e).__name__}: {e}" for i, e in errors.items()))
+        self.errors = errors
+        self.logits = logits  # [batch, vocab] fp32; rows in ``errors`` are NaN
 
 
 class Engine:
@@ -98,17 +113,48 @@ class Engine:
             )
         return Sequence(tokens, self._cache_from_blocks(blocks, tail))
 
+    def load_leading(self, payloads: Seq[bytes | None], namespace: Namespace) -> LeadingBlocks:
+        """Verified full blocks for this model from the start of ``payloads``, up to the first miss or bad one."""
+        m = self.model
+        return decode_leading(
+            payloads, namespace, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            dtype=m.dtype,
+        )
+
+    def load_tail(self, payload: bytes, namespace: Namespace, num_tokens: int) -> torch.Tensor:
+        """A verified partial block [layers, 2, kv_heads, num_tokens, head_dim]; raises BlockError."""
+        m = self.model
+        return decode_block(
+            payload, namespace, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            dtype=m.dtype, num_tokens=num_tokens,
+        )
+
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence], next_token_ids: list[int]) -> torch.Tensor:
-        """Feed one token to each sequence (appending it and its KV); returns logits [batch, vocab] fp32."""
+        """Feed one token to each sequence (appending it and its KV); returns logits [batch, vocab] fp32.
+
+        A released sequence is a ValueError before any work. One sequence's failing forward pass does
+        not cost the others their step: they advance, and StepFailed carries their logits and the
+        failed sequences' errors.
+        """
         if len(seqs) != len(next_token_ids):
             raise ValueError(f"{len(seqs)} sequences but {len(next_token_ids)} tokens")
-        rows = []
-        for seq, token in zip(seqs, next_token_ids, strict=True):
-            cache = self._require_cache(seq)
-            rows.append(self._forward(cache, [token], start=len(seq.token_ids))[0, -1].float())  # [vocab]
+        caches = [self._require_cache(seq) for seq in seqs]
+        rows: list[torch.Tensor | None] = []
+        errors: dict[int, Exception] = {}
+        for i, (seq, cache, token) in enumerate(zip(seqs, caches, next_token_ids, strict=True)):
+            try:
+                rows.append(self._forward(cache, [token], start=len(seq.token_ids))[0, -1].float())  # [vocab]
+            except Exception as exc:  # reported per sequence in StepFailed
+                errors[i] = exc
+                rows.append(None)
+                continue
             seq.token_ids.append(token)
-        return torch.stack(rows)  # [batch, vocab]
+        if not errors:
+            return torch.stack(rows)  # type: ignore[arg-type]  # [batch, vocab]
+        vocab = next((r.shape[0] for r in rows if r is not None), self.model.vocab_size)
+        nan = torch.full((vocab,), float("nan"), device=self.model.device)
+        raise StepFailed(errors, torch.stack([nan if r is None else r for r in rows]))
 
     @torch.inference_mode()
     def full_blocks(self, seq: Sequence, start_block: int = 0) -> list[torch.Tensor]:

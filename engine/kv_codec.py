@@ -9,6 +9,8 @@ A full block has ``num_tokens == block_size``; a prompt's tail uses the same for
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -107,3 +109,39 @@ def decode_block(
         raise BlockError("checksum", "payload checksum mismatch (corrupt block)")
     # One copy into writable memory; the tensor keeps the bytearray alive.
     return torch.frombuffer(bytearray(body), dtype=dtype).view(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class LeadingBlocks:
+    """The full blocks decoded from the start of a run; ``error`` is the bad block that ended it, if one did."""
+
+    blocks: list[torch.Tensor]  # each [layers, 2, kv_heads, block_size, head_dim]
+    error: BlockError | None = None
+
+
+def decode_leading(
+    payloads: Iterable[bytes | None],
+    namespace: Namespace,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> LeadingBlocks:
+    """Decode full blocks in order up to the first miss (None) or bad block.
+
+    A bad block is a miss (DESIGN.md, "KV block format"): what follows it is not used either, since
+    a prefix must be contiguous; the caller recomputes from there and counts ``error.kind``.
+    """
+    blocks: list[torch.Tensor] = []
+    for payload in payloads:
+        if payload is None:
+            break
+        try:
+            blocks.append(decode_block(
+                payload, namespace, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                dtype=dtype, num_tokens=namespace.block_size,
+            ))
+        except BlockError as exc:
+            return LeadingBlocks(blocks, exc)
+    return LeadingBlocks(blocks)

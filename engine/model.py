@@ -29,8 +29,17 @@ HYBRID_MODEL_TYPES = frozenset(
 _STATE_CONFIG_HINTS = ("ssm_", "mamba", "conv_kernel", "linear_attn", "time_step")
 
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
 class UnsupportedModelError(ValueError):
     """The model's cache is not plain per-layer full-attention KV; the message names why."""
+
+
+class ContextLengthError(ValueError):
+    """A request that does not fit the model's positions (prompt + tokens to generate)."""
+
+    grpc_status = "OUT_OF_RANGE"  # read by the servers' error interceptor
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,12 @@ class Model:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_positions(self) -> int | None:
+        """Most positions (prompt + generated tokens) the model takes, if its config says."""
+        value = getattr(self.hf_model.config, "max_position_embeddings", None)
+        return int(value) if value else None
 
 
 def _sha256_file(path: Path) -> str:
@@ -204,3 +219,26 @@ def encode_prompt(
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
+
+
+def max_new_tokens(model: Model, num_prompt_tokens: int, requested: int) -> int:
+    """How many tokens a request may generate: ``requested``, or when 0 the default capped by the
+    room left. Raises ContextLengthError when the prompt, or prompt + ``requested``, exceeds the
+    model's positions."""
+    limit = model.max_positions
+    if limit is None:
+        return requested or DEFAULT_MAX_NEW_TOKENS
+    if num_prompt_tokens >= limit:
+        raise ContextLengthError(
+            f"the prompt has {num_prompt_tokens} tokens; the model takes at most {limit} positions, "
+            f"so the prompt must be shorter than {limit} tokens"
+        )
+    room = limit - num_prompt_tokens
+    if requested == 0:
+        return min(DEFAULT_MAX_NEW_TOKENS, room)
+    if requested > room:
+        raise ContextLengthError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) = {num_prompt_tokens + requested} "
+            f"exceeds the model's {limit} positions: ask for at most {room} tokens"
+        )
+    return requested

@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvstore.serving import ServiceError
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def outcome_of(exc: BaseException | None) -> str:
-    """A request's outcome label: ok, a gRPC status name in lower case, or cancelled."""
-    if exc is None:
-        return "ok"
-    if isinstance(exc, ServiceError):
-        return exc.code.name.lower()
-    if isinstance(exc, ValueError):
-        return "invalid_argument"
-    if isinstance(exc, GeneratorExit):
-        return "cancelled"
-    return "internal"
+from kvstore.serving_metrics import LATENCY_BUCKETS
 
 
 class PrefillMetrics:
@@ -48,15 +30,3 @@ class PrefillMetrics:
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.running = Gauge(p + "running_requests", "Requests in the forward pass", registry=registry)
         self.waiting = Gauge(p + "waiting_requests", "Requests waiting for the engine", registry=registry)
-
-    @contextmanager
-    def track(self) -> Iterator[None]:
-        """Counts one request by its outcome (the exception it ends with, if any)."""
-        error: BaseException | None = None
-        try:
-            yield
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            self.requests.labels(outcome=outcome_of(error)).inc()

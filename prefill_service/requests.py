@@ -1,8 +1,9 @@
 """Request options: kvserve.v1 protobuf <-> domain values, validated where they enter a service.
 
-Shared by the prefill and the decode service (both receive the same `Prompt`, `SamplingParams`
-and `CacheOptions`). Checks that need no model live here; checks against the model (vocabulary,
-context length) run where the model is.
+The prefill service receives them; the decode service receives the same `Prompt`, `SamplingParams`
+and `CacheOptions` and forwards them, so `prefill_service.client` publishes these types and their
+codec. Checks that need no model live here; checks against the model (vocabulary, context length)
+run where the model is.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from dataclasses import dataclass
 
 from engine.model import Model, encode_prompt
 from engine.sampling import SamplingParams
-from kvstore.serving import InvalidArgument, OutOfRange
+from kvstore.serving import InvalidArgument
 from protos.kvserve.v1 import common_pb2
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
-DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,29 +124,3 @@ def encode(model: Model, prompt: PromptInput) -> list[int]:
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
-
-
-def max_positions(model: Model) -> int | None:
-    value = getattr(model.hf_model.config, "max_position_embeddings", None)
-    return int(value) if value else None
-
-
-def resolve_max_tokens(model: Model, num_prompt_tokens: int, max_tokens: int) -> int:
-    """The number of tokens to generate at most; OutOfRange when the request cannot fit the model."""
-    limit = max_positions(model)
-    if limit is None:
-        return max_tokens or DEFAULT_MAX_TOKENS
-    if num_prompt_tokens >= limit:
-        raise OutOfRange(
-            f"the prompt has {num_prompt_tokens} tokens; the model takes at most {limit} positions, "
-            f"so the prompt must be shorter than {limit} tokens"
-        )
-    room = limit - num_prompt_tokens
-    if max_tokens == 0:
-        return min(DEFAULT_MAX_TOKENS, room)
-    if max_tokens > room:
-        raise OutOfRange(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
-            f"exceeds the model's {limit} positions: ask for at most {room} tokens"
-        )
-    return max_tokens

@@ -28,5 +28,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prompt=prompt_from_proto(request.prompt),
             options=options_from_proto(request.sampling, request.cache),
             deadline=time.monotonic() + remaining if remaining is not None else None,
+            cancelled=lambda: not context.is_active(),
         )
         return handle_to_proto(self.service.prefill(job))

@@ -7,23 +7,24 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from engine.engine import Engine
-from engine.hashing import Namespace, prefix_hashes
-from engine.kv_codec import BlockError, decode_block, encode_block
+from engine.hashing import prefix_hashes
+from engine.kv_codec import encode_block
+from engine.model import max_new_tokens
 from engine.sampling import Sampler
 from kvstore import KVStoreClient
+from kvstore.cache_session import StoreSession
 from kvstore.serving import ServiceError
+from kvstore.serving_metrics import count_outcome
 from prefill_service.handle import PrefillHandle, PrefillTimings
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.requests import PromptInput, RequestOptions, encode, resolve_max_tokens
-from prefill_service.store import StoreSession
+from prefill_service.requests import PromptInput, RequestOptions, encode
 
 DEFAULT_LEASE_TTL_S = 30.0
 
@@ -32,12 +33,28 @@ class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def _never() -> bool:
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
     request_id: str
     prompt: PromptInput
     options: RequestOptions
     deadline: float | None = None  # time.monotonic() after which the caller has given up
+    cancelled: Callable[[], bool] = field(default=_never)  # true once the caller has gone away
+
+    def check_live(self, stage: str) -> None:
+        """Raises when nobody waits for the answer any more, so that no forward pass is spent on it."""
+        if self.cancelled():
+            raise Cancelled(f"the caller cancelled the request {stage}")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise DeadlineExceeded(f"the caller's deadline passed {stage}")
 
 
 def request_scoped_keys(root: bytes, request_id: str, num_blocks: int) -> tuple[list[bytes], bytes]:
@@ -45,31 +62,6 @@ def request_scoped_keys(root: bytes, request_id: str, num_blocks: int) -> tuple[
     base = hashlib.sha256(b"kvserve/request\x00" + root + os.urandom(16) + request_id.encode()).digest()
     blocks = [hashlib.sha256(base + b"block" + i.to_bytes(4, "little")).digest() for i in range(num_blocks)]
     return blocks, hashlib.sha256(base + b"tail").digest()
-
-
-def load_block(engine: Engine, payload: bytes, namespace: Namespace, num_tokens: int) -> torch.Tensor:
-    """A verified block [layers, 2, kv_heads, num_tokens, head_dim] for this engine's model."""
-    model = engine.model
-    return decode_block(
-        payload, namespace, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, dtype=model.dtype, num_tokens=num_tokens,
-    )
-
-
-def leading_blocks(
-    engine: Engine, payloads: Sequence[bytes | None], namespace: Namespace
-) -> tuple[list[torch.Tensor], BlockError | None]:
-    """Decoded full blocks up to the first miss or bad block (a bad block is a miss: recompute from
-    there), and the error of the bad block if one ended the run."""
-    blocks: list[torch.Tensor] = []
-    for payload in payloads:
-        if payload is None:
-            break
-        try:
-            blocks.append(load_block(engine, payload, namespace, engine.block_size))
-        except BlockError as exc:
-            return blocks, exc
-    return blocks, None
 
 
 class PrefillService:
@@ -99,14 +91,14 @@ class PrefillService:
         self.metrics.store_failures.labels(op=op).inc()
 
     def prefill(self, job: PrefillJob) -> PrefillHandle:
-        with self.metrics.track():
+        with count_outcome(self.metrics.requests):
             return self._prefill(job)
 
     def _prefill(self, job: PrefillJob) -> PrefillHandle:
         start = time.perf_counter()
         engine, opts, bs = self.engine, job.options, self.engine.block_size
         token_ids = encode(engine.model, job.prompt)
-        resolve_max_tokens(engine.model, len(token_ids), opts.max_tokens)
+        max_new_tokens(engine.model, len(token_ids), opts.max_tokens)  # refuse what decode could not finish
         namespace = engine.namespace(opts.cache_salt)
         store = StoreSession(self.store, self._store_failed)
 
@@ -119,34 +111,35 @@ class PrefillService:
             keys, tail_key = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
             reusable = []
         num_hits, lookup_lease = store.lookup(reusable, self.lease_ttl_s)
-        t_lookup = time.perf_counter()
+        try:
+            t_lookup = time.perf_counter()
 
-        # 3: fetch the leading hits.
-        cached, bad = leading_blocks(engine, store.get(reusable[:num_hits]), namespace)
-        if bad is not None:
-            self.metrics.bad_blocks.labels(kind=bad.kind).inc()
-        t_fetch = time.perf_counter()
+            # 3: fetch the leading hits.
+            cached = engine.load_leading(store.get(reusable[:num_hits]), namespace)
+            if cached.error is not None:
+                self.metrics.bad_blocks.labels(kind=cached.error.kind).inc()
+            t_fetch = time.perf_counter()
 
-        # 4: compute the rest and sample the first token.
-        if job.deadline is not None and time.monotonic() > job.deadline:
+            # 4: compute the rest and sample the first token, unless the caller has gone meanwhile.
+            with self._engine_turn():
+                job.check_live("before the prefill started")
+                t_compute0 = time.perf_counter()
+                result = engine.prefill(token_ids, cached.blocks)
+                first_token = Sampler(opts.sampling).sample(result.logits)
+                new_blocks = [encode_block(kv, namespace) for kv in result.new_blocks]
+                tail = encode_block(result.tail, namespace) if result.tail is not None else None
+                engine.release(result.sequence)
+            t_compute = time.perf_counter()
+            ttft = t_compute - start
+
+            # 5: put the new full blocks and the tail; lease every prompt block for decode.
+            stored = store.put(zip(keys[len(cached.blocks):], new_blocks, strict=True),
+                               ephemeral=not opts.prefix_cache)
+            if tail is not None:
+                store.put([(tail_key, tail)], ephemeral=True)
+            _, lease = store.lookup(keys, self.lease_ttl_s)
+        finally:
             store.release(lookup_lease)
-            raise DeadlineExceeded("the caller's deadline passed before the prefill started")
-        with self._engine_turn():
-            t_compute0 = time.perf_counter()
-            result = engine.prefill(token_ids, cached)
-            first_token = Sampler(opts.sampling).sample(result.logits)
-            new_blocks = [encode_block(kv, namespace) for kv in result.new_blocks]
-            tail = encode_block(result.tail, namespace) if result.tail is not None else None
-            engine.release(result.sequence)
-        t_compute = time.perf_counter()
-        ttft = t_compute - start
-
-        # 5: put the new full blocks and the tail; lease every prompt block for decode.
-        stored = store.put(zip(keys[len(cached):], new_blocks, strict=True), ephemeral=not opts.prefix_cache)
-        if tail is not None:
-            store.put([(tail_key, tail)], ephemeral=True)
-        _, lease = store.lookup(keys, self.lease_ttl_s)
-        store.release(lookup_lease)
         done = time.perf_counter()
 
         m = self.metrics

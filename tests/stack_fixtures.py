@@ -172,11 +172,11 @@ class LocalStack:
 
     def __init__(self, arch: str, store: FakeStore | None = None, max_batch_size: int = 32) -> None:
         from decode_service.metrics import DecodeMetrics
-        from decode_service.prefill_client import PrefillClient
         from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
         from decode_service.service import DecodeService
         from kvstore.serving import Server
+        from prefill_service.client import PrefillClient
         from prefill_service.metrics import PrefillMetrics
         from prefill_service.server import SERVICE_NAME as PREFILL
         from prefill_service.server import PrefillServicer

@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from client import Client
-from client.client import Chunk, Result, build_request
+from client.client import Chunk, KVServeError, Result, build_request
+from engine.engine import Engine
 from engine.hashing import prefix_hashes
 from protos.kvserve.v1 import decode_pb2_grpc
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
@@ -186,15 +187,26 @@ def test_bad_input_gets_a_precise_status(client: Client) -> None:
         client.generate(token_ids=[1, 10**6])
     with pytest.raises(OutOfRangeError, match="4096 positions"):
         client.generate("hi", max_tokens=5000)
+    with pytest.raises(OutOfRangeError, match="shorter than 4096 tokens"):
+        client.generate(token_ids=[1] * 5000)
     with pytest.raises(InvalidArgumentError, match="unknown chat role"):
         client.chat([{"role": "robot", "content": "hi"}])
 
 
+ISSUE_METRICS = (  # issue 4, item 7
+    "requests_total", "prompt_tokens_total", "cached_tokens_total", "computed_tokens_total",
+    "generated_tokens_total", "ttft_seconds_bucket", "running_requests", "waiting_requests",
+)
+
+
 def test_metrics_are_served(stack: LocalStack) -> None:
-    for server in (stack.decode_server, stack.prefill_server):
+    for server, prefix, extra in ((stack.decode_server, "kvserve_decode_", ("inter_token_latency_seconds_bucket",)),
+                                  (stack.prefill_server, "kvserve_prefill_", ())):
         url = f"http://127.0.0.1:{server.bound_metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=5).read().decode()
-        assert "_requests_total" in text and "_ttft_seconds_bucket" in text and "_running_requests" in text
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+        missing = {prefix + name for name in (*ISSUE_METRICS, *extra)} - names
+        assert not missing, f"{url} lacks {sorted(missing)}"
     assert stack.decode_metric("kvserve_decode_inter_token_latency_seconds_count") > 0
     assert stack.decode_metric("kvserve_decode_generated_tokens_total") > 0
 
@@ -211,3 +223,111 @@ def test_prefill_down_fails_fast_with_unavailable() -> None:
         assert time.monotonic() - start < 5
     finally:
         stack.close()
+
+
+def test_health_and_reflection_on_both_services(stack: LocalStack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for addr, service in ((stack.addr, "kvserve.v1.Decode"), (stack.prefill_addr, "kvserve.v1.Prefill")):
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", service):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            [answer] = list(reflection.ServerReflectionInfo(iter([ask]), timeout=5))
+            listed = {s.name for s in answer.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= listed
+
+
+def wait_for(condition: object, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_client_that_goes_away_during_prefill_stops_the_prefill(stack: LocalStack, how: str) -> None:
+    outcome = "cancelled" if how == "cancel" else "deadline_exceeded"
+    computed = stack.prefill_metric("kvserve_prefill_computed_tokens_total")
+    gone = stack.prefill_metric("kvserve_prefill_requests_total", outcome="cancelled") + stack.prefill_metric(
+        "kvserve_prefill_requests_total", outcome="deadline_exceeded")
+    lock = stack.prefill._engine_lock
+    lock.acquire()  # the prefill waits for its engine turn
+    try:
+        with grpc.insecure_channel(stack.addr) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            request = build_request(token_ids=tokens(50, seed=21), max_tokens=4)
+            call = stub.Generate(request, timeout=None if how == "cancel" else 0.5)
+            wait_for(lambda: stack.prefill_metric("kvserve_prefill_waiting_requests") == 1, "prefill waits")
+            if how == "cancel":
+                call.cancel()
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == (  # type: ignore[attr-defined]
+                grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED)
+            time.sleep(0.2)  # let the cancellation reach the prefill service
+    finally:
+        lock.release()
+    wait_for(lambda: stack.prefill_metric("kvserve_prefill_requests_total", outcome="cancelled")
+             + stack.prefill_metric("kvserve_prefill_requests_total", outcome="deadline_exceeded") > gone,
+             "the prefill request ended")
+    assert stack.prefill_metric("kvserve_prefill_computed_tokens_total") == computed  # no forward pass
+    assert stack.decode_metric("kvserve_decode_waiting_requests") == 0
+    if how == "cancel":
+        assert stack.prefill_metric("kvserve_prefill_requests_total", outcome=outcome) > 0
+
+
+def test_an_engine_failure_fails_only_the_affected_request(
+    stack: LocalStack, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim, bystander = tokens(20, seed=22), tokens(50, seed=23)
+    want, logits = oracle(ARCH, bystander, 30)
+    engine = stack.decode.engine
+    real_forward = engine._forward
+
+    def faulty_forward(cache: object, token_ids: list[int], start: int) -> object:
+        if len(token_ids) == 1 and start == len(victim) + 5:  # the victim's sixth decode step
+            raise RuntimeError("injected fault")
+        return real_forward(cache, token_ids, start)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_forward", faulty_forward)
+    results: dict[str, object] = {}
+
+    def run(name: str, ids: list[int], n: int) -> None:
+        try:
+            results[name] = greedy(client, ids, n)
+        except KVServeError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=("victim", victim, 20)),
+               threading.Thread(target=run, args=("bystander", bystander, 30))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    error = results["victim"]
+    assert isinstance(error, KVServeError) and error.code == grpc.StatusCode.INTERNAL
+    assert "injected fault" in error.details
+    assert_greedy_matches(results["bystander"].token_ids, want, logits)  # type: ignore[attr-defined]
+
+    # A step that fails as a whole fails its batch; the loop goes on.
+    real_step = Engine.decode_step
+    calls = []
+
+    def failing_once(self: Engine, seqs: list, next_token_ids: list[int]) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected batch fault")
+        return real_step(self, seqs, next_token_ids)
+
+    monkeypatch.setattr(engine, "decode_step", failing_once.__get__(engine))
+    with pytest.raises(KVServeError, match="injected batch fault"):
+        greedy(client, victim, 8)
+    monkeypatch.undo()
+    assert_greedy_matches(greedy(client, bystander, 30).token_ids, want, logits)
+    wait_for(lambda: stack.decode_metric("kvserve_decode_running_requests") == 0, "no request runs")
+    assert stack.decode_metric("kvserve_decode_requests_total", outcome="internal") >= 2

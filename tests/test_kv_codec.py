@@ -69,3 +69,24 @@ def test_encode_rejects_wrong_layout() -> None:
         encode_block(torch.zeros(3, 3, 2, 4, 8), NS)
     with pytest.raises(ValueError):
         encode_block(torch.zeros(3, 2, 2, 4, 8, dtype=torch.int32), NS)
+
+
+def test_decode_leading_stops_at_the_first_miss_or_bad_block() -> None:
+    from engine.kv_codec import decode_leading
+
+    blocks = [_block() + i for i in range(4)]
+    payloads: list[bytes | None] = [encode_block(kv, NS) for kv in blocks]
+    whole = decode_leading(payloads, NS, **SHAPE, dtype=torch.float32)
+    assert whole.error is None and len(whole.blocks) == 4
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(whole.blocks, blocks, strict=True))
+
+    missing = decode_leading([*payloads[:2], None, payloads[3]], NS, **SHAPE, dtype=torch.float32)
+    assert len(missing.blocks) == 2 and missing.error is None
+
+    bad = bytearray(payloads[1])  # type: ignore[arg-type]
+    bad[-1] ^= 0x01
+    corrupt = decode_leading([payloads[0], bytes(bad), *payloads[2:]], NS, **SHAPE, dtype=torch.float32)
+    assert len(corrupt.blocks) == 1 and corrupt.error is not None and corrupt.error.kind == "checksum"
+
+    tail = encode_block(_block(n=3), NS)  # a tail is not a full block
+    assert decode_leading([tail], NS, **SHAPE, dtype=torch.float32).error.kind == "shape"  # type: ignore[union-attr]

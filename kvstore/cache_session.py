@@ -1,4 +1,4 @@
-"""The KV store as a cache: every call is best effort (DESIGN.md, "Failure policy").
+"""The KV store used as a cache: every call is best effort (DESIGN.md, "Failure policy").
 
 A store that is down, slow or failing is a miss, never an error for the request. The first
 failure within a request ends the store's part in it (no second deadline to wait out), and each
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from kvstore import KVStoreClient
+from kvstore.client import KVStoreClient
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ STORE_ERRORS = (grpc.RpcError, OSError, ValueError)
 
 
 class StoreSession:
-    """One request's view of the store."""
+    """One request's view of the store, for the services that use it as a cache (prefill, decode)."""
 
     def __init__(self, client: KVStoreClient, on_failure: Callable[[str], None]) -> None:
         self._client = client

@@ -1,0 +1,108 @@
+"""The way to reach the prefill service, as `kvstore.KVStoreClient` is the way to reach the store.
+
+`PrefillClient.start(...)` sends one Prefill call under a deadline and returns it while it runs,
+so that a caller whose own client goes away can cancel it (the prefill service then skips the
+forward pass). Errors come back as ServiceErrors a front door can pass on. The request types
+and their protobuf codec are published here too: a front door receives the same `Prompt`,
+`SamplingParams` and `CacheOptions` that it forwards.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvstore.serving import CHANNEL_OPTIONS, ServiceError, Unavailable
+from prefill_service.handle import PrefillHandle, PrefillTimings, handle_from_proto
+from prefill_service.requests import (
+    PromptInput,
+    RequestOptions,
+    options_from_proto,
+    options_to_proto,
+    prompt_from_proto,
+    prompt_to_proto,
+)
+from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+
+__all__ = [
+    "PrefillCall", "PrefillCancelled", "PrefillClient", "PrefillHandle", "PrefillTimings", "PromptInput",
+    "RequestOptions", "UpstreamError", "options_from_proto", "prompt_from_proto",
+]
+
+# Reconnect quickly once a restarted prefill service is back.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)]
+PASSED_THROUGH = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
+
+
+class UpstreamError(ServiceError):
+    """A status from the prefill service, passed on to the client with its code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PrefillCancelled(Exception):
+    """The call was cancelled (the caller's client went away) before prefill answered."""
+
+
+class PrefillCall:
+    """One Prefill call in flight."""
+
+    def __init__(self, future: grpc.Future, addr: str, timeout_s: float) -> None:
+        self._future = future
+        self._addr = addr
+        self._timeout_s = timeout_s
+
+    def cancel(self) -> None:
+        """Cancels the RPC; safe from any thread and after it has finished."""
+        self._future.cancel()
+
+    def result(self) -> PrefillHandle:
+        """Waits for the handle; PrefillCancelled once cancelled, a ServiceError if prefill failed."""
+        try:
+            return handle_from_proto(self._future.result())
+        except grpc.FutureCancelledError as exc:
+            raise PrefillCancelled() from exc
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+
+    def _error(self, exc: grpc.RpcError) -> Exception:
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        if code == grpc.StatusCode.CANCELLED:
+            return PrefillCancelled()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return UpstreamError(
+                code, f"the prefill service at {self._addr} did not answer within {self._timeout_s:.1f} s"
+            )
+        if code in PASSED_THROUGH:
+            return UpstreamError(code, details or f"prefill failed with {code.name}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return Unavailable(f"the prefill service at {self._addr} is unavailable: {details}")
+        return UpstreamError(grpc.StatusCode.INTERNAL, f"prefill at {self._addr} failed ({code.name}): {details}")
+
+
+class PrefillClient:
+    """A channel to one prefill service; every call carries a deadline of at most `timeout_s`."""
+
+    def __init__(self, addr: str, timeout_s: float = 60.0) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def start(
+        self, request_id: str, prompt: PromptInput, options: RequestOptions, *, time_left_s: float | None = None
+    ) -> PrefillCall:
+        """Sends the Prefill call with a deadline of min(timeout_s, time_left_s) and returns it in flight."""
+        sampling, cache = options_to_proto(options)
+        request = prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt=prompt_to_proto(prompt), sampling=sampling, cache=cache
+        )
+        timeout = self.timeout_s if time_left_s is None else max(0.0, min(self.timeout_s, time_left_s))
+        return PrefillCall(self._stub.Prefill.future(request, timeout=timeout), self.addr, timeout)

@@ -1,0 +1,69 @@
+"""kvstore.cache_session: the store as a best-effort cache for one request."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvstore.cache_session import StoreSession
+from tests.stack_fixtures import FakeRpcError, FakeStore
+
+A, B = b"a" * 32, b"b" * 32
+
+
+def session(store: FakeStore) -> tuple[StoreSession, list[str]]:
+    failures: list[str] = []
+    return StoreSession(store, failures.append), failures  # type: ignore[arg-type]
+
+
+def test_calls_pass_through_while_the_store_answers() -> None:
+    store = FakeStore()
+    s, failures = session(store)
+    assert s.put([(A, b"1"), (B, b"2")]) == 2
+    assert s.lookup([A, B, b"c" * 32], lease_ttl_s=5.0) == (2, "lease-0")
+    assert s.get([B, b"c" * 32]) == [b"2", None]
+    s.release("lease-0")
+    assert store.leases == {} and failures == [] and not s.failed
+
+
+def test_empty_calls_do_not_reach_the_store() -> None:
+    store = FakeStore()
+    s, _ = session(store)
+    assert (s.lookup([], 5.0), s.get([]), s.put([])) == ((0, ""), [], 0)
+    s.release("")
+    assert store.calls == []
+
+
+def test_the_first_failure_ends_the_store_part_in_the_request() -> None:
+    store = FakeStore(down=True)
+    s, failures = session(store)
+    assert s.lookup([A], 5.0) == (0, "")
+    assert s.get([A, B]) == [None, None]
+    assert s.put([(A, b"1")]) == 0
+    s.release("lease-9")
+    assert store.calls == ["lookup"] and failures == ["lookup"] and s.failed
+
+
+@pytest.mark.parametrize("error", [OSError("shm gone"), ValueError("malformed answer")])
+def test_local_errors_are_failures_too(error: Exception) -> None:
+    store = FakeStore()
+
+    def get(hashes: object) -> None:
+        raise error
+
+    store.get = get  # type: ignore[method-assign,assignment]
+    s, failures = session(store)
+    assert s.get([A]) == [None] and failures == ["get"]
+
+
+@pytest.mark.parametrize(("code", "failed"), [(grpc.StatusCode.NOT_FOUND, False), (grpc.StatusCode.UNAVAILABLE, True)])
+def test_an_expired_lease_is_not_a_store_failure(code: grpc.StatusCode, failed: bool) -> None:
+    store = FakeStore()
+
+    def release(lease_id: str) -> None:
+        raise FakeRpcError(code)
+
+    store.release = release  # type: ignore[method-assign]
+    s, failures = session(store)
+    s.release("lease-0")
+    assert s.failed == failed and failures == (["release"] if failed else [])

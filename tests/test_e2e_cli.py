@@ -1,0 +1,152 @@
+"""`kvserve up` as a user runs it from a fresh shell: the stack comes up, `kvserve generate --json`
+and `kvserve stats --json` answer, and SIGTERM stops all three services (a stream in flight ends
+with UNAVAILABLE or completes; no process is left behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from client.client import KVServeError
+from tests.stack_fixtures import BLOCK_SIZE, model_dir, tokens
+
+pytestmark = pytest.mark.slow
+
+KVSERVE = str(Path(sys.executable).with_name("kvserve"))
+START_TIMEOUT_S = 120
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def kvserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVSERVE, *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+class Up:
+    def __init__(self, tmp: Path) -> None:
+        self.decode, self.prefill, self.store = free_ports(3)
+        self.cwd = tmp
+        self.proc = subprocess.Popen(
+            [KVSERVE, "up", "--data-dir", str(tmp / "data"), "--decode-port", str(self.decode),
+             "--prefill-port", str(self.prefill), "--store-port", str(self.store),
+             "--model", str(model_dir("llama")), "--block-size", str(BLOCK_SIZE)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("ready:"):
+                self.ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+@pytest.fixture()
+def up(tmp_path: Path) -> Iterator[Up]:
+    u = Up(tmp_path)
+    try:
+        assert u.ready.wait(START_TIMEOUT_S), f"kvserve up never got ready:\n{u.output()}"
+        yield u
+    finally:
+        for pid in [*children(u.proc.pid), u.proc.pid]:  # only if the test failed half-way
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        u.proc.wait(30)
+
+
+def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
+    addr = f"127.0.0.1:{up.decode}"
+    assert f"ready: front door at {addr}" in up.output()
+    services = children(up.proc.pid)
+    assert len(services) == 3
+
+    ids = tokens(3 * BLOCK_SIZE + 4, seed=500)
+    argv = ["generate", "--json", "--token-ids", ",".join(map(str, ids)), "--max-tokens", "8", "--ignore-eos",
+            "--addr", addr]
+    results = []
+    for _ in range(2):
+        done = kvserve(*argv, cwd=up.cwd)
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(done.stdout))
+    cold, warm = results
+    assert cold["prompt_token_ids"] == ids and len(cold["token_ids"]) == 8 and cold["finish_reason"] == "length"
+    assert cold["usage"] == {"prompt_tokens": len(ids), "cached_tokens": 0, "completion_tokens": 8}
+    assert warm["usage"]["cached_tokens"] == 3 * BLOCK_SIZE and warm["token_ids"] == cold["token_ids"]
+    assert warm["timings"]["ttft_s"] > 0
+
+    done = kvserve("stats", "--kvstore", f"127.0.0.1:{up.store}", "--json", cwd=up.cwd)
+    assert done.returncode == 0, done.stderr
+    tiers = {t["tier"]: t for t in json.loads(done.stdout)["kvstore"]["tiers"]}
+    assert sum(int(t["blocks"]) for t in tiers.values()) >= 3
+
+    # A long stream in flight when the stack is told to stop.
+    outcome: list[object] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with Client(addr, timeout_s=120) as c:
+            try:
+                for item in c.stream(token_ids=ids, max_tokens=4000, ignore_eos=True):
+                    streaming.set()
+                    last = item
+                outcome.append(last)
+            except KVServeError as exc:
+                outcome.append(exc)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert streaming.wait(30)
+    start = time.monotonic()
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0, up.output()
+    reader.join(30)
+    assert not reader.is_alive(), "the stream hung after SIGTERM"
+    assert time.monotonic() - start < 30
+    [end] = outcome
+    if isinstance(end, KVServeError):
+        assert end.code.name == "UNAVAILABLE", end
+    assert "stopped" in up.output()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in services):
+        assert time.monotonic() < deadline, f"orphans: {[pid for pid in services if alive(pid)]}"
+        time.sleep(0.1)
