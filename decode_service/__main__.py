@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     service.start()
     port = server.start()
     print(f"LISTENING {port}", flush=True)
-    run_until_signal(server, on_stop=[service.stop, store.close])
+    run_until_signal(server, before_stop=[service.stop], on_stop=[store.close])
     return 0
 
 

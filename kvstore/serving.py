@@ -163,8 +163,12 @@ class Server:
         log.info("listening on port %d (metrics: %s)", self.port, self.bound_metrics_port)
         return self.port
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def drain(self) -> None:
+        """Health turns NOT_SERVING, so that balancers stop sending new requests."""
         self._health.enter_graceful_shutdown()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.drain()
         self._server.stop(grace_s).wait()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -173,8 +177,18 @@ class Server:
         self._server.wait_for_termination()
 
 
-def run_until_signal(server: Server, on_stop: Iterable[Callable[[], None]] = (), grace_s: float = 5.0) -> None:
-    """Blocks until SIGTERM or SIGINT, then stops the server and runs the on_stop callbacks."""
+def run_until_signal(
+    server: Server,
+    on_stop: Iterable[Callable[[], None]] = (),
+    grace_s: float = 5.0,
+    before_stop: Iterable[Callable[[], None]] = (),
+) -> None:
+    """Blocks until SIGTERM or SIGINT, then drains and stops the server.
+
+    Health turns NOT_SERVING first; `before_stop` callbacks then end in-flight work with their own
+    status (while the server can still send it); then the server stops within `grace_s` and the
+    `on_stop` callbacks release what is left.
+    """
     stopped = threading.Event()
 
     def handle(signum: int, _frame: Any) -> None:
@@ -184,6 +198,9 @@ def run_until_signal(server: Server, on_stop: Iterable[Callable[[], None]] = (),
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
     stopped.wait()
+    server.drain()
+    for fn in before_stop:
+        fn()
     server.stop(grace_s)
     for fn in on_stop:
         fn()

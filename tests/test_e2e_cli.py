@@ -144,7 +144,7 @@ def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
     assert time.monotonic() - start < 30
     [end] = outcome
     if isinstance(end, KVServeError):
-        assert end.code.name == "UNAVAILABLE", end
+        assert end.code.name == "UNAVAILABLE" and "shutting down" in end.details, end
     assert "stopped" in up.output()
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in services):
