@@ -11,7 +11,7 @@ from kvstore.server import StoreConfig, StoreServer
 from kvstore.serving import parse_size, run_until_signal
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve kvstore", description="Run the tiered KV block store (gRPC kvserve.v1.KVStore).")
     p.add_argument("--listen", default="127.0.0.1:50053", help="HOST:PORT to serve on; port 0 picks one (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = StoreConfig(
