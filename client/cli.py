@@ -26,6 +26,7 @@ DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
 FORWARDED = {
     ("model", "init"): "engine.tiny",
     ("bench", "hash"): "engine.bench",
+    ("bench", "prefill"): "engine.prefill_bench",
     ("bench", "store"): "kvstore.bench",
     ("bench", "e2e"): "client.bench",
     ("kvstore",): "kvstore.__main__",
@@ -75,8 +76,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
-    bench = sub.add_parser("bench", help="benchmarks: hash, store, e2e (see `kvserve bench NAME --help`)")
-    bench.add_argument("name", choices=["hash", "store", "e2e"])
+    bench = sub.add_parser("bench", help="benchmarks: hash, prefill, store, e2e (see `kvserve bench NAME --help`)")
+    bench.add_argument("name", choices=["hash", "prefill", "store", "e2e"])
 
     up = sub.add_parser("up", help="start the store, prefill and decode services locally")
     up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
