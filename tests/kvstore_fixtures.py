@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -92,3 +93,10 @@ def start_process(args: list[str]) -> tuple[subprocess.Popen[str], int]:
             break
     proc.kill()
     raise RuntimeError(f"kvstore did not start (exit code {proc.poll()})")
+
+
+def run_in_threads(work: Callable[[int], None], n: int = 8) -> None:
+    """Runs work(0), ..., work(n - 1) on n threads at once; re-raises the first failure."""
+    with ThreadPoolExecutor(n) as pool:
+        for future in [pool.submit(work, t) for t in range(n)]:
+            future.result()

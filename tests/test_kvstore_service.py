@@ -21,7 +21,7 @@ from kvstore.shm import SHM_TOKEN_FILE, ShmReader
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.kvstore_fixtures import key, payload, running_server
+from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
 from tests.test_kvstore_store import corrupt_lmdb_value
 
 MiB = 1024 * 1024
@@ -89,28 +89,19 @@ def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path, monkeypatch
 
 
 def test_eight_threads_put_and_get_byte_exact(tmp_path: Path) -> None:
-    errors: list[BaseException] = []
     with running_server(tmp_path, host_capacity=2 * MiB, disk_capacity=64 * MiB, disk_path=tmp_path / "db") as server:
 
         def work(t: int) -> None:
-            try:
-                with KVStoreClient(server.address, timeout_s=30, use_shm=t % 2 == 0) as c:
-                    for round_ in range(6):
-                        blocks = [(key(f"{t}-{round_}-{i}"), payload(f"{t}-{round_}-{i}", 20_000 + t)) for i in range(8)]
-                        assert c.put(blocks) == 8
-                        shared = [(key(f"shared-{i}"), payload(f"shared-{i}", 30_000)) for i in range(4)]
-                        c.put(shared)
-                        got = c.get([k for k, _ in blocks + shared])
-                        assert got == [p for _, p in blocks + shared]
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            with KVStoreClient(server.address, timeout_s=30, use_shm=t % 2 == 0) as c:
+                for round_ in range(6):
+                    blocks = [(key(f"{t}-{round_}-{i}"), payload(f"{t}-{round_}-{i}", 20_000 + t)) for i in range(8)]
+                    assert c.put(blocks) == 8
+                    shared = [(key(f"shared-{i}"), payload(f"shared-{i}", 30_000)) for i in range(4)]
+                    c.put(shared)
+                    got = c.get([k for k, _ in blocks + shared])
+                    assert got == [p for _, p in blocks + shared]
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        run_in_threads(work)
         server.store.check_integrity()
         stats = server.store.stats()
         assert stats.tier("host").bytes <= 2 * MiB and stats.tier("disk").demotions == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLeas
 from kvstore.host_tier import ShmHostTier
 from kvstore.store import BlockStore
 from kvstore.types import Tier
-from tests.kvstore_fixtures import FakeClock, key, make_store, payload
+from tests.kvstore_fixtures import FakeClock, key, make_store, payload, run_in_threads
 
 HOST, DISK = Tier.HOST, Tier.DISK
 
@@ -339,30 +338,20 @@ def test_threads_racing_eviction_promotion_and_leases_read_exact_bytes(tmp_path:
     store = BlockStore(
         [(ShmHostTier(tmp_path / "shm"), 2000), (DiskTier(tmp_path / "lmdb", 20_000), 20_000)]
     )
-    errors: list[BaseException] = []
-
     def work(t: int) -> None:
         rng = random.Random(t)
-        try:
-            for _ in range(300):
-                i = rng.randrange(60)
-                op = rng.random()
-                if op < 0.4:
-                    store.put(key(i), payload(i, 200))
-                elif op < 0.8:
-                    (block,) = store.get([key(i)])
-                    assert block is None or bytes(block.payload or b"") == payload(i, 200)
-                else:
-                    store.lookup(keys(i, i + 1), lease_ttl_s=0.01)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(300):
+            i = rng.randrange(60)
+            op = rng.random()
+            if op < 0.4:
+                store.put(key(i), payload(i, 200))
+            elif op < 0.8:
+                (block,) = store.get([key(i)])
+                assert block is None or bytes(block.payload or b"") == payload(i, 200)
+            else:
+                store.lookup(keys(i, i + 1), lease_ttl_s=0.01)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_in_threads(work)
     time.sleep(0.02)
     store.sweep()
     store.check_integrity()
