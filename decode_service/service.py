@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
+
 from decode_service.kv_loader import LoadedPrompt, load_prompt_kv
 from decode_service.metrics import DecodeMetrics
 from decode_service.scheduler import Cancellation, DecodeEntry, Scheduler, Stopped
@@ -64,6 +66,12 @@ class GenerateOutcome:
     prompt_token_ids: tuple[int, ...]
     usage: Usage
     timings: Timings
+
+
+class ModelMismatch(ServiceError):
+    """Prefill and decode serve different models: decode would continue another model's prompt."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class RequestState:
@@ -126,6 +134,7 @@ class DecodeService:
             state.outcome = "cancelled"
             return
         t_prefilled = time.perf_counter()
+        self._check_same_model(handle)
         prompt = handle.prompt_token_ids
         max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
         generation = Generation(
@@ -169,6 +178,19 @@ class DecodeService:
                 ttft_s=t_first - job.arrival, prefill_s=t_prefilled - job.arrival, decode_s=done - t_first,
                 total_s=done - job.arrival,
             ),
+        )
+
+    def _check_same_model(self, handle: PrefillHandle) -> None:
+        """The prompt's token ids and first token come from prefill's model: with another model
+        here, every token would be wrong. Refused before anything is streamed."""
+        ours = self.engine.model.fingerprint
+        if handle.model_fingerprint == ours:
+            return
+        StoreSession(self.store, self._store_failed).release(handle.lease_id)
+        theirs = handle.model_fingerprint[:12] or "unknown (an older prefill service)"
+        raise ModelMismatch(
+            f"the prefill service at {self.prefill.addr} serves model {theirs}, this decode service "
+            f"serves {ours[:12]} ({self.engine.model.path}): start both with the same --model"
         )
 
     @staticmethod

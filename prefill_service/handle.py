@@ -22,6 +22,7 @@ class PrefillHandle:
 
     With the prefix cache off, the keys are request-scoped (and ephemeral) rather than prefix hashes.
     `lease_id` pins the blocks until decode has fetched them; decode releases it.
+    `model_fingerprint` names the model that tokenized the prompt and sampled the first token.
     """
 
     request_id: str
@@ -34,6 +35,7 @@ class PrefillHandle:
     first_token_id: int
     timings: PrefillTimings
     lease_id: str = ""
+    model_fingerprint: str = ""
 
 
 def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResponse:
@@ -51,6 +53,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResponse:
             lookup_s=t.lookup_s, fetch_s=t.fetch_s, compute_s=t.compute_s, put_s=t.put_s, total_s=t.total_s
         ),
         lease_id=h.lease_id,
+        model_fingerprint=h.model_fingerprint,
     )
 
 
@@ -67,4 +70,5 @@ def handle_from_proto(r: prefill_pb2.PrefillResponse) -> PrefillHandle:
         first_token_id=r.first_token_id,
         timings=PrefillTimings(t.lookup_s, t.fetch_s, t.compute_s, t.put_s, t.total_s),
         lease_id=r.lease_id,
+        model_fingerprint=r.model_fingerprint,
     )

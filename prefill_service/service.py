@@ -164,4 +164,5 @@ class PrefillService:
                 put_s=done - t_compute, total_s=done - start,
             ),
             lease_id=lease,
+            model_fingerprint=engine.model.fingerprint,
         )

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from engine.engine import Engine
 from engine.model import Model, load_model
 from engine.tiny import init_tiny_model
+from kvstore import KVStoreClient
 from tests.engine_fixtures import assert_greedy_matches
 
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -159,18 +160,23 @@ def _model(arch: str, role: str) -> Model:
     return load_model(model_dir(arch))
 
 
-def engine(arch: str, role: str = "prefill") -> Engine:
+def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE) -> Engine:
     """An Engine over a model loaded once per (arch, role): prefill and decode never share one."""
-    return Engine(_model(arch, role), block_size=BLOCK_SIZE)
+    return Engine(_model(arch, role), block_size=block_size)
 
 
 # --- prefill and decode in this process, over a FakeStore --------------------------------------
 
 
 class LocalStack:
-    """The prefill and decode gRPC servers in this process (port 0), sharing one FakeStore."""
+    """The prefill and decode gRPC servers in this process (port 0), sharing one FakeStore (or the
+    KVStoreClient given). Decode runs `arch` with `block_size` unless told otherwise, to test
+    misconfigured deployments."""
 
-    def __init__(self, arch: str, store: FakeStore | None = None, max_batch_size: int = 32) -> None:
+    def __init__(
+        self, arch: str, store: FakeStore | KVStoreClient | None = None, max_batch_size: int = 32,
+        block_size: int = BLOCK_SIZE, decode_arch: str | None = None, decode_block_size: int | None = None,
+    ) -> None:
         from decode_service.metrics import DecodeMetrics
         from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
@@ -186,13 +192,13 @@ class LocalStack:
         self.arch = arch
         self.store = store if store is not None else FakeStore()
         self.prefill_server = Server("127.0.0.1:0", metrics_port=0)
-        self.prefill = PrefillService(engine(arch, "prefill"), self.store,  # type: ignore[arg-type]
+        self.prefill = PrefillService(engine(arch, "prefill", block_size), self.store,  # type: ignore[arg-type]
                                       PrefillMetrics(self.prefill_server.registry))
         self.prefill_server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.prefill), PREFILL)
         self.prefill_addr = f"127.0.0.1:{self.prefill_server.start()}"
         self.decode_server = Server("127.0.0.1:0", metrics_port=0)
         self.decode = DecodeService(
-            engine(arch, "decode"), self.store, PrefillClient(self.prefill_addr, timeout_s=30.0),  # type: ignore[arg-type]
+            engine(decode_arch or arch, "decode", decode_block_size or block_size), self.store, PrefillClient(self.prefill_addr, timeout_s=30.0),  # type: ignore[arg-type]
             DecodeMetrics(self.decode_server.registry), max_batch_size=max_batch_size,
         )
         self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), DECODE)

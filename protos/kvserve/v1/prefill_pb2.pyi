@@ -34,7 +34,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, lookup_s: _Optional[float] = ..., fetch_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., put_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "block_size", "block_hashes", "tail_key", "num_cached_tokens", "num_computed_tokens", "first_token_id", "timings", "lease_id")
+    __slots__ = ("request_id", "prompt_token_ids", "block_size", "block_hashes", "tail_key", "num_cached_tokens", "num_computed_tokens", "first_token_id", "timings", "lease_id", "model_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class PrefillResponse(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
@@ -55,4 +56,5 @@ class PrefillResponse(_message.Message):
     first_token_id: int
     timings: PrefillTimings
     lease_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., lease_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
