@@ -1,0 +1,234 @@
+"""The prefill and decode servers (in process) over a real KV store process, with the store doing
+its worst between prefill and decode: concurrent requests racing to put the same new prefix,
+other requests evicting the blocks of one in flight (tiny tiers), the store SIGKILLed and
+restarted, a block corrupted in LMDB on disk. Every answer must still equal Hugging Face's."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import lmdb
+import pytest
+
+from client import Client
+from client.client import Result
+from client.stack import Service, start_service
+from decode_service.service import DecodeService
+from engine.hashing import prefix_hashes
+from kvstore import KVStoreClient
+from kvstore.block_format import HEADER_BYTES, checksum, pack_header, unpack_header
+from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens, workdir
+
+pytestmark = pytest.mark.slow
+
+ARCH = "llama"
+NEW_TOKENS = 12
+
+
+class StoreProcess:
+    """A kvstore process that can be killed and restarted on the same port and disk path."""
+
+    def __init__(self, name: str, *args: str) -> None:
+        self.dir = workdir() / name
+        self.args = ["--disk-path", str(self.dir / "lmdb"), "--log-level", "WARNING", *args]
+        self.service = self._start(0)
+
+    def _start(self, port: int) -> Service:
+        return start_service("kvstore", "kvstore", ["--listen", f"127.0.0.1:{port}", *self.args],
+                             self.dir.with_suffix(".log"))
+
+    @property
+    def addr(self) -> str:
+        return self.service.addr
+
+    def kill(self) -> None:
+        self.service.process.kill()
+        self.service.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM: the memory tiers are flushed to disk."""
+        self.service.process.send_signal(signal.SIGTERM)
+        self.service.process.wait(30)
+
+    def start_again(self, wipe: bool = False) -> None:
+        """Same port; with `wipe`, an empty disk (a store replaced, not just restarted)."""
+        if wipe:
+            shutil.rmtree(self.dir / "lmdb")
+        self.service = self._start(self.service.port)
+
+    def edit_on_disk(self, key: bytes, edit: Callable[[bytearray], None]) -> None:
+        """Rewrites one LMDB record (header + payload) while the store is stopped."""
+        env = lmdb.open(str(self.dir / "lmdb"), map_size=1 << 30)
+        try:
+            with env.begin(write=True) as txn:
+                record = bytearray(txn.get(key))
+                edit(record)
+                txn.put(key, bytes(record))
+        finally:
+            env.close()
+
+
+class Rig:
+    def __init__(self, name: str, *store_args: str) -> None:
+        self.store = StoreProcess(name, *store_args)
+        self.kv = KVStoreClient(self.store.addr, timeout_s=2.0)
+        self.stack = LocalStack(ARCH, store=self.kv)
+        self.client = Client(self.stack.addr, timeout_s=60)
+
+    def recomputed(self) -> float:
+        return self.stack.decode_metric("kvserve_decode_recomputed_tokens_total")
+
+    def close(self) -> None:
+        self.client.close()
+        self.stack.close()
+        self.kv.close()
+        self.store.stop()
+
+
+def greedy(rig: Rig, ids: list[int]) -> Result:
+    return rig.client.generate(token_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def check(ids: list[int], r: Result) -> None:
+    assert_greedy_matches(r.token_ids, *oracle(ARCH, ids, NEW_TOKENS))
+
+
+def between_prefill_and_decode(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) -> None:
+    """Runs `action` once, after prefill has answered and before decode fetches the prompt's KV."""
+    real_load = DecodeService._load
+    done = []
+
+    def load(self: DecodeService, *args: object) -> object:
+        if not done:
+            done.append(1)
+            action()
+        return real_load(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeService, "_load", load)
+
+
+# A llama block is 24.6 KB: the host tier holds 2 blocks, the disk 5.
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[Rig]:
+    rig = Rig("faults-tiny", "--host-capacity", "64KiB", "--disk-capacity", "128KiB")
+    yield rig
+    rig.close()
+
+
+def test_concurrent_requests_for_the_same_new_prefix(tiny: Rig) -> None:
+    ids = tokens(4 * BLOCK_SIZE + 3, seed=600)
+    results: list[Result | None] = [None] * 4
+
+    def run(i: int) -> None:
+        results[i] = greedy(tiny, ids)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    first = results[0]
+    assert first is not None
+    check(ids, first)
+    assert all(r is not None and r.token_ids == first.token_ids for r in results)
+
+
+def test_blocks_leased_to_a_request_survive_a_flood(tiny: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tokens(4 * BLOCK_SIZE + 3, seed=601)
+
+    def flood() -> None:  # 20 blocks of others' work through a store that holds 7
+        with KVStoreClient(tiny.store.addr) as other:
+            for i in range(5):
+                other.put([(bytes([i, j]) * 16, bytes(24_000)) for j in range(4)])
+
+    def evictions() -> int:
+        return sum(t.evictions for t in tiny.kv.stats().tiers)
+
+    between_prefill_and_decode(monkeypatch, flood)
+    before, evicted = tiny.recomputed(), evictions()
+    r = greedy(tiny, ids)
+    check(ids, r)
+    assert evictions() - evicted >= 10, "the flood did not evict"
+    assert tiny.recomputed() - before <= 3  # the 4 leased blocks were kept; at most the tail is gone
+
+
+def test_a_prompt_larger_than_the_store(tiny: Rig) -> None:
+    ids = tokens(12 * BLOCK_SIZE + 5, seed=602)  # 12 blocks, the store holds 7
+    for _ in range(2):
+        check(ids, greedy(tiny, ids))
+
+
+@pytest.fixture(scope="module")
+def disk() -> Iterator[Rig]:
+    rig = Rig("faults-disk", "--host-capacity", "0", "--disk-capacity", "64MiB")
+    yield rig
+    rig.close()
+
+
+@pytest.mark.parametrize("wipe", [False, True], ids=["restarted", "replaced"])
+def test_store_restarted_between_prefill_and_decode(
+    disk: Rig, monkeypatch: pytest.MonkeyPatch, wipe: bool
+) -> None:
+    """The handle names blocks that the new store may no longer have (all of them, when its disk
+    was wiped): decode recomputes what it misses."""
+    ids = tokens(3 * BLOCK_SIZE + 5, seed=603 + wipe)
+
+    def restart() -> None:
+        disk.store.kill()
+        disk.store.start_again(wipe=wipe)
+
+    between_prefill_and_decode(monkeypatch, restart)
+    before = disk.recomputed()
+    r = greedy(disk, ids)
+    check(ids, r)
+    assert r.usage.cached_tokens == 0
+    if wipe:
+        assert disk.recomputed() - before == len(ids)
+    monkeypatch.undo()
+    again = greedy(disk, ids)  # decode stored the prompt's blocks again
+    assert again.token_ids == r.token_ids and again.usage.cached_tokens == 3 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("seen_by", ["store", "engine"])
+def test_a_block_corrupted_on_disk(disk: Rig, seen_by: str) -> None:
+    """`store`: the store's checksum catches it, drops the block and reports a miss. `engine`: the
+    store's record is consistent but the KV block inside is not; the engine's codec catches it."""
+    ids = tokens(4 * BLOCK_SIZE + 3, seed=604 + (seen_by == "engine"))
+    want = greedy(disk, ids)
+    check(ids, want)
+    key = prefix_hashes(ids, BLOCK_SIZE, disk.stack.decode.engine.namespace().root())[1]
+
+    def flip_last_byte(record: bytearray) -> None:
+        record[-1] ^= 0xFF
+        if seen_by == "engine":
+            h = unpack_header(memoryview(record))
+            header = pack_header(h.size, checksum(bytes(record[HEADER_BYTES:])), ephemeral=h.ephemeral, seq=h.seq)
+            record[: len(header)] = header
+
+    disk.store.stop()
+    disk.store.edit_on_disk(key, flip_last_byte)
+    disk.store.start_again()
+    for _ in range(2):
+        r = greedy(disk, ids)
+        assert r.token_ids == want.token_ids
+        assert r.usage.cached_tokens >= BLOCK_SIZE  # the block before the bad one is still used
+
+
+def test_a_graceful_restart_is_warm_and_gives_the_same_tokens(tiny: Rig) -> None:
+    ids = tokens(2 * BLOCK_SIZE + 3, seed=606)  # its 2 blocks sit in the host tier until SIGTERM
+    first = greedy(tiny, ids)
+    check(ids, first)
+    tiny.store.stop()
+    tiny.store.start_again()
+    deadline = time.monotonic() + 15  # the services' store channels reconnect with backoff
+    while True:
+        again = greedy(tiny, ids)
+        assert again.token_ids == first.token_ids
+        if again.usage.cached_tokens == 2 * BLOCK_SIZE:
+            break
+        assert time.monotonic() < deadline, "no hits after the store restarted"
+        time.sleep(0.2)
