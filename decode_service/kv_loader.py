@@ -34,9 +34,9 @@ def load_prompt_kv(
     bs = engine.block_size
     num_full, tail_len = divmod(len(prompt), bs)
     keys, tail_key = list(handle.block_hashes), handle.tail_key
-    if handle.block_size != bs or len(keys) != num_full:
-        log.warning("prefill used block size %d (%d blocks), decode %d: recomputing the prompt",
-                    handle.block_size, len(keys), bs)
+    if len(keys) != num_full:  # a malformed handle: trust none of its keys
+        log.warning("prefill handle names %d blocks for %d full blocks: recomputing the prompt",
+                    len(keys), num_full)
         keys, tail_key = [], b""
     payloads = store.get(keys + [tail_key] if tail_key else keys)
     leading = engine.load_leading(payloads[:num_full] if keys else [], namespace)

@@ -68,8 +68,8 @@ class GenerateOutcome:
     timings: Timings
 
 
-class ModelMismatch(ServiceError):
-    """Prefill and decode serve different models: decode would continue another model's prompt."""
+class DeploymentMismatch(ServiceError):
+    """Prefill and decode serve different models or block sizes: one deployment must agree."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -134,7 +134,7 @@ class DecodeService:
             state.outcome = "cancelled"
             return
         t_prefilled = time.perf_counter()
-        self._check_same_model(handle)
+        self._check_same_deployment(handle)
         prompt = handle.prompt_token_ids
         max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
         generation = Generation(
@@ -180,17 +180,24 @@ class DecodeService:
             ),
         )
 
-    def _check_same_model(self, handle: PrefillHandle) -> None:
-        """The prompt's token ids and first token come from prefill's model: with another model
-        here, every token would be wrong. Refused before anything is streamed."""
-        ours = self.engine.model.fingerprint
-        if handle.model_fingerprint == ours:
+    def _check_same_deployment(self, handle: PrefillHandle) -> None:
+        """The prompt's token ids and first token come from prefill's model, its blocks from its block
+        size: with another model here every token would be wrong, with another block size no block
+        would ever be reused. Refused before anything is streamed."""
+        model, bs = self.engine.model, self.engine.block_size
+        problems = []
+        if handle.model_fingerprint != model.fingerprint:
+            theirs = handle.model_fingerprint[:12] or "unknown (an older prefill service)"
+            problems.append(f"model {theirs} there, {model.fingerprint[:12]} ({model.path}) here: "
+                            "start both with the same --model")
+        if handle.block_size != bs:
+            problems.append(f"block size {handle.block_size} there, {bs} here: "
+                            "start both with the same --block-size")
+        if not problems:
             return
         StoreSession(self.store, self._store_failed).release(handle.lease_id)
-        theirs = handle.model_fingerprint[:12] or "unknown (an older prefill service)"
-        raise ModelMismatch(
-            f"the prefill service at {self.prefill.addr} serves model {theirs}, this decode service "
-            f"serves {ours[:12]} ({self.engine.model.path}): start both with the same --model"
+        raise DeploymentMismatch(
+            f"the prefill service at {self.prefill.addr} does not match this decode service: " + "; ".join(problems)
         )
 
     @staticmethod

@@ -216,15 +216,14 @@ def test_store_down_during_the_put_of_generated_blocks(
 # --- prefill and decode configured differently ---------------------------------------------------
 
 
-def test_different_block_sizes_recompute_in_decode_and_stay_correct() -> None:
+def test_different_block_sizes_are_refused() -> None:
     s = LocalStack("llama", block_size=16, decode_block_size=8)
     try:
-        ids = tokens(45, seed=50)
-        with Client(s.addr, timeout_s=60) as c:
-            first, second = greedy(c, ids, 12), greedy(c, ids, 12)
-        check("llama", ids, first, 12)
-        assert second.token_ids == first.token_ids
-        assert s.decode_metric("kvserve_decode_recomputed_tokens_total") == 2 * len(ids)
+        with Client(s.addr, timeout_s=60) as c, pytest.raises(KVServeError) as info:
+            greedy(c, tokens(45, seed=50), 12)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block size 16 there, 8 here" in info.value.details and "--block-size" in info.value.details
+        assert s.decode_metric("kvserve_decode_generated_tokens_total") == 0
     finally:
         s.close()
 
