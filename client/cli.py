@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from typing import Any
 import grpc
 
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
-from client.stack import Stack, StackConfig, StackError
+from client.stack import Stack, StackConfig, StackError, log_tail
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
@@ -42,19 +44,36 @@ def _forward(argv: Sequence[str]) -> int | None:
     return None
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _request_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=DEFAULT_ADDR, help="decode service address (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 is off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 is off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=_non_negative_int, default=64,
+                   help="most tokens to generate; 0 is the server's default (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
+    p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 is off (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 is off (default %(default)s)")
+    p.add_argument("--seed", type=_non_negative_int, default=None,
+                   help="sampling seed: with a temperature, the same seed gives the same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="skip the KV cache (for A/B comparisons)")
     p.add_argument("--cache-salt", default=None, help="requests with other salts never share KV")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("--timeout", type=_positive_float, default=300.0,
+                   help="seconds the whole request may take (default %(default)s)")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,76 +90,125 @@ def parser() -> argparse.ArgumentParser:
         description="Disaggregated prefill/decode LLM serving with a tiered, prefix-keyed KV store.",
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model = sub.add_parser("model", help="model tools: `kvserve model init DIR --arch llama|qwen2|gpt2`")
+    model = sub.add_parser("model", help="model tools: `kvserve model init DIR --arch llama|qwen2|gpt2`",
+                           description="Model tools; see `kvserve model init --help`.")
     model.add_argument("action", choices=["init"])
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
-    bench = sub.add_parser("bench", help="benchmarks: hash, prefill, store, e2e (see `kvserve bench NAME --help`)")
+    bench = sub.add_parser("bench", help="benchmarks: hash, prefill, store, e2e (see `kvserve bench NAME --help`)",
+                           description="Benchmarks; see `kvserve bench NAME --help`.")
     bench.add_argument("name", choices=["hash", "prefill", "store", "e2e"])
 
-    up = sub.add_parser("up", help="start the store, prefill and decode services locally")
-    up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    up = sub.add_parser(
+        "up", help="start the store, prefill and decode services locally",
+        description="Starts the KV store, prefill and decode services as local processes, waits until "
+                    "each is healthy and prints the front-door address. Ctrl-C or SIGTERM stops all three "
+                    "(the store flushes its memory tiers to disk, so the next `up` is warm); if one of them "
+                    "exits, the others are stopped too. Logs go to DATA_DIR/logs.",
+    )
+    up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                    help="models/, kvstore/ (the disk tier) and logs/ live here (default %(default)s)")
     up.add_argument("--model", type=Path, default=None,
                     help="model folder (default: the tiny llama under DATA_DIR, built if missing)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--decode-port", type=int, default=50051)
-    up.add_argument("--prefill-port", type=int, default=50052)
-    up.add_argument("--store-port", type=int, default=50053)
+    up.add_argument("--host", default="127.0.0.1",
+                    help="interface the three services listen on (default %(default)s; 0.0.0.0 for all)")
+    up.add_argument("--decode-port", type=int, default=50051, help="front door (default %(default)s)")
+    up.add_argument("--prefill-port", type=int, default=50052, help="(default %(default)s)")
+    up.add_argument("--store-port", type=int, default=50053, help="(default %(default)s)")
     up.add_argument("--metrics-base-port", type=int, default=None,
-                    help="Prometheus ports: decode BASE, prefill BASE+1, store BASE+2")
-    up.add_argument("--host-capacity", default="1GiB")
-    up.add_argument("--disk-capacity", default="8GiB")
-    up.add_argument("--block-size", type=int, default=16)
+                    help="Prometheus ports: decode BASE, prefill BASE+1, store BASE+2 (default: no metrics)")
+    up.add_argument("--host-capacity", default="1GiB", help="store's RAM tier (default %(default)s)")
+    up.add_argument("--disk-capacity", default="8GiB", help="store's LMDB tier (default %(default)s)")
+    up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
 
-    gen = sub.add_parser("generate", help="generate from a prompt, chat messages or token ids")
+    gen = sub.add_parser(
+        "generate", help="generate from a prompt, chat messages or token ids",
+        description="Streams the answer to stdout and a summary line (finish reason, prompt, cached and "
+                    "generated tokens, TTFT) to stderr; with --json, prints the whole result instead.",
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("prompt", nargs="?", help="prompt text")
     src.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    src.add_argument("--messages-file", type=Path, help='JSON file: [{"role": ..., "content": ...}, ...]')
+    src.add_argument("--messages-file", type=Path,
+                     help='JSON file: [{"role": ..., "content": ...}, ...] or {"messages": [...]}; - reads stdin')
     gen.add_argument("--json", action="store_true", help="print the result object as JSON")
     _request_options(gen)
 
-    chat = sub.add_parser("chat", help="interactive multi-turn chat; shows cached tokens and TTFT per turn")
+    chat = sub.add_parser(
+        "chat", help="interactive multi-turn chat; shows cached tokens and TTFT per turn",
+        description="Reads a message per line; an empty line or Ctrl-D quits. Ctrl-C during a reply "
+                    "stops that reply (the server stops generating it); Ctrl-C at the prompt quits.",
+    )
     chat.add_argument("--system", default=None, help="system prompt")
     _request_options(chat)
 
-    stats = sub.add_parser("stats", help="KV store and service figures")
+    stats = sub.add_parser(
+        "stats", help="KV store and service figures",
+        description="The KV store's tiers, from its Stats call, and the kvserve figures of each --metrics "
+                    "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2).",
+    )
     stats.add_argument("--kvstore", default="127.0.0.1:50053", help="store address (default %(default)s)")
     stats.add_argument("--metrics", action="append", default=[],
                        help="a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable)")
-    stats.add_argument("--json", action="store_true")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM while `kvserve up` was starting the services."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     model_dir = args.model or args.data_dir / "models" / "tiny-llama"
     if args.model is None and not (model_dir / "config.json").exists():
         print(f"building the tiny model in {model_dir} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model_dir)], check=True)
+        built = subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model_dir)])
+        if built.returncode != 0:
+            print(f"kvserve up: building the tiny model in {model_dir} failed", file=sys.stderr)
+            return 1
     config = StackConfig(
         model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,
         prefill_port=args.prefill_port, store_port=args.store_port,
         metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
         disk_capacity=args.disk_capacity, block_size=args.block_size,
     )
-    stopped = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopped.set())
     stack = Stack(config, log_dir=args.data_dir / "logs")
+    # While starting, a signal aborts the start (Stack.start stops what it has started).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupted)
     try:
         stack.start()
     except StackError as exc:
         print(f"kvserve up: {exc}", file=sys.stderr)
         return 1
+    except Interrupted as exc:
+        print(f"kvserve up: {exc} while starting; stopped", file=sys.stderr)
+        return 128 + exc.signum
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
     try:
-        for s in stack.services:
-            print(f"{s.name:8s} {s.addr}  (log: {s.log_path})")
+        base = config.metrics_base_port
+        for i, s in enumerate(stack.services):
+            metrics = "" if base is None else f", metrics: http://{s.host}:{base + 2 - i}/metrics"
+            print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
         print(f"ready: front door at {stack.addr}  (Ctrl-C to stop)", flush=True)
         while not stopped.wait(1.0):
-            dead = [s.name for s in stack.services if s.process.poll() is not None]
+            dead = [s for s in stack.services if s.process.poll() is not None]
             if dead:
-                print(f"kvserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                for s in dead:
+                    print(f"kvserve up: {s.name} exited with code {s.process.returncode}; stopping the others"
+                          + (f"; {s.log_path} ends with:{log_tail(s.log_path)}" if s.log_path else ""),
+                          file=sys.stderr)
                 return 1
     finally:
         stack.stop()
@@ -155,17 +223,45 @@ def _print_result_line(r: Result) -> None:
           file=sys.stderr)
 
 
+class UsageError(Exception):
+    """A bad argument or input file: printed as one line, exit code 2."""
+
+
 def _stream_to_stdout(client: Client, **request: Any) -> Result:
+    """Writes each chunk as it comes; the output ends with a newline however the stream ends."""
     result: Result | None = None
-    for item in client.stream(**request):
-        if isinstance(item, Result):
-            result = item
-        else:
-            sys.stdout.write(item.text)
-            sys.stdout.flush()
-    print()
-    assert result is not None
+    try:
+        with contextlib.closing(client.stream(**request)) as stream:  # closing cancels a cut-short reply
+            for item in stream:
+                if isinstance(item, Result):
+                    result = item
+                else:
+                    sys.stdout.write(item.text)
+                    sys.stdout.flush()
+    finally:
+        print(flush=True)
+    if result is None:
+        raise KVServeError(grpc.StatusCode.INTERNAL, "the stream ended without a result")
     return result
+
+
+def load_messages(path: Path) -> list[dict[str, Any]]:
+    """The chat messages of a --messages-file: a JSON list, or an object with a "messages" list
+    (an OpenAI-style request body); "-" reads stdin. Raises UsageError with a one-line reason."""
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read --messages-file {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--messages-file {path} is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("messages"), list):
+        data = data["messages"]
+    if not isinstance(data, list):
+        raise UsageError(f'--messages-file {path} must hold a JSON list of {{"role": ..., "content": ...}} '
+                         'objects (or an object with a "messages" list)')
+    return data
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -174,9 +270,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         try:
             request["token_ids"] = [int(t) for t in args.token_ids.split(",") if t.strip()]
         except ValueError:
-            raise SystemExit(f"kvserve generate: --token-ids must be comma-separated integers, got {args.token_ids!r}") from None
+            raise UsageError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}") from None
     elif args.messages_file is not None:
-        request["messages"] = json.loads(args.messages_file.read_text())
+        request["messages"] = load_messages(args.messages_file)
     else:
         request["prompt"] = args.prompt
     with Client(args.addr, timeout_s=args.timeout) as client:
@@ -192,25 +288,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     with Client(args.addr, timeout_s=args.timeout) as client:
-        print("kvserve chat: type a message, an empty line or Ctrl-D to quit", file=sys.stderr)
+        print("kvserve chat: type a message; an empty line, Ctrl-D or Ctrl-C quits", file=sys.stderr)
         while True:
             try:
                 line = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
                 break
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line})
-            result = _stream_to_stdout(client, messages=messages, **_options(args))
+            try:
+                result = _stream_to_stdout(client, messages=messages, **_options(args))
+            except KeyboardInterrupt:  # closing the stream cancelled the reply on the server
+                print("[reply interrupted; it is not part of the conversation]", file=sys.stderr)
+                messages.pop()
+                continue
+            except KVServeError as exc:
+                print(f"kvserve chat: {exc}", file=sys.stderr)
+                messages.pop()
+                if exc.code == grpc.StatusCode.UNAVAILABLE:
+                    return 2
+                continue
             _print_result_line(result)
             messages.append({"role": "assistant", "content": result.text})
     return 0
 
 
-def _scrape(url: str) -> dict[str, float]:
+def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name with labels: value}, comments dropped."""
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -219,15 +325,43 @@ def _scrape(url: str) -> dict[str, float]:
     return out
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def _scrape(url: str) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return parse_metrics(resp.read().decode())
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise UsageError(f"cannot read metrics from {url}: {reason}") from None
+
+
+def shown_metric(sample: str) -> bool:
+    """Whether `kvserve stats` prints a sample: kvserve's own figures, without histogram buckets and
+    the *_created timestamps (labels do not count in the name)."""
+    name = sample.split("{", 1)[0]
+    return name.startswith(("kvserve_", "kvstore_")) and not name.endswith(("_bucket", "_created"))
+
+
+def _stats_dict(reply: Any) -> dict[str, Any]:
+    """The Stats reply as JSON, with 64-bit counters as numbers (protobuf's JSON makes them strings)."""
     from google.protobuf.json_format import MessageToDict
 
+    from protos.kvserve.v1 import kvstore_pb2
+
+    d = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d["tiers"] = [
+        {"tier": kvstore_pb2.Tier.Name(t.tier).removeprefix("TIER_").lower(),
+         **{k: int(v) for k, v in td.items() if k != "tier"}}
+        for t, td in zip(reply.tiers, d.get("tiers", []), strict=True)
+    ]
+    return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d.items()}
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
     from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
     with grpc.insecure_channel(args.kvstore) as channel:
         reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
-    report: dict[str, Any] = {"kvstore": MessageToDict(reply, preserving_proto_field_name=True,
-                                                       always_print_fields_with_no_presence=True)}
+    report: dict[str, Any] = {"kvstore": _stats_dict(reply)}
     report["services"] = {url: _scrape(url) for url in args.metrics}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -243,7 +377,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for url, samples in report["services"].items():
         print(f"\n{url}")
         for name, value in samples.items():
-            if name.startswith("kvserve_") and not name.endswith(("_bucket", "_created")):
+            if shown_metric(name):
                 print(f"  {name} {value:g}")
     return 0
 
@@ -259,6 +393,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except (UsageError, ValueError) as exc:  # ValueError: arguments the client refuses to send
+        print(f"kvserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `kvserve generate ... | head`: the reader has gone, so be quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KVServeError as exc:
         print(f"kvserve {args.command}: {exc}", file=sys.stderr)
         return 2

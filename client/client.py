@@ -12,7 +12,7 @@ This module imports no torch: a caller needs only grpcio and protobuf.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +131,36 @@ def _error(exc: grpc.RpcError) -> KVServeError:
     return _ERRORS.get(code, KVServeError)(code, exc.details() or "")  # type: ignore[attr-defined]
 
 
+_UINT32 = 2**32
+_UINT64 = 2**64
+
+
+def _check_int(name: str, value: int, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not 0 <= value < limit:
+        raise ValueError(f"{name} must be in [0, {limit}), got {value}")
+    return value
+
+
+def _check_messages(messages: Iterable[Message]) -> list[tuple[str, str]]:
+    if isinstance(messages, (str, bytes, Mapping)):
+        raise ValueError('messages must be a list of {"role": ..., "content": ...} objects, '
+                         f"got a {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f'message {i} must be an object with "role" and "content", got {m!r}')
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            raise ValueError(f"message {i} has no {' and no '.join(repr(k) for k in missing)}: {dict(m)!r}")
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f'message {i}: "role" and "content" must be strings, got {dict(m)!r}')
+        out.append((role, content))
+    return out
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -147,23 +177,37 @@ def build_request(
     cache_salt: str | None = None,
     request_id: str | None = None,
 ) -> decode_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments; exactly one of prompt, messages, token_ids."""
+    """The GenerateRequest for these arguments; exactly one of prompt, messages, token_ids.
+
+    Raises ValueError, before anything is sent, for arguments that cannot be put on the wire
+    (a negative max_tokens, top_k, seed or token id, a message without "role" or "content"...);
+    the server checks the rest (ranges of temperature and top_p, the vocabulary, the context).
+    """
     given = [x is not None for x in (prompt, messages, token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages or token_ids")
     if isinstance(stop, str):
         stop = (stop,)
+    _check_int("max_tokens", max_tokens, _UINT32)
+    _check_int("top_k", top_k, _UINT32)
+    if seed is not None:
+        _check_int("seed", seed, _UINT64)
     p = common_pb2.Prompt()
     if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got a {type(prompt).__name__}")
         p.text = prompt
     elif messages is not None:
         p.messages.CopyFrom(
             common_pb2.ChatMessages(
-                messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+                messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in _check_messages(messages)]
             )
         )
     else:
-        p.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(token_ids or [])))
+        ids = list(token_ids or [])
+        for t in ids:
+            _check_int("a token id", t, _UINT32)
+        p.token_ids.CopyFrom(common_pb2.TokenIds(ids=ids))
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         stop=list(stop), ignore_eos=ignore_eos,
@@ -179,6 +223,7 @@ def build_request(
 
 
 def result_from_proto(r: decode_pb2.GenerateResult) -> Result:
+    """The `Result` of a GenerateResult message."""
     return Result(
         text=r.text,
         token_ids=tuple(r.token_ids),
@@ -211,7 +256,7 @@ class Client:
         self._channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Chunk | Result]:
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Generator[Chunk | Result, None, None]:
         """Yields a `Chunk` per generated token, then the final `Result`.
 
         Closing the iterator early cancels the request on the server.
@@ -219,7 +264,13 @@ class Client:
         call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
         try:
             for msg in call:
-                yield _item(msg)
+                item = _item(msg)
+                if isinstance(item, Result):
+                    # Let the call finish before handing the result over: a caller that stops
+                    # at the result (as generate does) would otherwise cancel a completed request.
+                    for _ in call:
+                        pass
+                yield item
         except grpc.RpcError as exc:
             raise _error(exc) from None
         finally:
@@ -237,6 +288,7 @@ class Client:
         return self.generate(messages=list(messages), **kwargs)
 
     def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -256,25 +308,36 @@ class AsyncClient:
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
     async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Chunk | Result]:
+        """Yields a `Chunk` per generated token, then the final `Result` (as `Client.stream`).
+
+        Closing the iterator early (`aclose()`) cancels the request on the server.
+        """
         call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
         try:
             async for msg in call:
-                yield _item(msg)
+                item = _item(msg)
+                if isinstance(item, Result):  # finish the call first (see Client.stream)
+                    async for _ in call:
+                        pass
+                yield item
         except grpc.RpcError as exc:
             raise _error(exc) from None
         finally:
             call.cancel()
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        """Runs one request to the end and returns its `Result`."""
         async for item in self.stream(prompt, **kwargs):
             if isinstance(item, Result):
                 return item
         raise KVServeError(grpc.StatusCode.INTERNAL, "the stream ended without a result")
 
     async def chat(self, messages: Iterable[Message], **kwargs: Any) -> Result:
+        """Generates the assistant's reply to chat messages ({"role": ..., "content": ...})."""
         return await self.generate(messages=list(messages), **kwargs)
 
     async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -23,6 +26,14 @@ class StackError(RuntimeError):
     pass
 
 
+def connect_host(host: str) -> str:
+    """The address to reach a server that listens on `host` (a wildcard means this machine)."""
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
 @dataclass
 class Service:
     """One service process; `port` is read from the `LISTENING <port>` line it prints."""
@@ -31,10 +42,55 @@ class Service:
     process: subprocess.Popen[str]
     port: int
     log_path: Path | None
+    host: str = "127.0.0.1"
 
     @property
     def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
+
+
+def log_tail(log_path: Path | None, lines: int = 3) -> str:
+    """The last lines of a service log, indented, for an error message ("" when there is none)."""
+    if log_path is None or not log_path.exists():
+        return ""
+    with open(log_path, errors="replace") as f:
+        tail = [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
+    return "".join(f"\n    {line}" for line in tail)
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """Linux: a preexec function after which the child gets SIGTERM when the thread that started
+    it ends (its process killed, even by SIGKILL), so that a killed `kvserve up` leaves no orphan
+    servers holding its ports and data folder. None elsewhere, or off the main thread (a worker
+    thread's end would stop the child)."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    except (AttributeError, OSError):
+        return None
+    parent = os.getpid()
+
+    def set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_pdeathsig
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether a server listens on `port` of `host`. A bind without SO_REUSEPORT fails where one
+    does (gRPC servers set SO_REUSEPORT, and would share the port); SO_REUSEADDR lets the bind
+    pass over connections of a stopped server that linger in TIME_WAIT."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]") or "0.0.0.0", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _drain(stream: IO[str], sink: IO[str] | None) -> None:
@@ -45,9 +101,12 @@ def _drain(stream: IO[str], sink: IO[str] | None) -> None:
 
 
 def start_service(
-    name: str, module: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S
+    name: str, module: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S,
+    host: str = "127.0.0.1",
 ) -> Service:
-    """Starts `python -m module args...`, waits for its LISTENING line and for health SERVING."""
+    """Starts `python -m module args...`, waits for its LISTENING line and for health SERVING.
+
+    The process ends when the one that started it dies (Linux). `host` is where to reach it."""
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - owned by the drain thread
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
@@ -55,22 +114,35 @@ def start_service(
         stderr=log if log is not None else None,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - only a prctl call
     )
+    try:
+        return _wait_started(name, proc, log, log_path, timeout_s, host)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def _wait_started(
+    name: str, proc: subprocess.Popen[str], log: IO[str] | None, log_path: Path | None, timeout_s: float, host: str
+) -> Service:
     assert proc.stdout is not None
     port: int | None = None
     deadline = time.monotonic() + timeout_s
     while port is None:
         line = proc.stdout.readline()
         if not line:
-            raise StackError(f"{name} exited with code {proc.wait()} before listening"
-                             + (f"; see {log_path}" if log_path else ""))
+            code = proc.wait()
+            raise StackError(f"{name} exited with code {code} before listening"
+                             + (f"; {log_path} ends with:{log_tail(log_path)}" if log_path else ""))
         if line.startswith("LISTENING "):
             port = int(line.split()[1])
         elif time.monotonic() > deadline:
-            proc.kill()
             raise StackError(f"{name} did not start within {timeout_s:.0f} s")
     threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
-    service = Service(name, proc, port, log_path)
+    service = Service(name, proc, port, log_path, host)
     wait_healthy(service.addr, deadline - time.monotonic())
     return service
 
@@ -135,23 +207,42 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / f"{name}.log"
 
+    def check(self) -> None:
+        """Raises StackError, before anything starts, when the model folder is missing or a port
+        is taken (gRPC servers share a port silently, so a second stack would not fail by itself)."""
+        c = self.config
+        if not (c.model_dir / "config.json").is_file():
+            what = "does not exist" if not c.model_dir.exists() else "has no config.json"
+            raise StackError(f"model folder {c.model_dir} {what}: give a Hugging Face model folder "
+                             f"(`kvserve model init DIR` builds a tiny one)")
+        ports = {"decode": c.decode_port, "prefill": c.prefill_port, "store": c.store_port}
+        if c.metrics_base_port is not None:
+            ports |= {f"{name} metrics": c.metrics_base_port + i
+                      for i, name in enumerate(("decode", "prefill", "store"))}
+        taken = [f"{name} port {port}" for name, port in ports.items() if port and _port_in_use(c.host, port)]
+        if taken:
+            raise StackError(f"{', '.join(taken)} already in use on {c.host} (another `kvserve up`?); "
+                             "stop it or choose other ports")
+
     def start(self) -> Stack:
         c = self.config
+        host = connect_host(c.host)
         try:
+            self.check()
             store = start_service("kvstore", "kvstore", [
                 "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
                 "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
                 *self._metrics(2), *c.extra_store_args,
-            ], self._log("kvstore"))
+            ], self._log("kvstore"), host=host)
             self.services.append(store)
             common = ["--model", str(c.model_dir), "--kvstore", store.addr, "--block-size", str(c.block_size)]
             prefill = start_service("prefill", "prefill_service", [
                 *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1),
-            ], self._log("prefill"))
+            ], self._log("prefill"), host=host)
             self.services.append(prefill)
             decode = start_service("decode", "decode_service", [
                 *common, "--prefill", prefill.addr, "--listen", f"{c.host}:{c.decode_port}", *self._metrics(0),
-            ], self._log("decode"))
+            ], self._log("decode"), host=host)
             self.services.append(decode)
         except BaseException:
             self.stop()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from client import Client, UnavailableError
+from client import AsyncClient, Client, Result, UnavailableError
 from client.client import build_request
+from tests.fake_decode import FakeServer
 
 
 def test_build_request_carries_every_option() -> None:
@@ -55,3 +57,54 @@ def test_cli_help(command: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "client.cli", *command, "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "usage: kvserve" in out
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens must be in"),
+    ({"prompt": "a", "top_k": -3}, "top_k must be in"),
+    ({"prompt": "a", "seed": -5}, "seed must be in"),
+    ({"prompt": "a", "seed": 2**64}, "seed must be in"),
+    ({"prompt": "a", "max_tokens": 1.5}, "max_tokens must be an integer"),
+    ({"token_ids": [1, -1]}, "a token id must be in"),
+    ({"token_ids": [2**32]}, "a token id must be in"),
+    ({"prompt": b"bytes"}, "prompt must be a string"),
+    ({"messages": [{"role": "user"}]}, "message 0 has no 'content'"),
+    ({"messages": [{"content": "x"}]}, "message 0 has no 'role'"),
+    ({"messages": ["hello"]}, "message 0 must be an object"),
+    ({"messages": [{"role": "user", "content": 5}]}, "must be strings"),
+    ({"messages": {"role": "user", "content": "x"}}, "must be a list"),
+])
+def test_build_request_refuses_what_cannot_be_sent(kwargs: dict, match: str) -> None:
+    """Values protobuf cannot carry fail with a ValueError that says which, not a protobuf error."""
+    with pytest.raises(ValueError, match=match):
+        build_request(**kwargs)
+
+
+def test_generate_lets_a_finished_call_end_instead_of_cancelling_it() -> None:
+    """The server sees every completed request as completed, not cancelled (its metrics count
+    outcomes): the client reads the stream to its end before returning the result."""
+    with FakeServer(linger_s=0.2) as fake, Client(fake.addr) as c:
+        for _ in range(3):
+            assert c.generate("hi", max_tokens=2).text == "xx"
+        *_, last = c.stream("hi", max_tokens=2)
+        assert isinstance(last, Result)
+        assert fake.servicer.wait_outcomes(4) == ["ok"] * 4
+
+
+def test_async_generate_lets_a_finished_call_end() -> None:
+    async def run(addr: str) -> None:
+        async with AsyncClient(addr) as c:
+            assert (await c.generate("hi", max_tokens=2)).text == "xx"
+            assert (await c.chat([{"role": "user", "content": "hi"}], max_tokens=3)).text == "xxx"
+
+    with FakeServer(linger_s=0.2) as fake:
+        asyncio.run(run(fake.addr))
+        assert fake.servicer.wait_outcomes(2) == ["ok", "ok"]
+
+
+def test_closing_a_stream_early_still_cancels_it() -> None:
+    with FakeServer(delay_s=0.05) as fake, Client(fake.addr) as c:
+        stream = c.stream("hi", max_tokens=200)
+        next(stream)
+        stream.close()
+        assert fake.servicer.wait_outcomes(1) == ["cancelled"]

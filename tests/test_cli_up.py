@@ -1,0 +1,198 @@
+"""`kvserve up` when things go wrong: taken ports, a missing model, a signal while starting, a
+service that dies, `up` itself killed. It must say what is wrong and leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.test_e2e_cli import KVSERVE, alive, children, free_ports
+
+
+def up_argv(tmp: Path, model: Path, ports: list[int], *extra: str) -> list[str]:
+    decode, prefill, store = ports
+    return [KVSERVE, "up", "--data-dir", str(tmp / "data"), "--model", str(model), "--decode-port", str(decode),
+            "--prefill-port", str(prefill), "--store-port", str(store), *extra]
+
+
+def run_up(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture()
+def fake_model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
+
+
+def test_up_refuses_ports_a_grpc_server_already_holds(tmp_path: Path, fake_model: Path) -> None:
+    """gRPC servers bind with SO_REUSEPORT, so a second stack on the same ports would start and
+    share them; `up` checks first and refuses, starting nothing."""
+    ports = free_ports(3)
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    assert other.add_insecure_port(f"127.0.0.1:{ports[2]}") == ports[2]
+    other.start()
+    try:
+        done = run_up(up_argv(tmp_path, fake_model, ports))
+    finally:
+        other.stop(0)
+    assert done.returncode == 1, done.stderr
+    assert f"store port {ports[2]} already in use" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "data" / "logs").exists()  # nothing was started
+
+
+def test_up_refuses_a_taken_metrics_port(tmp_path: Path, fake_model: Path) -> None:
+    import socket
+
+    ports = free_ports(3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        base = s.getsockname()[1] - 1  # prefill's metrics port (BASE+1) is taken
+        done = run_up(up_argv(tmp_path, fake_model, ports, "--metrics-base-port", str(base)))
+    assert done.returncode == 1 and f"prefill metrics port {base + 1} already in use" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty"])
+def test_up_refuses_a_model_folder_without_a_config(tmp_path: Path, kind: str) -> None:
+    model = tmp_path / "no-model"
+    if kind == "empty":
+        model.mkdir()
+    done = run_up(up_argv(tmp_path, model, free_ports(3)))
+    what = "does not exist" if kind == "missing" else "has no config.json"
+    assert done.returncode == 1 and f"model folder {model} {what}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_up_shows_why_a_service_did_not_start(tmp_path: Path) -> None:
+    """A model the engine refuses (sliding window): the reason is on the terminal, not only in a log."""
+    import json
+
+    from tests.stack_fixtures import model_dir
+
+    model = tmp_path / "sliding"
+    model.mkdir()
+    for f in model_dir("qwen2").iterdir():
+        (model / f.name).symlink_to(f)
+    config = json.loads((model_dir("qwen2") / "config.json").read_text())
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 32,
+                                                   "max_window_layers": 0}))
+    done = run_up(up_argv(tmp_path, model, free_ports(3)))
+    assert done.returncode == 1
+    assert "prefill exited with code 1 before listening" in done.stderr
+    assert "sliding window" in done.stderr, done.stderr
+
+
+_STARTED: list[int] = []  # every service pid seen, killed after each test whatever its outcome
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    yield
+    for pid in _STARTED:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    _STARTED.clear()
+
+
+def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    from tests.stack_fixtures import model_dir
+
+    return subprocess.Popen(up_argv(tmp_path, model_dir("llama"), free_ports(3), *extra), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_children(pid: int, n: int, timeout_s: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(found := children(pid)) < n:
+        _STARTED.extend(p for p in found if p not in _STARTED)
+        assert time.monotonic() < deadline, f"{len(found)} of {n} services started"
+        time.sleep(0.05)
+    _STARTED.extend(p for p in found if p not in _STARTED)
+    return found
+
+
+def _assert_gone(pids: list[int], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"orphans: {[p for p in pids if alive(p)]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
+    proc = _start(tmp_path)
+    started = _wait_children(proc.pid, 2)  # the store is up, prefill is loading the model
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 20
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM while starting" in err and "ready:" not in out and "Traceback" not in err
+    _assert_gone(started)
+
+
+@pytest.mark.slow
+def test_a_killed_up_leaves_no_orphans(tmp_path: Path) -> None:
+    proc = _start(tmp_path)
+    services = _wait_children(proc.pid, 3)
+    assert proc.stdout is not None
+    while not proc.stdout.readline().startswith("ready:"):
+        pass
+    proc.kill()
+    proc.wait()
+    _assert_gone(services)
+
+
+@pytest.mark.slow
+def test_a_dead_service_is_reported_with_its_exit_code(tmp_path: Path) -> None:
+    proc = _start(tmp_path)
+    services = _wait_children(proc.pid, 3)
+    assert proc.stdout is not None
+    while not proc.stdout.readline().startswith("ready:"):
+        pass
+    store = services[0]
+    os.kill(store, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "kvstore exited with code -9; stopping the others" in err, err
+    _assert_gone(services)
+
+
+if sys.platform != "linux":  # pragma: no cover
+    pytestmark = pytest.mark.skip("reads /proc")
+
+
+def test_port_check_passes_over_time_wait_of_a_stopped_server() -> None:
+    """Right after a stack stops, its ports have connections in TIME_WAIT: not "in use"."""
+    import socket
+
+    from client.stack import _port_in_use
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert _port_in_use("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+    time.sleep(0.1)
+    client.close()
+    listener.close()
+    assert not _port_in_use("127.0.0.1", port)
