@@ -338,7 +338,7 @@ def shown_metric(sample: str) -> bool:
     """Whether `kvserve stats` prints a sample: kvserve's own figures, without histogram buckets and
     the *_created timestamps (labels do not count in the name)."""
     name = sample.split("{", 1)[0]
-    return name.startswith(("kvserve_", "kvstore_")) and not name.endswith(("_bucket", "_created"))
+    return name.startswith("kvserve_") and not name.endswith(("_bucket", "_created"))
 
 
 def _stats_dict(reply: Any) -> dict[str, Any]:

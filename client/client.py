@@ -113,6 +113,10 @@ class DeadlineExceededError(KVServeError):
     """The call did not finish within its timeout."""
 
 
+class FailedPreconditionError(KVServeError):
+    """The deployment is misconfigured (prefill and decode serve different models or block sizes)."""
+
+
 class ResourceExhaustedError(KVServeError):
     """The server is out of capacity for this request."""
 
@@ -123,6 +127,7 @@ _ERRORS: dict[grpc.StatusCode, type[KVServeError]] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
 }
 
 

@@ -48,7 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s decode %(levelname)s %(name)s: %(message)s")
-    engine = Engine(load_model(args.model, device=args.device), block_size=args.block_size)
+    try:
+        engine = Engine(load_model(args.model, device=args.device), block_size=args.block_size)
+    except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError)
+        print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
+        return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
     prefill = PrefillClient(args.prefill, timeout_s=args.prefill_timeout_s)
     server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
@@ -56,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_batch_size=args.max_batch_size)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(service), SERVICE_NAME)
     service.start()
-    port = server.start()
+    try:
+        port = server.start()
+    except OSError as exc:
+        print(f"decode: {exc}", file=sys.stderr)
+        return 2
     print(f"LISTENING {port}", flush=True)
     run_until_signal(server, before_stop=[service.stop], on_stop=[store.close])
     return 0

@@ -80,6 +80,7 @@ class RequestState:
     def __init__(self) -> None:
         self.outcome = "ok"
         self.entry: DecodeEntry | None = None
+        self.result_sent = False  # past this, a client that hangs up has cancelled nothing
 
 
 class DecodeService:
@@ -113,7 +114,8 @@ class DecodeService:
         try:
             yield from self._generate(job, cancel, state)
         except BaseException as exc:
-            state.outcome = outcome_of(exc)
+            if not (state.result_sent and isinstance(exc, GeneratorExit)):
+                state.outcome = outcome_of(exc)
             raise
         finally:
             if state.entry is None or not state.entry.admitted:
@@ -168,6 +170,7 @@ class DecodeService:
         done = time.perf_counter()
         m.generated_tokens.inc(len(generation.token_ids))
         m.e2e.observe(done - job.arrival)
+        state.result_sent = True
         yield GenerateOutcome(
             finish_reason=generation.finish_reason or "",
             text=generation.text,

@@ -168,6 +168,11 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None 
     Raises UnsupportedModelError before loading weights when the cache is not plain full attention.
     """
     root = Path(path).resolve()
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no model at {root}: expected a local Hugging Face model folder with config.json "
+            "(`kvserve model init DIR` builds a tiny one)"
+        )
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     check_full_attention(config)
     torch_device = torch.device(device)

@@ -43,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return 2
-    port = server.start()
+    try:
+        port = server.start()
+    except OSError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        server.close_store()
+        return 2
     print(f"LISTENING {port}", flush=True)
-    run_until_signal(server.rpc, on_stop=[server.close_store], grace_s=2.0)
+    run_until_signal(server.rpc, before_stop=[server.store.events.close], on_stop=[server.close_store], grace_s=2.0)
     return 0
 
 

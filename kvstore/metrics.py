@@ -28,13 +28,13 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.store.stats()
         for family, name, doc in _PER_TIER:  # name: a TierStats field
-            metric = family(f"kvstore_{name}", doc, labels=["tier"])
+            metric = family(f"kvserve_kvstore_{name}", doc, labels=["tier"])
             for t in stats.tiers:
                 metric.add_metric([t.tier], getattr(t, name))
             yield metric
         yield CounterMetricFamily(
-            "kvstore_checksum_failures", "Corrupt blocks found, deleted and reported as misses",
+            "kvserve_kvstore_checksum_failures", "Corrupt blocks found, deleted and reported as misses",
             value=stats.checksum_failures,
         )
-        yield GaugeMetricFamily("kvstore_leases", "Leases held", value=stats.leases)
-        yield GaugeMetricFamily("kvstore_pinned_blocks", "Blocks pinned by leases", value=stats.pinned_blocks)
+        yield GaugeMetricFamily("kvserve_kvstore_leases", "Leases held", value=stats.leases)
+        yield GaugeMetricFamily("kvserve_kvstore_pinned_blocks", "Blocks pinned by leases", value=stats.pinned_blocks)

@@ -136,7 +136,8 @@ class Server:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             interceptors=[ErrorInterceptor()],
-            options=CHANNEL_OPTIONS,
+            # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -150,14 +151,23 @@ class Server:
         self._service_names.append(service_name)
 
     def start(self) -> int:
-        reflection.enable_server_reflection(self._service_names, self._server)
-        self.port = self._server.add_insecure_port(self.listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.listen}")
-        self._server.start()
+        """Binds and serves; OSError with the address when a port is taken or invalid."""
         if self.metrics_port is not None:
-            self._metrics_server, _ = start_http_server(self.metrics_port, registry=self.registry)
+            try:
+                self._metrics_server, _ = start_http_server(self.metrics_port, registry=self.registry)
+            except OSError as exc:
+                raise OSError(f"cannot serve metrics on port {self.metrics_port}: {exc.strerror or exc}") from None
             self.bound_metrics_port = self._metrics_server.server_port
+        reflection.enable_server_reflection(self._service_names, self._server)
+        try:
+            self.port = self._server.add_insecure_port(self.listen)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+            raise OSError(f"cannot listen on {self.listen}: the address is taken or not valid")
+        self._server.start()
         for name in ["", *self._service_names]:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("listening on port %d (metrics: %s)", self.port, self.bound_metrics_port)
@@ -197,7 +207,9 @@ def run_until_signal(
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
-    stopped.wait()
+    # Poll: the signal may be delivered to another thread, which would not wake a bare wait().
+    while not stopped.wait(0.2):
+        pass
     server.drain()
     for fn in before_stop:
         fn()

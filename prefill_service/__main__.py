@@ -43,12 +43,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s prefill %(levelname)s %(name)s: %(message)s")
-    engine = Engine(load_model(args.model, device=args.device), block_size=args.block_size)
+    try:
+        engine = Engine(load_model(args.model, device=args.device), block_size=args.block_size)
+    except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError)
+        print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
+        return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
     server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
     service = PrefillService(engine, store, PrefillMetrics(server.registry), lease_ttl_s=args.lease_ttl_s)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
-    port = server.start()
+    try:
+        port = server.start()
+    except OSError as exc:
+        print(f"prefill: {exc}", file=sys.stderr)
+        return 2
     print(f"LISTENING {port}", flush=True)
     run_until_signal(server, on_stop=[store.close])
     return 0

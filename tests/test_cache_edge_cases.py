@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from client import Client
-from client.client import KVServeError, Result
+from client.client import FailedPreconditionError, Result
 from tests.stack_fixtures import (
     ARCHS,
     LocalStack,
@@ -219,7 +219,7 @@ def test_store_down_during_the_put_of_generated_blocks(
 def test_different_block_sizes_are_refused() -> None:
     s = LocalStack("llama", block_size=16, decode_block_size=8)
     try:
-        with Client(s.addr, timeout_s=60) as c, pytest.raises(KVServeError) as info:
+        with Client(s.addr, timeout_s=60) as c, pytest.raises(FailedPreconditionError) as info:
             greedy(c, tokens(45, seed=50), 12)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "block size 16 there, 8 here" in info.value.details and "--block-size" in info.value.details
@@ -231,7 +231,7 @@ def test_different_block_sizes_are_refused() -> None:
 def test_different_models_are_refused() -> None:
     s = LocalStack("qwen2", decode_arch="llama")
     try:
-        with Client(s.addr, timeout_s=60) as c, pytest.raises(KVServeError) as info:
+        with Client(s.addr, timeout_s=60) as c, pytest.raises(FailedPreconditionError) as info:
             greedy(c, tokens(40, seed=51), 8)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "model" in info.value.details and "--model" in info.value.details

@@ -118,11 +118,11 @@ def test_stats_text_hides_created_and_bucket_samples_with_labels() -> None:
     samples = cli.parse_metrics(
         '# HELP x\nkvserve_decode_requests_total{outcome="ok"} 3\n'
         'kvserve_decode_requests_created{outcome="ok"} 1.7e9\n'
-        'kvserve_decode_ttft_seconds_bucket{le="0.1"} 2\nkvstore_blocks{tier="host"} 5.0\n'
+        'kvserve_decode_ttft_seconds_bucket{le="0.1"} 2\nkvserve_kvstore_blocks{tier="host"} 5.0\n'
         'python_gc_objects_collected_total{generation="0"} 9\n'
     )
     assert [s for s in samples if cli.shown_metric(s)] == [
-        'kvserve_decode_requests_total{outcome="ok"}', 'kvstore_blocks{tier="host"}']
+        'kvserve_decode_requests_total{outcome="ok"}', 'kvserve_kvstore_blocks{tier="host"}']
 
 
 def test_stats_with_an_unreachable_metrics_url_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

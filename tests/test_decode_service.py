@@ -181,6 +181,22 @@ def test_a_cancelled_stream_stops_its_work(stack: LocalStack) -> None:
     assert stack.decode_metric("kvserve_decode_generated_tokens_total") < 3000
 
 
+def test_hanging_up_after_the_result_is_not_a_cancellation(stack: LocalStack) -> None:
+    ok = stack.decode_metric("kvserve_decode_requests_total", outcome="ok")
+    cancelled = stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled")
+    with grpc.insecure_channel(stack.addr) as channel:
+        call = decode_pb2_grpc.DecodeStub(channel).Generate(build_request(token_ids=tokens(20, seed=21), max_tokens=3))
+        for msg in call:
+            if msg.WhichOneof("kind") == "result":
+                call.cancel()  # hang up right after the result, before the stream's end
+                break
+    deadline = time.monotonic() + 10
+    while stack.decode_metric("kvserve_decode_requests_total", outcome="ok") == ok:
+        assert time.monotonic() < deadline, "the request was not counted as ok"
+        time.sleep(0.02)
+    assert stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled") == cancelled
+
+
 def test_bad_input_gets_a_precise_status(client: Client) -> None:
     from client.client import InvalidArgumentError, OutOfRangeError
 

@@ -222,11 +222,11 @@ def test_metrics_are_served(tmp_path: Path) -> None:
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.rpc.bound_metrics_port}/metrics").read().decode()
     finally:
         server.stop(0.5)
-    assert 'kvstore_blocks{tier="host"} 1.0' in text
-    assert 'kvstore_hits_total{tier="host"} 1.0' in text
-    assert "kvstore_leases 1.0" in text
+    assert 'kvserve_kvstore_blocks{tier="host"} 1.0' in text
+    assert 'kvserve_kvstore_hits_total{tier="host"} 1.0' in text
+    assert "kvserve_kvstore_leases 1.0" in text
     for name in ("bytes", "misses_total", "evictions_total", "demotions_total", "promotions_total", "checksum_failures_total"):
-        assert f"kvstore_{name}" in text
+        assert f"kvserve_kvstore_{name}" in text
 
 
 def test_client_follows_a_restarted_store_to_its_new_shm_dir(tmp_path: Path) -> None:
