@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -129,22 +130,37 @@ def _wait_started(
     name: str, proc: subprocess.Popen[str], log: IO[str] | None, log_path: Path | None, timeout_s: float, host: str
 ) -> Service:
     assert proc.stdout is not None
-    port: int | None = None
     deadline = time.monotonic() + timeout_s
-    while port is None:
-        line = proc.stdout.readline()
-        if not line:
-            code = proc.wait()
-            raise StackError(f"{name} exited with code {code} before listening"
-                             + (f"; {log_path} ends with:{log_tail(log_path)}" if log_path else ""))
-        if line.startswith("LISTENING "):
-            port = int(line.split()[1])
-        elif time.monotonic() > deadline:
-            raise StackError(f"{name} did not start within {timeout_s:.0f} s")
+    port = _read_listening_port(proc.stdout.fileno(), deadline)
+    if port is None and proc.poll() is None:
+        raise StackError(f"{name} did not start within {timeout_s:.0f} s")
+    if port is None:
+        raise StackError(f"{name} exited with code {proc.wait()} before listening"
+                         + (f"; {log_path} ends with:{log_tail(log_path)}" if log_path else ""))
     threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
     service = Service(name, proc, port, log_path, host)
     wait_healthy(service.addr, deadline - time.monotonic())
     return service
+
+
+def _read_listening_port(fd: int, deadline: float) -> int | None:
+    """The port of the `LISTENING <port>` line on fd; None at end of file or past the deadline.
+
+    Polls rather than blocking in read(): a signal delivered to another thread of this process
+    must still reach its handler in the main thread promptly (Ctrl-C while starting).
+    """
+    pending = b""
+    while time.monotonic() < deadline:
+        if not select.select([fd], [], [], 0.2)[0]:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"LISTENING "):
+                return int(line.split()[1])
+    return None
 
 
 def wait_healthy(addr: str, timeout_s: float) -> None:
