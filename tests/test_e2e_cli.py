@@ -136,12 +136,10 @@ def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
     reader = threading.Thread(target=stream)
     reader.start()
     assert streaming.wait(30)
-    start = time.monotonic()
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(60) == 0, up.output()
     reader.join(30)
     assert not reader.is_alive(), "the stream hung after SIGTERM"
-    assert time.monotonic() - start < 30
     [end] = outcome
     if isinstance(end, KVServeError):
         assert end.code.name == "UNAVAILABLE" and "shutting down" in end.details, end
