@@ -12,7 +12,7 @@ import json
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -31,13 +31,19 @@ class Namespace:
     block_size: int
     cache_salt: str = ""
     format_version: int = 1
+    _root: BlockHash = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        # Computed once: every block encoded or decoded names its namespace.
+        object.__setattr__(self, "_root", self._compute_root())
 
     def root(self) -> BlockHash:
         """sha256 of the canonical (sorted-key, compact, UTF-8) JSON encoding of the namespace."""
+        return self._root
+
+    def _compute_root(self) -> BlockHash:
         canonical = json.dumps(
             {
                 "block_size": self.block_size,
