@@ -176,7 +176,8 @@ class Engine:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
         position_ids = torch.arange(start, start + len(token_ids), device=device)[None]  # [1, n]
         out = self.model.hf_model(
-            input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, **self._logits_kwargs
+            input_ids=input_ids, position_ids=position_ids, use_cache=True,
+            **{self.model.cache_keyword: cache}, **self._logits_kwargs,
         )
         return out.logits[:, -1:]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
@@ -27,6 +29,9 @@ HYBRID_MODEL_TYPES = frozenset(
     }
 )  # fmt: skip
 _STATE_CONFIG_HINTS = ("ssm_", "mamba", "conv_kernel", "linear_attn", "time_step")
+# Forward keywords for the cache object, preferred first: transformers 5.17 takes `past_key_values`
+# and ignores `cache`; 5.24 takes `cache` (and `past_key_values`, deprecated).
+CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -56,6 +61,7 @@ class Model:
     num_kv_heads: int
     head_dim: int
     eos_token_ids: frozenset[int]
+    cache_keyword: str  # the forward keyword that fills a cache object, one of CACHE_KEYWORDS
 
     @property
     def kv_dtype_name(self) -> str:
@@ -135,11 +141,45 @@ def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def _probe_kv_shape(hf_model: Any, device: torch.device) -> tuple[int, int, int, torch.dtype]:
-    """Run one token through the model and read (layers, kv_heads, head_dim, dtype) off its cache."""
-    cache = DynamicCache(config=hf_model.config)
-    with torch.inference_mode():
-        hf_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True)
+@dataclass(frozen=True, slots=True)
+class CacheProbe:
+    """What one probe forward showed about a model's cache."""
+
+    keyword: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def probe_cache(hf_model: Any, device: torch.device) -> CacheProbe:
+    """Run one token through the model and read the cache keyword and KV shape off the filled cache.
+
+    Each keyword of CACHE_KEYWORDS is tried (those the forward declares first) until a forward
+    fills the cache: a forward taking ``**kwargs`` silently ignores a name it does not know.
+    Raises UnsupportedModelError, naming the transformers version, when none fills it.
+    """
+    declared = inspect.signature(hf_model.forward).parameters
+    input_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    failures: list[str] = []
+    for keyword in sorted(CACHE_KEYWORDS, key=lambda k: k not in declared):
+        cache = DynamicCache(config=hf_model.config)
+        try:
+            with torch.inference_mode():
+                hf_model(input_ids=input_ids, use_cache=True, **{keyword: cache})
+        except TypeError as e:
+            failures.append(f"{keyword}=: {e}")
+            continue
+        if cache.get_seq_length() > 0:
+            return CacheProbe(keyword, *_kv_shape(cache))
+        failures.append(f"{keyword}=: the forward ran but left the cache empty")
+    raise UnsupportedModelError(
+        f"transformers {transformers.__version__}: no forward keyword fills a KV cache ({'; '.join(failures)})"
+    )
+
+
+def _kv_shape(cache: DynamicCache) -> tuple[int, int, int, torch.dtype]:
+    """(layers, kv_heads, head_dim, dtype) of a filled cache, which must be alike in every layer."""
     kvs = [layer_kv(layer) for layer in cache.layers]
     shapes = {(tuple(k.shape), tuple(v.shape)) for k, v in kvs}
     if len(shapes) != 1:
@@ -165,7 +205,8 @@ def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:
 def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Model:
     """Load a local HF causal-LM folder (never downloads), in eval mode, in its own dtype unless given.
 
-    Raises UnsupportedModelError before loading weights when the cache is not plain full attention.
+    Raises UnsupportedModelError before loading weights when the cache is not plain full attention,
+    and after when no forward keyword of the installed transformers fills a cache (see probe_cache).
     """
     root = Path(path).resolve()
     if not (root / "config.json").is_file():
@@ -181,18 +222,19 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None 
     )
     hf_model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
-    num_layers, num_kv_heads, head_dim, kv_dtype = _probe_kv_shape(hf_model, torch_device)
+    probe = probe_cache(hf_model, torch_device)
     return Model(
         hf_model=hf_model,
         tokenizer=tokenizer,
         path=root,
         fingerprint=model_fingerprint(root),
         device=torch_device,
-        dtype=kv_dtype,
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        dtype=probe.dtype,
+        num_layers=probe.num_layers,
+        num_kv_heads=probe.num_kv_heads,
+        head_dim=probe.head_dim,
         eos_token_ids=_eos_ids(hf_model, tokenizer),
+        cache_keyword=probe.keyword,
     )
 
 
