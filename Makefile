@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy engine kvstore prefill_service decode_service client
+	$(VENV)/bin/mypy engine kvstore serving prefill_service decode_service client
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q

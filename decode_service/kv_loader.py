@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from engine.engine import Engine, Sequence
 from engine.hashing import Namespace
 from engine.kv_codec import BlockError
-from kvstore.cache_session import StoreSession
-from prefill_service.client import PrefillHandle
+from serving.cache_session import StoreSession
+from serving.requests import PrefillHandle
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,12 @@ def load_prompt_kv(
     if len(keys) != num_full:  # a malformed handle: trust none of its keys
         log.warning("prefill handle names %d blocks for %d full blocks: recomputing the prompt",
                     len(keys), num_full)
-        keys, tail_key = [], b""
-    payloads = store.get(keys + [tail_key] if tail_key else keys)
+        keys, tail_key = [], None
+    payloads = store.get(keys + [tail_key] if tail_key is not None else keys)
     leading = engine.load_leading(payloads[:num_full] if keys else [], namespace)
     blocks, bad = leading.blocks, leading.error
     tail = None
-    if len(blocks) == num_full and tail_len and tail_key and payloads[-1] is not None:
+    if len(blocks) == num_full and tail_len and tail_key is not None and payloads[-1] is not None:
         try:
             tail = engine.load_tail(payloads[-1], namespace, tail_len)
         except BlockError as exc:

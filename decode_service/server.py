@@ -11,8 +11,8 @@ import grpc
 from decode_service.scheduler import Cancellation
 from decode_service.service import DecodeService, GenerateJob, GenerateOutcome
 from decode_service.stopping import TokenOutput
-from prefill_service.client import options_from_proto, prompt_from_proto
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from serving.requests import options_from_proto, prompt_from_proto
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 

@@ -14,8 +14,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import grpc
-
 from decode_service.kv_loader import LoadedPrompt, load_prompt_kv
 from decode_service.metrics import DecodeMetrics
 from decode_service.scheduler import Cancellation, DecodeEntry, Scheduler, Stopped
@@ -26,10 +24,11 @@ from engine.kv_codec import encode_block
 from engine.model import max_new_tokens
 from engine.sampling import Sampler, SamplingParams
 from kvstore import KVStoreClient
-from kvstore.cache_session import StoreSession
-from kvstore.serving import ServiceError, Unavailable
-from kvstore.serving_metrics import outcome_of
-from prefill_service.client import PrefillCancelled, PrefillClient, PrefillHandle, PromptInput, RequestOptions
+from prefill_service.client import PrefillCancelled, PrefillClient
+from serving.cache_session import StoreSession
+from serving.errors import FailedPrecondition, ServiceError, Unavailable
+from serving.metrics import outcome_of
+from serving.requests import PrefillHandle, PromptInput, RequestOptions
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +67,8 @@ class GenerateOutcome:
     timings: Timings
 
 
-class DeploymentMismatch(ServiceError):
+class DeploymentMismatch(FailedPrecondition):
     """Prefill and decode serve different models or block sizes: one deployment must agree."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class RequestState:

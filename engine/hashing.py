@@ -13,12 +13,10 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType
 
-BlockHash = NewType("BlockHash", bytes)
-"""A 32-byte sha256 digest naming a full block and every token before it."""
+from protos.block_hash import HASH_BYTES, BlockHash
 
-HASH_BYTES = 32
+BLOCK_FORMAT_VERSION = 1  # of the KV block layout (engine.kv_codec); a change makes new hashes
 _NAMESPACE_DOMAIN = b"kvserve/namespace\x00"
 
 
@@ -30,7 +28,7 @@ class Namespace:
     kv_dtype: str
     block_size: int
     cache_salt: str = ""
-    format_version: int = 1
+    format_version: int = BLOCK_FORMAT_VERSION
     _root: BlockHash = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -1,8 +1,9 @@
 """KV block wire format: a fixed 64-byte header followed by the raw contiguous tensor bytes.
 
-Header (little-endian): magic ``KVB\\x01``, format version (u16), dtype code (u8), pad (u8),
-shape ``[layers, 2, kv_heads, num_tokens, head_dim]`` (5 x u32), namespace id (first 16 bytes of
-the namespace root), xxh3-64 of the payload (u64), payload length (u64), zero padding to 64 bytes.
+Header (little-endian): magic ``KVB\\x01`` (a KV block; the store's own record header is ``KVSR``),
+format version (u16), dtype code (u8), pad (u8), shape ``[layers, 2, kv_heads, num_tokens,
+head_dim]`` (5 x u32), namespace id (first 16 bytes of the namespace root), xxh3-64 of the payload
+(u64), payload length (u64), zero padding to 64 bytes.
 A full block has ``num_tokens == block_size``; a prompt's tail uses the same format with fewer.
 """
 
@@ -15,10 +16,9 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from engine.hashing import Namespace
+from engine.hashing import BLOCK_FORMAT_VERSION, Namespace
 
-MAGIC = b"KVB\x01"
-FORMAT_VERSION = 1
+BLOCK_MAGIC = b"KVB\x01"
 HEADER = struct.Struct("<4sHBx5I16sQQ")
 HEADER_BYTES = 64
 NAMESPACE_ID_BYTES = 16
@@ -57,8 +57,8 @@ def encode_block(kv: torch.Tensor, namespace: Namespace) -> bytes:
         raise ValueError(f"unsupported KV dtype {kv.dtype}")
     payload = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     header = HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
+        BLOCK_MAGIC,
+        BLOCK_FORMAT_VERSION,
         _DTYPE_CODES[kv.dtype],
         *kv.shape,
         namespace_id(namespace),
@@ -88,7 +88,7 @@ def decode_block(
         raise BlockError("format", f"{len(payload)} bytes is shorter than the {HEADER_BYTES}-byte header")
     magic, version, dtype_code, *fields = HEADER.unpack_from(payload)
     shape, ns_id, checksum, length = tuple(fields[:5]), fields[5], fields[6], fields[7]
-    if magic != MAGIC or version != FORMAT_VERSION:
+    if magic != BLOCK_MAGIC or version != BLOCK_FORMAT_VERSION:
         raise BlockError("format", f"not a kvserve block (magic {magic!r}, version {version})")
     if length != len(payload) - HEADER_BYTES:
         raise BlockError("format", f"payload is {len(payload) - HEADER_BYTES} bytes, header says {length}")

@@ -8,6 +8,7 @@ path, put and get through plain gRPC bytes (the remote path), and lookups per se
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -21,9 +22,25 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.client import KVStoreClient, tune_malloc_for_blocks
-from kvstore.serving import parse_size
+from kvstore.client import KVStoreClient
 from kvstore.shm import stage_block_file
+from protos.block_hash import BlockHash
+from serving.cli import parse_size
+
+
+def tune_malloc_for_blocks() -> bool:
+    """Keeps freed block-sized allocations in glibc's heap instead of returning them to the OS.
+
+    By default every payload over 128 KiB is a fresh mmap whose pages fault in on first write,
+    which caps `get()` far below memory bandwidth; the benchmark measures `get()` with and without
+    it (`get_into` needs no such tuning). Returns False where it does not apply.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 64 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +100,12 @@ def start_server(host_capacity: int) -> tuple[subprocess.Popen[str], str]:
     return proc, f"127.0.0.1:{line.split()[1]}"
 
 
-def make_blocks(tag: str, count: int, size: int) -> list[tuple[bytes, bytes]]:
+def make_blocks(tag: str, count: int, size: int) -> list[tuple[BlockHash, bytes]]:
     base = np.random.default_rng(0).integers(0, 256, size + count, dtype=np.uint8).tobytes()
-    return [(hashlib.sha256(f"{tag}-{i}".encode()).digest(), base[i : i + size]) for i in range(count)]
+    return [(BlockHash(hashlib.sha256(f"{tag}-{i}".encode()).digest()), base[i : i + size]) for i in range(count)]
 
 
-def consume(get: Callable[[Sequence[bytes]], list[bytes | None]], parts: list[Sequence[bytes]]) -> int:
+def consume(get: Callable[[Sequence[BlockHash]], list[bytes | None]], parts: list[Sequence[BlockHash]]) -> int:
     """Gets batch after batch, dropping each before the next, as a consumer decoding blocks would."""
     n = 0
     for part in parts:
@@ -96,7 +113,7 @@ def consume(get: Callable[[Sequence[bytes]], list[bytes | None]], parts: list[Se
     return n
 
 
-def batches(items: Sequence[bytes], n: int) -> list[Sequence[bytes]]:
+def batches(items: Sequence[BlockHash], n: int) -> list[Sequence[BlockHash]]:
     return [items[i : i + n] for i in range(0, len(items), n)]
 
 
@@ -112,7 +129,7 @@ def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
             if local.shm_dir() is None:
                 raise RuntimeError("same-host path unavailable (server not on this host or shm off)")
             clients = {"shm": local, "grpc": remote}
-            keys: dict[str, list[bytes]] = {}
+            keys: dict[str, list[BlockHash]] = {}
             for name, client in clients.items():
                 best = float("inf")
                 for round_ in range(repeat):  # new blocks each round: a put of stored blocks does nothing

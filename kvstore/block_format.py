@@ -1,6 +1,6 @@
 """The stored form of a block, on disk and in shared memory: a small header, then the payload.
 
-Header (32 bytes, little endian): magic b"KVB1", flags u32, xxh3-64 checksum u64, payload size u64,
+Header (32 bytes, little endian): magic b"KVSR" (KV store record), flags u32, xxh3-64 checksum u64, payload size u64,
 write sequence u64 (restores LRU order after a restart).
 """
 
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import xxhash
 
-MAGIC = b"KVB1"
+RECORD_MAGIC = b"KVSR"
 _HEADER = struct.Struct("<4sIQQQ")
 HEADER_BYTES = _HEADER.size
 FLAG_EPHEMERAL = 1
@@ -38,15 +38,15 @@ class CorruptBlock(ValueError):
 
 
 def pack_header(size: int, checksum_: int, *, ephemeral: bool = False, seq: int = 0) -> bytes:
-    return _HEADER.pack(MAGIC, FLAG_EPHEMERAL if ephemeral else 0, checksum_, size, seq)
+    return _HEADER.pack(RECORD_MAGIC, FLAG_EPHEMERAL if ephemeral else 0, checksum_, size, seq)
 
 
 def unpack_header(data: bytes | memoryview) -> BlockHeader:
     if len(data) < HEADER_BYTES:
         raise CorruptBlock(f"block record of {len(data)} bytes is shorter than its header")
     magic, flags, csum, size, seq = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CorruptBlock(f"bad block magic {magic!r}")
+    if magic != RECORD_MAGIC:
+        raise CorruptBlock(f"not a kvserve store record (magic {magic!r})")
     return BlockHeader(flags, csum, size, seq)
 
 

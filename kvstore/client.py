@@ -8,7 +8,6 @@ falls back to the plain chunked gRPC path, which remote clients always use.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -19,12 +18,13 @@ from typing import NamedTuple
 import grpc
 
 from kvstore.block_format import checksum
-from kvstore.serving import CHANNEL_OPTIONS
 from kvstore.shm import ShmReader, host_id, stage_block_file, usable_dir
 from kvstore.types import LookupResult, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
+from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
+from serving.server import CHANNEL_OPTIONS
 
 _NO_LIMIT = 1 << 62
 _REPORT_INTERVAL_S = 0.05
@@ -41,7 +41,7 @@ class StoreInfo(NamedTuple):
 
 class BlockEvent(NamedTuple):
     stored: bool  # False: removed
-    hashes: list[bytes]
+    hashes: list[BlockHash]
     tier: str | None
 
 
@@ -72,7 +72,7 @@ class KVStoreClient:
         self._shm_checked = False
         self._shm_lock = threading.Lock()
         self._report: grpc.Future | None = None
-        self._unreported: list[bytes] = []
+        self._unreported: list[BlockHash] = []
         self._reported_at = 0.0
         self._reports_lock = threading.Lock()
 
@@ -90,7 +90,7 @@ class KVStoreClient:
 
     # -- contract ------------------------------------------------------------------------------
 
-    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
         """Stores (hash, payload) pairs, in prefix order; returns how many were new. A hash
         already stored keeps its payload (blocks are immutable: the first write wins)."""
         reader = self._shm()
@@ -129,7 +129,7 @@ class KVStoreClient:
                 path.unlink(missing_ok=True)
         return int(response.num_new)
 
-    def lookup(self, hashes: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
+    def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading hashes are present (and in which tier); pins them if lease_ttl_s."""
         self._report_reads([], now=True)
         response = self._stub.Lookup(
@@ -138,7 +138,7 @@ class KVStoreClient:
         tiers = [_tier_name(t) for t in response.tiers]
         return LookupResult(int(response.num_hits), tiers, response.lease_id or None)
 
-    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+    def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         """Verified payloads in request order; None for a miss or a corrupt block."""
         keys = list(hashes)
         out: list[bytes | None] = [None] * len(keys)
@@ -150,9 +150,12 @@ class KVStoreClient:
             self._get_rpc(keys, todo, out, reader)
         return out
 
-    def get_into(self, hashes: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int | None]:
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[memoryview]) -> list[int | None]:
         """Like get, into caller buffers (one per hash, big enough): sizes written, None for a miss.
-        On the same host this copies each block once, from shared memory into the buffer."""
+
+        The one-copy read path (DESIGN.md, "Transfer"): on the same host each block is copied once,
+        from shared memory straight into the buffer, e.g. a slot of the engine's KV pool; `get`
+        instead returns a new bytes object per block."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -237,11 +240,11 @@ class KVStoreClient:
             self._forget_shm()
             return None
 
-    def _read_shm(self, reader: ShmReader, keys: list[bytes], out: list[bytes | None]) -> list[int]:
+    def _read_shm(self, reader: ShmReader, keys: list[BlockHash], out: list[bytes | None]) -> list[int]:
         """Reads what lies in the shm tier; reports the reads so the server's LRU and hit counts
         stay exact; returns the positions still to fetch."""
         todo: list[int] = []
-        found: list[bytes] = []
+        found: list[BlockHash] = []
         for i, key in enumerate(keys):
             payload = reader.read(key.hex()) if len(key) == 32 else None
             if payload is None:
@@ -252,7 +255,7 @@ class KVStoreClient:
         self._report_reads(found)
         return todo
 
-    def _report_reads(self, keys: list[bytes], *, now: bool = False) -> None:
+    def _report_reads(self, keys: list[BlockHash], *, now: bool = False) -> None:
         # Best effort, off the critical path: a Lookup touches the blocks read in place (LRU
         # order, hit counts). Reads are batched: one report in flight at a time, and at most one
         # every _REPORT_INTERVAL_S unless many keys wait; lookup/stats/close send what is left.
@@ -273,7 +276,7 @@ class KVStoreClient:
             if now:
                 self._report.exception()
 
-    def _get_rpc(self, keys: list[bytes], todo: list[int], out: list[bytes | None], reader: ShmReader | None) -> None:
+    def _get_rpc(self, keys: list[BlockHash], todo: list[int], out: list[bytes | None], reader: ShmReader | None) -> None:
         assembler = BlockAssembler(_NO_LIMIT)
         retry: list[int] = []
         pending = iter(todo)
@@ -302,17 +305,3 @@ class KVStoreClient:
         if retry:
             self._get_rpc(keys, retry, out, None)
 
-
-def tune_malloc_for_blocks() -> bool:
-    """Keeps freed block-sized allocations in glibc's heap instead of returning them to the OS.
-
-    By default every payload over 128 KiB is a fresh mmap whose pages fault in on first write,
-    which caps `get()` far below memory bandwidth. A process that fetches many large blocks
-    (decode, prefill) can call this once at start. Returns False where it does not apply.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 64 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))

@@ -11,6 +11,7 @@ import torch
 
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, Tier
+from protos.block_hash import BlockHash
 
 
 class DeviceTier(TierStorage):
@@ -20,9 +21,9 @@ class DeviceTier(TierStorage):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but CUDA is not available; use --device cpu or off")
-        self._blocks: dict[bytes, torch.Tensor] = {}
+        self._blocks: dict[BlockHash, torch.Tensor] = {}
 
-    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
+    def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer on read-only bytes; we copy at once
             src = torch.frombuffer(payload, dtype=torch.uint8)
@@ -30,14 +31,14 @@ class DeviceTier(TierStorage):
         block.copy_(src)
         self._blocks[key] = block
 
-    def read(self, key: bytes) -> bytes | None:
+    def read(self, key: BlockHash) -> bytes | None:
         block = self._blocks.get(key)
         if block is None:
             return None
         return block.cpu().numpy().tobytes()
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: BlockHash) -> None:
         self._blocks.pop(key, None)
 
-    def keys(self) -> set[bytes]:
+    def keys(self) -> set[BlockHash]:
         return set(self._blocks)

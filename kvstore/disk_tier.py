@@ -21,7 +21,8 @@ import lmdb
 
 from kvstore.block_format import HEADER_BYTES, BlockHeader, CorruptBlock, pack_header, unpack_header, verify
 from kvstore.tier import TierStorage
-from kvstore.types import HASH_BYTES, Buffer, Tier
+from kvstore.types import Buffer, Tier
+from protos.block_hash import HASH_BYTES, BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class DiskTier(TierStorage):
         self._env = lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False)
         self._env_lock = _SharedLock()
         self._cond = threading.Condition()
-        self._pending: dict[bytes, Record | None] = {}
+        self._pending: dict[BlockHash, Record | None] = {}
         self._pending_bytes = 0
         self._max_pending_bytes = max_pending_bytes
         self._stopping = False
@@ -110,14 +111,14 @@ class DiskTier(TierStorage):
 
     # -- TierStorage ---------------------------------------------------------------------------
 
-    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
+    def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         # No copy here (the store's lock is held): the writer thread joins header and payload.
         self._enqueue(key, Record(pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq), payload))
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: BlockHash) -> None:
         self._enqueue(key, TOMBSTONE)
 
-    def read(self, key: bytes) -> Buffer | None:
+    def read(self, key: BlockHash) -> Buffer | None:
         """The verified payload, None when absent; raises CorruptBlock for a damaged record."""
         with self._cond:
             if key in self._pending:
@@ -133,12 +134,12 @@ class DiskTier(TierStorage):
             verify(header, payload)
             return bytes(payload)
 
-    def keys(self) -> set[bytes]:
+    def keys(self) -> set[BlockHash]:
         with self._cond:
             pending = dict(self._pending)
         with self._env_lock.shared(), self._env.begin() as txn:
-            stored = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
-        stored.discard(b"")
+            stored = {BlockHash(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)}
+        stored.discard(BlockHash(b""))
         return (stored | {k for k, v in pending.items() if v is not None}) - {
             k for k, v in pending.items() if v is None
         }
@@ -166,7 +167,7 @@ class DiskTier(TierStorage):
 
     # -- disk-only ------------------------------------------------------------------------------
 
-    def scan(self) -> Iterator[tuple[bytes, BlockHeader]]:
+    def scan(self) -> Iterator[tuple[BlockHash, BlockHeader]]:
         """Every stored block's key and header (payloads are not read); bad records are deleted."""
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:
@@ -179,7 +180,7 @@ class DiskTier(TierStorage):
                 except CorruptBlock:
                     bad.append(k)
                     continue
-                yield k, header
+                yield BlockHash(k), header
         if bad:
             log.warning("deleting %d unreadable records from %s", len(bad), self.path)
             with self._env.begin(write=True) as txn:
@@ -193,7 +194,7 @@ class DiskTier(TierStorage):
 
     # -- writer ---------------------------------------------------------------------------------
 
-    def _enqueue(self, key: bytes, record: Record | None) -> None:
+    def _enqueue(self, key: BlockHash, record: Record | None) -> None:
         with self._cond:
             old = self._pending.get(key)
             self._pending_bytes += _size(record) - _size(old)
@@ -215,7 +216,7 @@ class DiskTier(TierStorage):
                         self._pending_bytes -= _size(record)
                 self._cond.notify_all()
 
-    def _commit(self, batch: dict[bytes, Record | None]) -> None:
+    def _commit(self, batch: dict[BlockHash, Record | None]) -> None:
         for _ in range(8):
             try:
                 with self._env_lock.shared(), self._env.begin(write=True) as txn:

@@ -11,11 +11,12 @@ from collections import deque
 from typing import NamedTuple
 
 from kvstore.types import Tier
+from protos.block_hash import BlockHash
 
 
 class StoreEvent(NamedTuple):
     stored: bool  # False: removed
-    key: bytes
+    key: BlockHash
     tier: Tier | None
 
 

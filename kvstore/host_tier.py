@@ -12,6 +12,7 @@ from kvstore.block_format import HEADER_BYTES
 from kvstore.shm import SHM_TOKEN_FILE, map_block_file, stage_block_file
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, Tier
+from protos.block_hash import BlockHash
 
 
 class MemoryHostTier(TierStorage):
@@ -20,22 +21,22 @@ class MemoryHostTier(TierStorage):
     tier = Tier.HOST
 
     def __init__(self) -> None:
-        self._blocks: dict[bytes, bytes] = {}
+        self._blocks: dict[BlockHash, bytes] = {}
 
-    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
+    def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         self._blocks[key] = bytes(payload)
 
-    def read(self, key: bytes) -> bytes | None:
+    def read(self, key: BlockHash) -> bytes | None:
         return self._blocks.get(key)
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: BlockHash) -> None:
         self._blocks.pop(key, None)
 
-    def keys(self) -> set[bytes]:
+    def keys(self) -> set[BlockHash]:
         return set(self._blocks)
 
 
-def block_file_name(key: bytes) -> str:
+def block_file_name(key: BlockHash) -> str:
     return key.hex()
 
 
@@ -54,17 +55,17 @@ class ShmHostTier(TierStorage):
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.token = uuid.uuid4().hex  # proves to a client that it sees this very dir
         (self.dir / SHM_TOKEN_FILE).write_text(self.token)
-        self._keys: set[bytes] = set()
+        self._keys: set[BlockHash] = set()
 
     @classmethod
     def create(cls, root: str = "/dev/shm") -> ShmHostTier:
         remove_stale_dirs(Path(root))
         return cls(Path(root) / f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
-    def path(self, key: bytes) -> Path:
+    def path(self, key: BlockHash) -> Path:
         return self.dir / block_file_name(key)
 
-    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
+    def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         self.adopt(key, self.stage(payload, checksum, ephemeral=ephemeral, seq=seq))
 
     def stage(self, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int = 0) -> Path:
@@ -72,22 +73,22 @@ class ShmHostTier(TierStorage):
         store's lock: it is the copy)."""
         return self.dir / stage_block_file(self.dir, payload, checksum, ephemeral=ephemeral, seq=seq)
 
-    def adopt(self, key: bytes, staged: Path) -> None:
+    def adopt(self, key: BlockHash, staged: Path) -> None:
         """Publishes a verified staged file (header + payload) as block `key`."""
         os.rename(staged, self.path(key))
         self._keys.add(key)
 
-    def read(self, key: bytes) -> memoryview | None:
+    def read(self, key: BlockHash) -> memoryview | None:
         """A read-only mapping of the payload (no copy); it stays valid if the block goes."""
         mapped = map_block_file(self.path(key))
         return None if mapped is None else mapped[0][HEADER_BYTES:]
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: BlockHash) -> None:
         self._keys.discard(key)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 
-    def keys(self) -> set[bytes]:
+    def keys(self) -> set[BlockHash]:
         return set(self._keys)
 
     def close(self, timeout_s: float = 30.0) -> None:

@@ -13,13 +13,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from protos.block_hash import BlockHash
+
 MAX_TTL_S = 600.0
 
 
 @dataclass(slots=True)
 class Lease:
     lease_id: str
-    entries: list[tuple[bytes, Any]]  # (key, the index entry that was pinned)
+    entries: list[tuple[BlockHash, Any]]  # (key, the index entry that was pinned)
     expires_at: float
 
 
@@ -36,7 +38,7 @@ class LeaseTable:
     def __iter__(self) -> Iterator[Lease]:
         return iter(self._leases.values())
 
-    def add(self, entries: list[tuple[bytes, Any]], ttl_s: float) -> Lease:
+    def add(self, entries: list[tuple[BlockHash, Any]], ttl_s: float) -> Lease:
         lease = Lease(uuid.uuid4().hex, entries, self._clock() + ttl_s)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))

@@ -3,35 +3,31 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kvstore import serving
-from kvstore.disk_tier import DiskTier
+from kvstore.config import StoreConfig, build_tiers
 from kvstore.errors import InvalidRequest
 from kvstore.events import StoreEvent
-from kvstore.host_tier import MemoryHostTier, ShmHostTier
 from kvstore.metrics import StoreCollector
 from kvstore.shm import STAGED_NAME, host_id
 from kvstore.store import BlockStore, FlushResult
-from kvstore.tier import TierStorage
 from kvstore.types import Tier
 from kvstore.wire import BlockAssembler, split_block
+from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
+from serving.server import MAX_MESSAGE_BYTES, Server
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvserve.v1.KVStore"
-_GiB = 1024**3
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -47,7 +43,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
         assembler = BlockAssembler(self.store.max_block_bytes)
-        keys: list[bytes] = []
+        keys: list[BlockHash] = []
         num_new = 0
         ephemeral = False
         for request in request_iterator:
@@ -121,7 +117,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         shm = self.store.shm_tier
         return pb.InfoResponse(
             host_id=self.host_id, shm_dir=str(shm.dir) if shm else "", shm_token=shm.token if shm else "",
-            max_message_bytes=serving.MAX_MESSAGE_BYTES,
+            max_message_bytes=MAX_MESSAGE_BYTES,
         )
 
     def _staged_path(self, name: str) -> Path:
@@ -162,61 +158,6 @@ def _runs(events: list[StoreEvent]) -> Iterator[tuple[pb.Event.Kind, pb.Tier, li
         yield (*current, run)
 
 
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """Tier sizes in bytes; a capacity of 0 turns that tier off."""
-
-    host_capacity: int = 1 * _GiB
-    disk_capacity: int = 0
-    disk_path: Path | None = None
-    device_capacity: int = 0
-    device: str = "off"  # "off" | "cpu" | "cuda"
-    shm: bool = True
-    shm_root: str = "/dev/shm"
-    sweep_interval_s: float = 0.5
-    flush_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.device not in ("off", "cpu", "cuda"):
-            raise ValueError(f"--device must be off, cpu or cuda, not {self.device!r}")
-        if self.disk_capacity and self.disk_path is None:
-            raise ValueError("--disk-capacity needs --disk-path")
-        if min(self.host_capacity, self.disk_capacity, self.device_capacity) < 0:
-            raise ValueError("capacities must be >= 0")
-
-
-def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
-    tiers: list[tuple[TierStorage, int]] = []
-    if config.device != "off" and config.device_capacity > 0:
-        from kvstore.device_tier import DeviceTier  # torch only when the device tier is on
-
-        tiers.append((DeviceTier(config.device), config.device_capacity))
-    if config.host_capacity > 0:
-        host: TierStorage = MemoryHostTier()
-        if config.shm and free_bytes(config.shm_root) >= config.host_capacity:
-            host = ShmHostTier.create(config.shm_root)
-        elif config.shm:  # e.g. a container's 64 MiB /dev/shm: writes would fail with ENOSPC
-            log.warning(
-                "%s has %d bytes free, less than --host-capacity %d: host tier kept in process memory, "
-                "no same-host fast path (give the container a larger shm_size)",
-                config.shm_root, free_bytes(config.shm_root), config.host_capacity,
-            )
-        tiers.append((host, config.host_capacity))
-    if config.disk_capacity > 0 and config.disk_path is not None:
-        tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
-    if not tiers:
-        raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
-    return tiers
-
-
-def free_bytes(path: str) -> int:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
 class StoreServer:
     """A BlockStore behind gRPC (with health, reflection, metrics) and a lease sweeper."""
 
@@ -225,7 +166,7 @@ class StoreServer:
         self.store = BlockStore(build_tiers(config))
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(self.store))
-        self.rpc = serving.Server(listen, metrics_port=metrics_port, registry=self.registry)
+        self.rpc = Server(listen, metrics_port=metrics_port, registry=self.registry)
         self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, KVStoreServicer(self.store), SERVICE_NAME)
         self._stop_sweeper = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-lease-sweeper", daemon=True)

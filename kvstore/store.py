@@ -24,12 +24,13 @@ from kvstore.block_format import HEADER_BYTES, CorruptBlock, checksum, unpack_he
 from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
 from kvstore.events import EventHub, StoreEvent
+from kvstore.eviction import EvictionPolicy
 from kvstore.host_tier import ShmHostTier
 from kvstore.leases import MAX_TTL_S, LeaseTable
-from kvstore.policy import EvictionPolicy
 from kvstore.shm import map_block_file
 from kvstore.tier import TierStorage
-from kvstore.types import HASH_BYTES, Buffer, LookupResult, StoreStats, Tier, TierStats
+from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
+from protos.block_hash import HASH_BYTES, BlockHash
 
 _READ_RETRIES = 4
 
@@ -85,7 +86,7 @@ class IntegrityError(AssertionError):
     pass
 
 
-def check_key(key: bytes) -> None:
+def check_key(key: BlockHash) -> None:
     if len(key) != HASH_BYTES:
         raise InvalidRequest(f"block hash must be {HASH_BYTES} bytes, got {len(key)}")
 
@@ -105,7 +106,7 @@ class BlockStore:
         self.tiers = [TierSlot(storage, cap, EvictionPolicy()) for storage, cap in tiers]
         self.events = events or EventHub()
         self.checksum_failures = 0
-        self._index: dict[bytes, Entry] = {}
+        self._index: dict[BlockHash, Entry] = {}
         self._leases = LeaseTable(clock)
         self._lock = threading.Lock()
         self._seq = 0
@@ -123,7 +124,7 @@ class BlockStore:
 
     # -- public operations ---------------------------------------------------------------------
 
-    def put(self, key: bytes, payload: Buffer, checksum_: int | None = None, *, ephemeral: bool = False) -> bool:
+    def put(self, key: BlockHash, payload: Buffer, checksum_: int | None = None, *, ephemeral: bool = False) -> bool:
         """Stores a block; False when the hash is already there, whatever the payload (blocks are
         immutable: the first write wins and puts are idempotent)."""
         check_key(key)
@@ -139,7 +140,7 @@ class BlockStore:
             staged = shm.stage(payload, actual, ephemeral=ephemeral)  # the copy, outside the lock
         return self._insert_staged(key, payload, actual, ephemeral, staged)
 
-    def put_file(self, key: bytes, path: Path, checksum_: int, *, ephemeral: bool = False) -> bool:
+    def put_file(self, key: BlockHash, path: Path, checksum_: int, *, ephemeral: bool = False) -> bool:
         """Stores a block staged by a same-host client as a file (header + payload) in the shm
         tier's dir: verified in place, then renamed into the tier (or copied to another tier)."""
         check_key(key)
@@ -165,7 +166,7 @@ class BlockStore:
             raise
         return self._insert_staged(key, payload, checksum_, ephemeral, path)
 
-    def lookup(self, keys: Sequence[bytes], lease_ttl_s: float | None = None) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading keys are present and where; with a TTL, pins them under a lease."""
         for key in keys:
             check_key(key)
@@ -173,7 +174,7 @@ class BlockStore:
             raise InvalidRequest(f"lease_ttl_s must be between 0 and {MAX_TTL_S:g}, got {lease_ttl_s:g}")
         with self._lock:
             self._expire_leases()
-            hits: list[tuple[bytes, Entry]] = []
+            hits: list[tuple[BlockHash, Entry]] = []
             for key in keys:
                 entry = self._index.get(key)
                 if entry is None:
@@ -192,7 +193,7 @@ class BlockStore:
             tiers = [self.tiers[e.level].tier.label for _, e in hits]
         return LookupResult(len(hits), tiers, lease_id)
 
-    def get(self, keys: Sequence[bytes], *, via_shm: bool = False) -> Iterator[BlockRead | None]:
+    def get(self, keys: Sequence[BlockHash], *, via_shm: bool = False) -> Iterator[BlockRead | None]:
         """Reads blocks one by one (lazily), after touching them as a chain."""
         for key in keys:
             check_key(key)
@@ -202,7 +203,7 @@ class BlockStore:
         for key in keys:
             yield self._read(key, via_shm=via_shm)
 
-    def _read(self, key: bytes, *, via_shm: bool = False) -> BlockRead | None:
+    def _read(self, key: BlockHash, *, via_shm: bool = False) -> BlockRead | None:
         """One block, or None for a miss (a corrupt block is deleted and counted, then a miss)."""
         for _ in range(_READ_RETRIES):
             with self._lock:
@@ -234,7 +235,7 @@ class BlockStore:
             self._count_miss()
         return None
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[BlockHash]) -> None:
         """Marks a chain of blocks (prefix order) used, tail first: parents end up more recent."""
         with self._lock:
             self._touch_chain(keys)
@@ -260,12 +261,12 @@ class BlockStore:
             pinned = sum(1 for e in self._index.values() if e.pins > 0)
             return StoreStats(tiers, len(self._leases), pinned, self.checksum_failures)
 
-    def tier_of(self, key: bytes) -> Tier | None:
+    def tier_of(self, key: BlockHash) -> Tier | None:
         with self._lock:
             entry = self._index.get(key)
             return None if entry is None else self.tiers[entry.level].tier
 
-    def eviction_order(self, tier: Tier) -> list[bytes]:
+    def eviction_order(self, tier: Tier) -> list[BlockHash]:
         """Unpinned blocks of a tier, next victim first."""
         with self._lock:
             return next(s for s in self.tiers if s.tier == tier).policy.order()
@@ -320,14 +321,14 @@ class BlockStore:
         if size > self.max_block_bytes:
             raise BlockTooLarge(f"block of {size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)")
 
-    def _insert_staged(self, key: bytes, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> bool:
+    def _insert_staged(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> bool:
         try:
             return self._insert(key, len(payload), csum, ephemeral, self._writer(key, payload, csum, ephemeral, staged))
         finally:
             if staged is not None:
                 staged.unlink(missing_ok=True)  # no-op once adopted
 
-    def _writer(self, key: bytes, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> Write:
+    def _writer(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> Write:
         """Writes a block into the tier chosen under the lock: a staged file is renamed into the
         shm tier (no copy under the lock); any other tier takes the payload."""
         shm = self.shm_tier
@@ -340,7 +341,7 @@ class BlockStore:
 
         return write
 
-    def _insert(self, key: bytes, size: int, csum: int, ephemeral: bool, write: Write) -> bool:
+    def _insert(self, key: BlockHash, size: int, csum: int, ephemeral: bool, write: Write) -> bool:
         with self._lock:
             self._expire_leases()
             existing = self._index.get(key)
@@ -373,7 +374,7 @@ class BlockStore:
             self._demote(victim, level)
         return True
 
-    def _demote(self, key: bytes, level: int) -> None:
+    def _demote(self, key: BlockHash, level: int) -> None:
         entry = self._index[key]
         slot = self.tiers[level]
         below = level + 1
@@ -386,7 +387,7 @@ class BlockStore:
         self._remove(key, entry)
         slot.evictions += 1
 
-    def _promote(self, key: bytes, entry: Entry, payload: Buffer) -> None:
+    def _promote(self, key: BlockHash, entry: Entry, payload: Buffer) -> None:
         shm = self.shm_tier
         staged = None
         if shm is not None and any(s.storage is shm for s in self.tiers[: entry.level]):
@@ -410,7 +411,7 @@ class BlockStore:
                 staged.unlink(missing_ok=True)
         self._backpressure()
 
-    def _move(self, key: bytes, entry: Entry, dst: int, write: Write) -> None:
+    def _move(self, key: BlockHash, entry: Entry, dst: int, write: Write) -> None:
         src_slot, dst_slot = self.tiers[entry.level], self.tiers[dst]
         self._seq += 1
         write(dst_slot, self._seq)
@@ -419,7 +420,7 @@ class BlockStore:
         entry.level = dst
         self._account(dst_slot, key, entry, +1)
 
-    def _remove(self, key: bytes, entry: Entry) -> None:
+    def _remove(self, key: BlockHash, entry: Entry) -> None:
         slot = self.tiers[entry.level]
         slot.storage.delete(key)
         self._account(slot, key, entry, -1)
@@ -427,7 +428,7 @@ class BlockStore:
         self.events.publish(StoreEvent(False, key, slot.tier))
 
     @staticmethod
-    def _account(slot: TierSlot, key: bytes, entry: Entry, sign: int) -> None:
+    def _account(slot: TierSlot, key: BlockHash, entry: Entry, sign: int) -> None:
         slot.used += sign * entry.size
         slot.blocks += sign
         if entry.pins > 0:
@@ -437,7 +438,7 @@ class BlockStore:
         else:
             slot.policy.remove(key)
 
-    def _touch_chain(self, keys: Sequence[bytes]) -> None:
+    def _touch_chain(self, keys: Sequence[BlockHash]) -> None:
         # Tail first, so each parent ends up more recent than its children.
         for key in reversed(keys):
             entry = self._index.get(key)
@@ -450,21 +451,21 @@ class BlockStore:
 
     # -- pins and leases -----------------------------------------------------------------------
 
-    def _pin(self, key: bytes, entry: Entry) -> None:
+    def _pin(self, key: BlockHash, entry: Entry) -> None:
         entry.pins += 1
         if entry.pins == 1:
             slot = self.tiers[entry.level]
             slot.policy.remove(key)
             slot.pinned += entry.size
 
-    def _unpin(self, key: bytes, entry: Entry) -> None:
+    def _unpin(self, key: BlockHash, entry: Entry) -> None:
         entry.pins -= 1
         if entry.pins == 0 and self._index.get(key) is entry:
             slot = self.tiers[entry.level]
             slot.pinned -= entry.size
             slot.policy.add(key, ephemeral=entry.ephemeral)
 
-    def _unpin_all(self, entries: list[tuple[bytes, Entry]]) -> None:
+    def _unpin_all(self, entries: list[tuple[BlockHash, Entry]]) -> None:
         for key, entry in reversed(entries):  # tail first: parents end up more recent
             self._unpin(key, entry)
 
@@ -474,14 +475,14 @@ class BlockStore:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _drop_corrupt(self, key: bytes, entry: Entry) -> None:
+    def _drop_corrupt(self, key: BlockHash, entry: Entry) -> None:
         with self._lock:
             self.checksum_failures += 1
             self._count_miss()
             if self._index.get(key) is entry:
                 self._remove(key, entry)
 
-    def _drop_if_lost(self, key: bytes, entry: Entry, level: int) -> None:
+    def _drop_if_lost(self, key: BlockHash, entry: Entry, level: int) -> None:
         # A read found nothing where the index said: either it moved meanwhile (retry) or its
         # storage lost it (a failed disk write): then forget it.
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from kvstore.types import Buffer, Tier
+from protos.block_hash import BlockHash
 
 
 class TierStorage(ABC):
@@ -19,16 +20,16 @@ class TierStorage(ABC):
     tier: Tier
 
     @abstractmethod
-    def write(self, key: bytes, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None: ...
+    def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None: ...
 
     @abstractmethod
-    def read(self, key: bytes) -> Buffer | None: ...
+    def read(self, key: BlockHash) -> Buffer | None: ...
 
     @abstractmethod
-    def delete(self, key: bytes) -> None: ...
+    def delete(self, key: BlockHash) -> None: ...
 
     @abstractmethod
-    def keys(self) -> set[bytes]: ...
+    def keys(self) -> set[BlockHash]: ...
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Makes written blocks durable; True when everything was flushed in time."""

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType, TypeAlias
+from typing import TypeAlias
 
-BlockHash = NewType("BlockHash", bytes)
-HASH_BYTES = 32
 Buffer: TypeAlias = bytes | memoryview  # a payload; a memoryview may map a block file read-only
 
 

@@ -6,14 +6,15 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from kvstore.errors import BlockTooLarge, InvalidRequest
-from kvstore.serving import MAX_MESSAGE_BYTES
-from kvstore.types import HASH_BYTES, Buffer
+from kvstore.types import Buffer
+from protos.block_hash import HASH_BYTES, BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
+from serving.server import MAX_MESSAGE_BYTES
 
 CHUNK_BYTES = MAX_MESSAGE_BYTES
 
 
-def split_block(key: bytes, payload: Buffer, checksum: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.BlockChunk]:
+def split_block(key: BlockHash, payload: Buffer, checksum: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.BlockChunk]:
     """The chunks of one block; the first (offset 0) carries total size and checksum."""
     total = len(payload)
     if total <= chunk_bytes:
@@ -29,7 +30,7 @@ def split_block(key: bytes, payload: Buffer, checksum: int, chunk_bytes: int = C
 
 
 class Assembled(NamedTuple):
-    key: bytes
+    key: BlockHash
     payload: bytes | None  # None when the block lies in shared memory (shm_name)
     shm_name: str
     total_size: int
@@ -90,11 +91,11 @@ class BlockAssembler:
         if chunk.shm_name:
             if chunk.data:
                 raise InvalidRequest("a chunk carries either data or shm_name, not both")
-            return Assembled(chunk.hash, None, chunk.shm_name, chunk.total_size, chunk.checksum)
+            return Assembled(BlockHash(chunk.hash), None, chunk.shm_name, chunk.total_size, chunk.checksum)
         if len(chunk.data) > chunk.total_size:
             raise InvalidRequest(f"chunk of {len(chunk.data)} bytes exceeds its block's total size {chunk.total_size}")
         if len(chunk.data) == chunk.total_size:
-            return Assembled(chunk.hash, chunk.data, "", chunk.total_size, chunk.checksum)
+            return Assembled(BlockHash(chunk.hash), chunk.data, "", chunk.total_size, chunk.checksum)
         if not chunk.data:
             raise InvalidRequest(f"first chunk of block {chunk.hash.hex()[:16]} carries no data")
         self._head = chunk
@@ -108,6 +109,6 @@ class BlockAssembler:
         assert head is not None and self._buf is not None
         if self._received < head.total_size:
             return None
-        block = Assembled(head.hash, bytes(self._buf), "", head.total_size, head.checksum)
+        block = Assembled(BlockHash(head.hash), bytes(self._buf), "", head.total_size, head.checksum)
         self._head, self._buf, self._received = None, None, 0
         return block

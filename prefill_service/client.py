@@ -2,31 +2,25 @@
 
 `PrefillClient.start(...)` sends one Prefill call under a deadline and returns it while it runs,
 so that a caller whose own client goes away can cancel it (the prefill service then skips the
-forward pass). Errors come back as ServiceErrors a front door can pass on. The request types
-and their protobuf codec are published here too: a front door receives the same `Prompt`,
-`SamplingParams` and `CacheOptions` that it forwards.
+forward pass). Errors come back as ServiceErrors a front door can pass on. The request types are
+`serving.requests`, the contract both services share.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from kvstore.serving import CHANNEL_OPTIONS, ServiceError, Unavailable
-from prefill_service.handle import PrefillHandle, PrefillTimings, handle_from_proto
-from prefill_service.requests import (
+from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+from serving.errors import ServiceError, Unavailable
+from serving.requests import (
+    PrefillHandle,
     PromptInput,
     RequestOptions,
-    options_from_proto,
+    handle_from_proto,
     options_to_proto,
-    prompt_from_proto,
     prompt_to_proto,
 )
-from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
-
-__all__ = [
-    "PrefillCall", "PrefillCancelled", "PrefillClient", "PrefillHandle", "PrefillTimings", "PromptInput",
-    "RequestOptions", "UpstreamError", "options_from_proto", "prompt_from_proto",
-]
+from serving.server import CHANNEL_OPTIONS
 
 # Reconnect quickly once a restarted prefill service is back.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvstore.serving_metrics import LATENCY_BUCKETS
+from serving.metrics import LATENCY_BUCKETS
 
 
 class PrefillMetrics:

@@ -7,10 +7,9 @@ import uuid
 
 import grpc
 
-from prefill_service.handle import handle_to_proto
-from prefill_service.requests import options_from_proto, prompt_from_proto
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+from serving.requests import handle_to_proto, options_from_proto, prompt_from_proto
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 

@@ -11,30 +11,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import grpc
-
 from engine.engine import Engine
 from engine.hashing import prefix_hashes
 from engine.kv_codec import encode_block
-from engine.model import max_new_tokens
+from engine.model import Model, encode_prompt, max_new_tokens
 from engine.sampling import Sampler
 from kvstore import KVStoreClient
-from kvstore.cache_session import StoreSession
-from kvstore.serving import ServiceError
-from kvstore.serving_metrics import count_outcome
-from prefill_service.handle import PrefillHandle, PrefillTimings
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.requests import PromptInput, RequestOptions, encode
+from protos.block_hash import BlockHash
+from serving.cache_session import StoreSession
+from serving.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from serving.metrics import count_outcome
+from serving.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
 
 DEFAULT_LEASE_TTL_S = 30.0
-
-
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Cancelled(ServiceError):
-    code = grpc.StatusCode.CANCELLED
 
 
 def _never() -> bool:
@@ -57,11 +47,27 @@ class PrefillJob:
             raise DeadlineExceeded(f"the caller's deadline passed {stage}")
 
 
-def request_scoped_keys(root: bytes, request_id: str, num_blocks: int) -> tuple[list[bytes], bytes]:
+def request_scoped_keys(root: BlockHash, request_id: str, num_blocks: int) -> tuple[list[BlockHash], BlockHash]:
     """Random 32-byte keys for one request's blocks and tail: no other request can name them."""
     base = hashlib.sha256(b"kvserve/request\x00" + root + os.urandom(16) + request_id.encode()).digest()
-    blocks = [hashlib.sha256(base + b"block" + i.to_bytes(4, "little")).digest() for i in range(num_blocks)]
-    return blocks, hashlib.sha256(base + b"tail").digest()
+    blocks = [BlockHash(hashlib.sha256(base + b"block" + i.to_bytes(4, "little")).digest()) for i in range(num_blocks)]
+    return blocks, BlockHash(hashlib.sha256(base + b"tail").digest())
+
+
+def encode(model: Model, prompt: PromptInput) -> list[int]:
+    """Token ids of the prompt; a bad prompt (token id outside the vocabulary...) is InvalidArgument."""
+    messages = None
+    if prompt.messages is not None:
+        messages = [{"role": role, "content": content} for role, content in prompt.messages]
+    try:
+        return encode_prompt(
+            model,
+            text=prompt.text,
+            messages=messages,
+            token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 
 class PrefillService:
@@ -104,7 +110,7 @@ class PrefillService:
 
         # 1-2: hash full blocks; look up those that may be reused (never the last prompt token).
         if opts.prefix_cache:
-            keys: list[bytes] = list(prefix_hashes(token_ids, bs, namespace.root()))
+            keys = list(prefix_hashes(token_ids, bs, namespace.root()))
             tail_key = request_scoped_keys(namespace.root(), job.request_id, 0)[1]
             reusable = keys[: (len(token_ids) - 1) // bs]
         else:
@@ -155,7 +161,7 @@ class PrefillService:
             prompt_token_ids=tuple(token_ids),
             block_size=bs,
             block_hashes=tuple(keys),
-            tail_key=tail_key if tail is not None else b"",
+            tail_key=tail_key if tail is not None else None,
             num_cached_tokens=result.num_cached_tokens,
             num_computed_tokens=result.num_computed_tokens,
             first_token_id=first_token,

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from kvstore.client import KVStoreClient
+from kvstore import KVStoreClient
+from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class StoreSession:
             log.warning("KV store %s failed: going on without the cache", op, exc_info=exc)
         self._on_failure(op)
 
-    def lookup(self, hashes: Sequence[bytes], lease_ttl_s: float | None) -> tuple[int, str]:
+    def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None) -> tuple[int, str]:
         """(number of leading hits, lease id or "")."""
         if self.failed or not hashes:
             return 0, ""
@@ -47,7 +48,7 @@ class StoreSession:
             return 0, ""
         return result.num_hits, result.lease_id or ""
 
-    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+    def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         if self.failed or not hashes:
             return [None] * len(hashes)
         try:
@@ -56,7 +57,7 @@ class StoreSession:
             self._fail("get", exc)
             return [None] * len(hashes)
 
-    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
         items = list(blocks)
         if self.failed or not items:
             return 0

@@ -1,7 +1,7 @@
-"""What every kvserve gRPC server shares: error mapping, health, reflection, metrics, shutdown.
+"""A kvserve gRPC server: health, reflection, error mapping, metrics, graceful shutdown.
 
-Servicers raise `ServiceError` subclasses (or ValueError for bad input); one interceptor turns
-them into gRPC status codes, so handlers carry no try/except of their own.
+Servicers raise errors that `serving.errors.status_of` maps; one interceptor turns them into gRPC
+status codes, so handlers carry no try/except of their own.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from serving.errors import status_of
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -30,55 +32,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class ServiceError(Exception):
-    """An error with a gRPC status code and a message a person can act on."""
-
-    code = grpc.StatusCode.INTERNAL
-
-
-class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class OutOfRange(ServiceError):
-    code = grpc.StatusCode.OUT_OF_RANGE
-
-
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    if isinstance(exc, ServiceError):
-        return exc.code, str(exc)
-    # Domain errors that must not import grpc name their status: grpc_status = "NOT_FOUND".
-    code_name = getattr(exc, "grpc_status", None)
-    if isinstance(code_name, str) and code_name in grpc.StatusCode.__members__:
-        return grpc.StatusCode[code_name], str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return None
-
-
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-    status = _status_of(exc)
-    if status is None:
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
         log.exception("unhandled error in RPC")
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
     else:
-        context.abort(*status)
+        context.abort(code, str(exc))
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps ServiceError / ValueError raised by any handler to its gRPC status."""
+    """Ends an RPC whose handler raised with the status `status_of` gives."""
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
@@ -216,18 +180,3 @@ def run_until_signal(
     server.stop(grace_s)
     for fn in on_stop:
         fn()
-
-
-def parse_size(text: str) -> int:
-    """'512MiB', '2GiB', '100MB', '4096' -> bytes."""
-    units = {
-        "": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-        "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
-        "tib": 1024**4,
-    }
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if not num or unit not in units:
-        raise ValueError(f"cannot read size {text!r}: use a number with an optional unit like 512MiB or 2GiB")
-    return int(float(num) * units[unit])

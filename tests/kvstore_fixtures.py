@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvstore.config import StoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import MemoryHostTier, ShmHostTier
-from kvstore.server import StoreConfig, StoreServer
+from kvstore.server import StoreServer
 from kvstore.store import BlockStore
 from kvstore.tier import TierStorage
 

@@ -181,13 +181,13 @@ class LocalStack:
         from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
         from decode_service.service import DecodeService
-        from kvstore.serving import Server
         from prefill_service.client import PrefillClient
         from prefill_service.metrics import PrefillMetrics
         from prefill_service.server import SERVICE_NAME as PREFILL
         from prefill_service.server import PrefillServicer
         from prefill_service.service import PrefillService
         from protos.kvserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+        from serving.server import Server
 
         self.arch = arch
         self.store = store if store is not None else FakeStore()

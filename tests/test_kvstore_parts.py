@@ -7,8 +7,8 @@ import pytest
 from kvstore.block_format import CorruptBlock, checksum, pack_header, unpack_header, verify
 from kvstore.errors import BlockTooLarge, InvalidRequest
 from kvstore.events import EventHub, StoreEvent
+from kvstore.eviction import EvictionPolicy
 from kvstore.leases import LeaseTable
-from kvstore.policy import EvictionPolicy
 from kvstore.types import Tier
 from kvstore.wire import BlockAssembler, split_block
 from protos.kvserve.v1 import kvstore_pb2 as pb

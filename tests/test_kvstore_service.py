@@ -15,12 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore import KVStoreClient
 from kvstore import server as server_module
 from kvstore.block_format import checksum
-from kvstore.server import KVStoreServicer, StoreConfig, StoreServer
-from kvstore.serving import CHANNEL_OPTIONS
+from kvstore.config import StoreConfig
+from kvstore.server import KVStoreServicer, StoreServer
 from kvstore.shm import SHM_TOKEN_FILE, ShmReader
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
+from serving.server import CHANNEL_OPTIONS
 from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
 from tests.test_kvstore_store import corrupt_lmdb_value
 

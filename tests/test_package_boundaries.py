@@ -1,5 +1,11 @@
-"""DESIGN.md, "Packages": who may import whom. The prefill service is reached only through the
-client it publishes (`prefill_service.client`), as the store is through `KVStoreClient`."""
+"""DESIGN.md, "Packages": who may import whom, module by module.
+
+Each package may import, besides its own modules, exactly the first-party modules listed here.
+The store is reached only through its public package (`KVStoreClient`), the prefill service only
+through `prefill_service.client`, and the request types both services use only from the neutral
+`serving.requests`. Third-party rules: no torch in the client, the shared server code or the store
+(but its device tier), no grpc in the engine.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +15,88 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protos", "engine", "kvstore", "prefill_service", "decode_service", "client")
-# package -> the first-party modules it may import (a prefix ending in "." allows a whole package)
-ALLOWED = {
-    "engine": ("engine.",),
-    "kvstore": ("kvstore.", "protos."),
-    "prefill_service": ("prefill_service.", "engine.", "kvstore.", "protos."),
-    "decode_service": ("decode_service.", "engine.", "kvstore.", "protos.", "prefill_service.client"),
+PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "client")
+PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore", "prefill", "decode")
+          for grpc in ("", "_grpc")}
+SERVING = {"serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
+           "serving.server"}
+ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.model", "engine.sampling"}
+
+ALLOWED: dict[str, set[str]] = {
+    "protos": set(),
+    "engine": {"protos.block_hash"},
+    "kvstore": {"protos.block_hash", "serving.cli", "serving.server"} | PROTOS,
+    # requests: the contract names engine's SamplingParams; cache_session: the store's public client.
+    "serving": {"protos.block_hash", "engine.sampling", "kvstore"} | PROTOS,
+    "prefill_service": {"protos.block_hash", "kvstore"} | ENGINE_FOR_SERVICES | SERVING | PROTOS,
+    "decode_service": {"protos.block_hash", "kvstore", "prefill_service.client"}
+    | ENGINE_FOR_SERVICES | SERVING | PROTOS,
+    "client": set(PROTOS),
 }
+FORBIDDEN_THIRD_PARTY = {
+    "engine": {"grpc"},
+    "serving": {"torch", "transformers"},
+    "client": {"torch", "transformers"},
+}
+TORCH_IN_KVSTORE = {"device_tier.py"}  # torch (or cupy) only in the device tier
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT / name.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def imports(path: Path) -> set[str]:
+    """Every module `path` imports; `from a.b import c` names a.b.c when that is a module."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return {n for n in names if n.split(".")[0] in PACKAGES}
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if node.module.split(".")[0] in PACKAGES and _is_module(full) else node.module)
+    return names
+
+
+def violations(package: str, paths: list[Path]) -> list[str]:
+    """First-party imports of other packages, in `paths` of `package`, that the rules do not allow."""
+    return sorted(
+        f"{package}/{path.name}: {name}"
+        for path in paths
+        for name in imports(path)
+        if name.split(".")[0] in PACKAGES and name.split(".")[0] != package and name not in ALLOWED[package]
+    )
+
+
+def test_every_package_has_a_rule() -> None:
+    assert set(ALLOWED) == set(PACKAGES)
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_packages_import_only_what_the_design_allows(package: str) -> None:
-    allowed = ALLOWED[package]
-    bad = {
-        f"{path.relative_to(ROOT)}: {name}"
-        for path in (ROOT / package).glob("*.py")
-        for name in imports(path)
-        if not any(name == a.rstrip(".") or name.startswith(a) for a in allowed)
-    }
-    assert not bad, sorted(bad)
+    bad = violations(package, sorted((ROOT / package).glob("*.py")))
+    assert not bad, bad
+
+
+def test_the_rule_catches_a_forbidden_import(tmp_path: Path) -> None:
+    """decode_service reaching into prefill_service's or the store's internals is caught."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from prefill_service.service import PrefillService\nfrom kvstore.store import BlockStore\n"
+                     "from prefill_service.client import PrefillClient\nfrom kvstore import KVStoreClient\n")
+    assert violations("decode_service", [probe]) == [
+        "decode_service/probe.py: kvstore.store", "decode_service/probe.py: prefill_service.service",
+    ]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_THIRD_PARTY))
+def test_packages_keep_out_of_forbidden_libraries(package: str) -> None:
+    bad = sorted(f"{path.name}: {name}" for path in (ROOT / package).glob("*.py") for name in imports(path)
+                 if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[package])
+    assert not bad, bad
+
+
+def test_only_the_device_tier_imports_torch_in_the_store() -> None:
+    users = {path.name for path in (ROOT / "kvstore").glob("*.py") if any(
+        n.split(".")[0] in ("torch", "cupy") for n in imports(path))}
+    assert users <= TORCH_IN_KVSTORE, sorted(users)

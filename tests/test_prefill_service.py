@@ -10,12 +10,12 @@ import pytest
 
 from engine.hashing import prefix_hashes
 from engine.sampling import SamplingParams
-from kvstore.serving import Server
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.requests import PromptInput, RequestOptions
 from prefill_service.server import SERVICE_NAME, PrefillServicer
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from serving.requests import PromptInput, RequestOptions
+from serving.server import Server
 from tests.stack_fixtures import BLOCK_SIZE, FakeStore, engine, oracle, tokens
 
 ARCH = "llama"
@@ -64,7 +64,7 @@ def test_a_prompt_of_whole_blocks_computes_its_last_block(service: PrefillServic
     service.prefill(job(ids))
     warm = service.prefill(job(ids))
     assert (warm.num_cached_tokens, warm.num_computed_tokens) == (3 * BLOCK_SIZE, BLOCK_SIZE)
-    assert warm.tail_key == b""
+    assert warm.tail_key is None
 
 
 def test_partial_hit_reuses_the_shared_blocks(service: PrefillService) -> None:

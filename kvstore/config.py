@@ -1,0 +1,71 @@
+"""The store's configuration and the tiers it builds, top to bottom."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.disk_tier import DiskTier
+from kvstore.host_tier import MemoryHostTier, ShmHostTier
+from kvstore.tier import TierStorage
+
+log = logging.getLogger(__name__)
+
+_GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Tier sizes in bytes; a capacity of 0 turns that tier off."""
+
+    host_capacity: int = 1 * _GiB
+    disk_capacity: int = 0
+    disk_path: Path | None = None
+    device_capacity: int = 0
+    device: str = "off"  # "off" | "cpu" | "cuda"
+    shm: bool = True
+    shm_root: str = "/dev/shm"
+    sweep_interval_s: float = 0.5
+    flush_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("off", "cpu", "cuda"):
+            raise ValueError(f"--device must be off, cpu or cuda, not {self.device!r}")
+        if self.disk_capacity and self.disk_path is None:
+            raise ValueError("--disk-capacity needs --disk-path")
+        if min(self.host_capacity, self.disk_capacity, self.device_capacity) < 0:
+            raise ValueError("capacities must be >= 0")
+
+
+def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
+    tiers: list[tuple[TierStorage, int]] = []
+    if config.device != "off" and config.device_capacity > 0:
+        from kvstore.device_tier import DeviceTier  # torch only when the device tier is on
+
+        tiers.append((DeviceTier(config.device), config.device_capacity))
+    if config.host_capacity > 0:
+        host: TierStorage = MemoryHostTier()
+        if config.shm and free_bytes(config.shm_root) >= config.host_capacity:
+            host = ShmHostTier.create(config.shm_root)
+        elif config.shm:  # e.g. a container's 64 MiB /dev/shm: writes would fail with ENOSPC
+            log.warning(
+                "%s has %d bytes free, less than --host-capacity %d: host tier kept in process memory, "
+                "no same-host fast path (give the container a larger shm_size)",
+                config.shm_root, free_bytes(config.shm_root), config.host_capacity,
+            )
+        tiers.append((host, config.host_capacity))
+    if config.disk_capacity > 0 and config.disk_path is not None:
+        tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
+    if not tiers:
+        raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
+    return tiers
+
+
+def free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,78 @@
+"""What every service's command line shares: the server flags, the model-service flags, logging,
+size parsing, and serving until SIGTERM with one clear line when the start fails."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Iterable
+
+from serving.server import Server, run_until_signal
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '100MB', '4096' -> bytes."""
+    units = {
+        "": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+        "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
+        "tib": 1024**4,
+    }
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in units:
+        raise ValueError(f"cannot read size {text!r}: use a number with an optional unit like 512MiB or 2GiB")
+    return int(float(num) * units[unit])
+
+
+def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: int | None = None) -> None:
+    """--listen, --metrics-port, --log-level, and --max-workers when the service takes it."""
+    p.add_argument("--listen", default=listen, help="HOST:PORT to serve on; port 0 picks one "
+                   "and prints LISTENING <port> (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
+    if max_workers is not None:
+        p.add_argument("--max-workers", type=int, default=max_workers,
+                       help="gRPC worker threads, i.e. concurrent requests (default %(default)s)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:
+    """The flags of a service that runs the model over the store (prefill, decode)."""
+    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--kvstore", default="127.0.0.1:50053", help="KV store address (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block; every service of a "
+                   "deployment must agree (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
+    p.add_argument("--store-timeout-s", type=float, default=2.0,
+                   help="deadline of each KV store call; past it the request recomputes (default %(default)s)")
+
+
+def configure_logging(service: str, level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+
+
+def serve(
+    server: Server,
+    service: str,
+    *,
+    before_stop: Iterable[Callable[[], None]] = (),
+    on_stop: Iterable[Callable[[], None]] = (),
+    grace_s: float = 5.0,
+) -> int:
+    """Starts `server`, prints `LISTENING <port>` and serves until SIGTERM or SIGINT (exit code 0).
+
+    A port that is taken or not valid is one line on stderr and exit code 2, after the `on_stop`
+    callbacks have released what the service holds.
+    """
+    try:
+        port = server.start()
+    except OSError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        for fn in on_stop:
+            fn()
+        return 2
+    print(f"LISTENING {port}", flush=True)
+    run_until_signal(server, before_stop=before_stop, on_stop=on_stop, grace_s=grace_s)
+    return 0
