@@ -1,20 +1,30 @@
-"""kvserve's public Python client: `from client import Client`."""
+"""kvserve's public Python client: `from client import Client`.
 
-from client.client import (
-    AsyncClient,
-    Chunk,
-    Client,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    KVServeError,
-    OutOfRangeError,
-    ResourceExhaustedError,
-    Result,
-    Timings,
-    UnavailableError,
-    Usage,
-)
+The names load on first use: importing a submodule (the `kvserve` pytest plugin, which every pytest
+run of a project with kvserve installed loads) must not cost a grpc import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from client.client import (
+        AsyncClient,
+        Chunk,
+        Client,
+        DeadlineExceededError,
+        FailedPreconditionError,
+        InvalidArgumentError,
+        KVServeError,
+        OutOfRangeError,
+        ResourceExhaustedError,
+        Result,
+        Timings,
+        UnavailableError,
+        Usage,
+    )
 
 __all__ = [
     "AsyncClient",
@@ -31,3 +41,9 @@ __all__ = [
     "UnavailableError",
     "Usage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("client.client"), name)
+    raise AttributeError(f"module 'client' has no attribute {name!r}")

@@ -41,6 +41,29 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
         context.abort(code, str(exc))
 
 
+def with_status_mapping(fn: Callable[..., Any], *, streaming: bool) -> Callable[..., Any]:
+    """`fn(request, context)` ending its RPC with the status `status_of` gives when it raises: what
+    the interceptor does to every handler, public so that tests without a server (grpc_testing,
+    which runs no interceptor) map errors the same way. `streaming`: fn yields responses."""
+    if streaming:
+
+        def wrapped_stream(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from fn(request, context)
+            except Exception as exc:
+                _abort(context, exc)
+
+        return wrapped_stream
+
+    def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapped
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Ends an RPC whose handler raised with the status `status_of` gives."""
 
@@ -49,34 +72,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         if handler.unary_unary:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
+            return handler._replace(unary_unary=with_status_mapping(handler.unary_unary, streaming=False))
         if handler.stream_unary:
-            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary))
+            return handler._replace(stream_unary=with_status_mapping(handler.stream_unary, streaming=False))
         if handler.unary_stream:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
+            return handler._replace(unary_stream=with_status_mapping(handler.unary_stream, streaming=True))
         if handler.stream_stream:
-            return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream))
+            return handler._replace(stream_stream=with_status_mapping(handler.stream_stream, streaming=True))
         return handler
-
-    @staticmethod
-    def _wrap_unary(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                return fn(request, context)
-            except Exception as exc:
-                _abort(context, exc)
-
-        return wrapped
-
-    @staticmethod
-    def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                yield from fn(request, context)
-            except Exception as exc:
-                _abort(context, exc)
-
-        return wrapped
 
 
 class Server:

@@ -1,0 +1,114 @@
+"""The pytest plugin kvserve installs (client/pytest_plugin.py), run as its users run it: in a pytest
+of their own (pytester, in a subprocess) that asks for its fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from client.pytest_plugin import MODEL_ENV
+from tests.test_e2e_cli import alive
+
+pytest_plugins = ["pytester"]
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# Run after the README's example, in one session with it. The last test fails on purpose, after
+# stopping the prefill service, so that its report shows what prefill logged during the test.
+STACK_TESTS = '''
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def test_the_store_keeps_blocks_in_shared_memory(kvserve_stack, kvserve_store):
+    assert kvserve_stack.shm_dir is not None and len(list(kvserve_stack.shm_dir.iterdir())) > 1
+    assert kvserve_store.info().shm_dir == str(kvserve_stack.shm_dir)
+    Path("stack.json").write_text(json.dumps({"pids": kvserve_stack.pids, "shm_dir": str(kvserve_stack.shm_dir)}))
+
+
+def test_fails_after_prefill_stopped(kvserve_stack):
+    os.kill(kvserve_stack.pids["prefill"], signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while "stopping" not in kvserve_stack.log("prefill") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert False, "fails on purpose"
+'''
+
+
+def readme_example() -> str:
+    """The python block of the README's section on testing against kvserve."""
+    section = README.read_text().split("## Testing your service against kvserve", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match, "the README's testing section has no python example"
+    return match.group(1)
+
+
+def test_the_plugin_is_registered_with_pytest() -> None:
+    plugins = {ep.name: ep.value for ep in entry_points(group="pytest11")}
+    assert plugins.get("kvserve") == "client.pytest_plugin"
+
+
+def test_loading_the_plugin_imports_no_grpc_and_no_torch() -> None:
+    """Every pytest run of a project with kvserve installed loads the plugin: it must cost nothing."""
+    probe = ("import sys, pytest; before = set(sys.modules); import client.pytest_plugin; "
+             "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    loaded = set(done.stdout.split())
+    assert "client" in loaded
+    assert loaded.isdisjoint({"grpc", "google", "protos", "kvstore", "engine", "torch", "transformers"}), loaded
+
+
+@pytest.mark.parametrize("given", ["option", "env", "ini"])
+def test_the_model_folder_comes_from_the_option_then_env_then_ini(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    """Each source names a missing folder, so the stack refuses to start before anything runs, and
+    says which folder it was given."""
+    pytester.makeini("[pytest]\nkvserve_model = models/from-ini\n")
+    pytester.makepyfile("def test_uses_the_stack(kvserve_stack):\n    pass\n")
+    args = ["-p", "no:cacheprovider"]
+    if given == "option":
+        args += ["--kvserve-model", "from-option"]
+    if given in ("option", "env"):
+        monkeypatch.setenv(MODEL_ENV, str(pytester.path / "from-env"))
+    else:
+        monkeypatch.delenv(MODEL_ENV, raising=False)
+    result = pytester.runpytest_subprocess(*args, timeout=120)
+    result.assert_outcomes(errors=1)
+    expected = {"option": "from-option", "env": "from-env", "ini": "models/from-ini"}[given]
+    result.stdout.fnmatch_lines([f"*model folder {pytester.path / expected} does not exist*"])
+    assert "kvserve decode log" not in result.stdout.str()  # nothing started, no log to show
+
+
+@pytest.mark.slow
+def test_a_session_gets_a_real_stack_and_leaves_nothing_behind(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(MODEL_ENV, raising=False)  # the tiny model, built for the session
+    pytester.makepyfile(test_readme=readme_example(), test_stack=STACK_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=400)
+    result.assert_outcomes(passed=2, failed=1)
+
+    out = result.stdout.str()
+    failure = out.split("test_fails_after_prefill_stopped", 1)[1]
+    for name in ("kvstore", "prefill", "decode"):
+        assert out.count(f" kvserve {name} log ") == 1, name  # in the failed test's report only
+    prefill = failure.split(" kvserve prefill log ", 1)[1].split(" kvserve decode log ", 1)[0]
+    assert "(what it logged during this test)" in prefill and "signal 15: stopping" in prefill
+    assert "(nothing logged during this test; its end)" in failure.split(" kvserve decode log ", 1)[1]
+
+    started = json.loads((pytester.path / "stack.json").read_text())
+    assert sorted(started["pids"]) == ["decode", "kvstore", "prefill"]
+    assert [name for name, pid in started["pids"].items() if alive(pid)] == []
+    assert not os.path.exists(started["shm_dir"])
+    assert not list(Path(started["shm_dir"]).parent.glob(f"kvserve-{started['pids']['kvstore']}-*"))
