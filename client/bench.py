@@ -23,7 +23,8 @@ QUESTION = "Tell me more about block {n} of the runbook and how it relates to th
 
 def run_turns(client: Client, turns: int, max_tokens: int, system_chars: int, repeats: int) -> list[dict]:
     """Runs the same chat `repeats` times, each under its own cache salt (so each is a chat of its
-    own, cold at turn 1), and reports per turn the median TTFT with the cache and without it."""
+    own, cold at turn 1), and reports per turn the median TTFT with the cache and without it, the
+    prompt tokens each computed, and whether every answer was the same with and without it."""
     messages = [{"role": "system", "content": ("Shared system prompt. " * system_chars)[:system_chars]}]
     salts = [f"bench-{uuid.uuid4().hex}" for _ in range(repeats)]
     rows = []
@@ -32,11 +33,14 @@ def run_turns(client: Client, turns: int, max_tokens: int, system_chars: int, re
         cached = [client.chat(messages, max_tokens=max_tokens, ignore_eos=True, cache_salt=s) for s in salts]
         uncached = [client.chat(messages, max_tokens=max_tokens, ignore_eos=True, prefix_cache=False)
                     for _ in salts]
-        result = cached[0]
+        result, baseline = cached[0], uncached[0]
         rows.append({
             "turn": n,
             "prompt_tokens": result.usage.prompt_tokens,
             "cached_tokens": result.usage.cached_tokens,
+            "computed_tokens_cached": result.usage.prompt_tokens - result.usage.cached_tokens,
+            "computed_tokens_uncached": baseline.usage.prompt_tokens - baseline.usage.cached_tokens,
+            "same_tokens": all(r.token_ids == baseline.token_ids for r in [*cached, *uncached]),
             "ttft_cached_s": statistics.median(r.timings.ttft_s for r in cached),
             "ttft_uncached_s": statistics.median(r.timings.ttft_s for r in uncached),
         })
@@ -84,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ttft_uncached_s'] * 1000:11.1f} ms {r['ttft_uncached_s'] / r['ttft_cached_s']:5.1f}x")
     print(f"\nTTFT growth from turn {first['turn']} to turn {last['turn']}: uncached {summary['uncached_growth']:.2f}x, "
           f"cached {summary['cached_growth']:.2f}x; last-turn speed-up {summary['last_turn_speedup']:.1f}x")
+    differ = [r["turn"] for r in rows if not r["same_tokens"]]
+    if differ:
+        print(f"cached and uncached answers differed at turn(s) {', '.join(map(str, differ))}")
     return 0
 
 

@@ -7,10 +7,11 @@ import atexit
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -171,11 +172,14 @@ def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE) -> En
 class LocalStack:
     """The prefill and decode gRPC servers in this process (port 0), sharing one FakeStore (or the
     KVStoreClient given). Decode runs `arch` with `block_size` unless told otherwise, to test
-    misconfigured deployments."""
+    misconfigured deployments. A test's fakes go in at decode's public seams: `wrap_decode_model`
+    maps the Model its engine runs, `wrap_prefill_client` the PrefillClient it reaches prefill with."""
 
     def __init__(
         self, arch: str, store: FakeStore | KVStoreClient | None = None, max_batch_size: int = 32,
         block_size: int = BLOCK_SIZE, decode_arch: str | None = None, decode_block_size: int | None = None,
+        *, wrap_decode_model: Callable[[Model], Model] | None = None,
+        wrap_prefill_client: Callable[[Any], Any] | None = None,
     ) -> None:
         from decode_service.metrics import DecodeMetrics
         from decode_service.server import SERVICE_NAME as DECODE
@@ -197,8 +201,14 @@ class LocalStack:
         self.prefill_server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.prefill), PREFILL)
         self.prefill_addr = f"127.0.0.1:{self.prefill_server.start()}"
         self.decode_server = Server("127.0.0.1:0", metrics_port=0)
+        decode_engine = engine(decode_arch or arch, "decode", decode_block_size or block_size)
+        if wrap_decode_model is not None:
+            decode_engine = Engine(wrap_decode_model(decode_engine.model), block_size=decode_engine.block_size)
+        prefill_client = PrefillClient(self.prefill_addr, timeout_s=30.0)
+        if wrap_prefill_client is not None:
+            prefill_client = wrap_prefill_client(prefill_client)
         self.decode = DecodeService(
-            engine(decode_arch or arch, "decode", decode_block_size or block_size), self.store, PrefillClient(self.prefill_addr, timeout_s=30.0),  # type: ignore[arg-type]
+            decode_engine, self.store, prefill_client,  # type: ignore[arg-type]
             DecodeMetrics(self.decode_server.registry), max_batch_size=max_batch_size,
         )
         self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), DECODE)

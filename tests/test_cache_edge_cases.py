@@ -7,7 +7,8 @@ prefill and decode configured with different block sizes or different models."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -16,8 +17,12 @@ from transformers import GenerationConfig
 
 from client import Client
 from client.client import FailedPreconditionError, Result
+from engine.hashing import prefix_hashes
 from tests.stack_fixtures import (
     ARCHS,
+    BLOCK_SIZE,
+    FakeRpcError,
+    FakeStore,
     LocalStack,
     _hf_model,
     assert_greedy_matches,
@@ -188,29 +193,43 @@ def test_max_tokens_one(arch_stack: LocalStack) -> None:
             assert list(r.token_ids) == oracle(arch_stack.arch, ids, 1)[0] and r.finish_reason == "length"
 
 
-def test_store_down_during_the_put_of_generated_blocks(
-    arch_stack: LocalStack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    decode, store = arch_stack.decode, arch_stack.store
-    real_put = decode._put_generated
+@dataclass
+class RefusingStore(FakeStore):
+    """A FakeStore that is down (UNAVAILABLE) for each put that `refuses(keys, ephemeral)`."""
 
-    def put_while_down(*args: object) -> None:
-        store.down = True
-        try:
-            real_put(*args)  # type: ignore[arg-type]
-        finally:
-            store.down = False
+    refuses: Callable[[list[bytes], bool], bool] = lambda keys, ephemeral: False
 
-    monkeypatch.setattr(decode, "_put_generated", put_while_down)
-    before = arch_stack.decode_metric("kvserve_decode_store_failures_total", op="put")
+    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+        items = list(blocks)
+        if self.refuses([k for k, _ in items], ephemeral):
+            self.calls.append("put")
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+        return super().put(items, ephemeral)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_store_down_during_the_put_of_generated_blocks(arch: str) -> None:
     ids = tokens(40, seed=41)
-    with Client(arch_stack.addr, timeout_s=60) as c:
-        r = greedy(c, ids, 30)
-        check(arch_stack.arch, ids, r, 30)
-        assert arch_stack.decode_metric("kvserve_decode_store_failures_total", op="put") == before + 1
-        monkeypatch.undo()
-        again = greedy(c, ids, 30)
-    assert again.token_ids == r.token_ids and again.usage.cached_tokens == 32
+    root = engine(arch).namespace().root()
+    prompt_keys = set(prefix_hashes(ids, BLOCK_SIZE, root))
+    # Down for the one put that carries blocks past the prompt's: decode's, of the reply's tokens.
+    store = RefusingStore(refuses=lambda keys, ephemeral: not ephemeral and not set(keys) <= prompt_keys)
+    s = LocalStack(arch, store=store)
+    try:
+        with Client(s.addr, timeout_s=60) as c:
+            r = greedy(c, ids, 30)
+            check(arch, ids, r, 30)
+            assert s.decode_metric("kvserve_decode_store_failures_total", op="put") == 1
+            # The last token's KV is never computed: 40 + 29 tokens hold 4 full blocks, 2 of them new.
+            reply_keys = prefix_hashes([*ids, *r.token_ids[:-1]], BLOCK_SIZE, root)[len(ids) // BLOCK_SIZE :]
+            assert len(reply_keys) == 2 and not set(reply_keys) & set(store.blocks)
+            store.refuses = lambda keys, ephemeral: False
+            again = greedy(c, ids, 30)
+        assert again.token_ids == r.token_ids and again.usage.cached_tokens == 32
+        assert set(reply_keys) <= store.persistent_keys()  # stored by the second request
+        assert s.decode_metric("kvserve_decode_store_failures_total", op="put") == 1
+    finally:
+        s.close()
 
 
 # --- prefill and decode configured differently ---------------------------------------------------

@@ -14,9 +14,9 @@ import pytest
 
 from client import Client
 from client.client import Chunk, KVServeError, Result, build_request
-from engine.engine import Engine
 from engine.hashing import prefix_hashes
 from protos.kvserve.v1 import decode_pb2_grpc
+from tests.model_faults import FaultyForward, at_position, never
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
 ARCH = "qwen2"
@@ -298,53 +298,49 @@ def test_a_client_that_goes_away_during_prefill_stops_the_prefill(stack: LocalSt
         assert stack.prefill_metric("kvserve_prefill_requests_total", outcome=outcome) > 0
 
 
-def test_an_engine_failure_fails_only_the_affected_request(
-    stack: LocalStack, client: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_engine_failure_fails_only_the_affected_request() -> None:
     victim, bystander = tokens(20, seed=22), tokens(50, seed=23)
     want, logits = oracle(ARCH, bystander, 30)
-    engine = stack.decode.engine
-    real_forward = engine._forward
+    fault = FaultyForward(at_position(len(victim) + 5))  # the victim's sixth decode step
+    s = LocalStack(ARCH, wrap_decode_model=fault.around)
+    try:
+        with Client(s.addr, timeout_s=60) as client:
+            results: dict[str, object] = {}
 
-    def faulty_forward(cache: object, token_ids: list[int], start: int) -> object:
-        if len(token_ids) == 1 and start == len(victim) + 5:  # the victim's sixth decode step
-            raise RuntimeError("injected fault")
-        return real_forward(cache, token_ids, start)  # type: ignore[arg-type]
+            def run(name: str, ids: list[int], n: int) -> None:
+                try:
+                    results[name] = greedy(client, ids, n)
+                except KVServeError as exc:
+                    results[name] = exc
 
-    monkeypatch.setattr(engine, "_forward", faulty_forward)
-    results: dict[str, object] = {}
+            threads = [threading.Thread(target=run, args=("victim", victim, 20)),
+                       threading.Thread(target=run, args=("bystander", bystander, 30))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            error = results["victim"]
+            assert isinstance(error, KVServeError) and error.code == grpc.StatusCode.INTERNAL
+            assert "injected fault" in error.details
+            survivor = results["bystander"]
+            assert isinstance(survivor, Result), f"the bystander failed too: {survivor}"
+            assert_greedy_matches(survivor.token_ids, want, logits)
 
-    def run(name: str, ids: list[int], n: int) -> None:
-        try:
-            results[name] = greedy(client, ids, n)
-        except KVServeError as exc:
-            results[name] = exc
-
-    threads = [threading.Thread(target=run, args=("victim", victim, 20)),
-               threading.Thread(target=run, args=("bystander", bystander, 30))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    error = results["victim"]
-    assert isinstance(error, KVServeError) and error.code == grpc.StatusCode.INTERNAL
-    assert "injected fault" in error.details
-    assert_greedy_matches(results["bystander"].token_ids, want, logits)  # type: ignore[attr-defined]
-
-    # A step that fails as a whole fails its batch; the loop goes on.
-    real_step = Engine.decode_step
-    calls = []
-
-    def failing_once(self: Engine, seqs: list, next_token_ids: list[int]) -> object:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected batch fault")
-        return real_step(self, seqs, next_token_ids)
-
-    monkeypatch.setattr(engine, "decode_step", failing_once.__get__(engine))
-    with pytest.raises(KVServeError, match="injected batch fault"):
-        greedy(client, victim, 8)
-    monkeypatch.undo()
-    assert_greedy_matches(greedy(client, bystander, 30).token_ids, want, logits)
-    wait_for(lambda: stack.decode_metric("kvserve_decode_running_requests") == 0, "no request runs")
-    assert stack.decode_metric("kvserve_decode_requests_total", outcome="internal") >= 2
+            # A step whose forward fails for every sequence fails every request in it; the loop goes on.
+            fault.fails = never
+            streams = [client.stream(token_ids=ids, max_tokens=1000, ignore_eos=True) for ids in (victim, bystander)]
+            for stream in streams:  # both decoding: prefill's first token, then one of the decode loop's
+                assert isinstance(next(stream), Chunk) and isinstance(next(stream), Chunk)
+            fault.message, fault.fails = "injected batch fault", lambda positions: True
+            for stream in streams:
+                with pytest.raises(KVServeError, match="injected batch fault") as info:
+                    for _ in stream:
+                        pass
+                assert info.value.code == grpc.StatusCode.INTERNAL
+            fault.fails = never
+            assert_greedy_matches(greedy(client, bystander, 30).token_ids, want, logits)
+        wait_for(lambda: s.decode_metric("kvserve_decode_running_requests") == 0, "no request runs")
+        assert s.decode_metric("kvserve_decode_requests_total", outcome="internal") == 3
+        assert s.decode_metric("kvserve_decode_requests_total", outcome="ok") == 2
+    finally:
+        s.close()

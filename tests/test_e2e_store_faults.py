@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import lmdb
 import pytest
@@ -17,10 +19,11 @@ import pytest
 from client import Client
 from client.client import Result
 from client.stack import Service, start_service
-from decode_service.service import DecodeService
 from engine.hashing import prefix_hashes
 from kvstore import KVStoreClient
 from kvstore.block_format import HEADER_BYTES, checksum, pack_header, unpack_header
+from prefill_service.client import PrefillCall, PrefillClient
+from serving.requests import PrefillHandle
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens, workdir
 
 pytestmark = pytest.mark.slow
@@ -72,12 +75,69 @@ class StoreProcess:
             env.close()
 
 
+class CallThen:
+    """A Prefill call in flight whose result comes back only after `action` has run."""
+
+    def __init__(self, call: PrefillCall, action: Callable[[], None]) -> None:
+        self._call = call
+        self._action = action
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def result(self) -> PrefillHandle:
+        handle = self._call.result()
+        self._action()
+        return handle
+
+
+class PrefillThen:
+    """The PrefillClient that decode is given, with an action run once after prefill's next answer,
+    before decode has it (so before decode fetches the prompt's KV from the store)."""
+
+    def __init__(self, client: PrefillClient) -> None:
+        self._client = client
+        self.addr = client.addr
+        self.action: Callable[[], None] | None = None
+
+    def start(self, *args: Any, **kwargs: Any) -> PrefillCall | CallThen:
+        call = self._client.start(*args, **kwargs)
+        action, self.action = self.action, None
+        return call if action is None else CallThen(call, action)
+
+    def close(self) -> None:
+        self._client.close()
+
+
 class Rig:
     def __init__(self, name: str, *store_args: str) -> None:
         self.store = StoreProcess(name, *store_args)
         self.kv = KVStoreClient(self.store.addr, timeout_s=2.0)
-        self.stack = LocalStack(ARCH, store=self.kv)
+        self.prefill: PrefillThen | None = None
+        self.stack = LocalStack(ARCH, store=self.kv, wrap_prefill_client=self._wrap)
         self.client = Client(self.stack.addr, timeout_s=60)
+
+    def _wrap(self, client: PrefillClient) -> PrefillThen:
+        self.prefill = PrefillThen(client)
+        return self.prefill
+
+    @contextmanager
+    def between_prefill_and_decode(self, action: Callable[[], None]) -> Iterator[None]:
+        """Runs `action` once, after prefill has answered the next request and before decode fetches
+        that request's KV; fails if no request got that far."""
+        assert self.prefill is not None
+        ran: list[bool] = []
+
+        def once() -> None:
+            action()
+            ran.append(True)
+
+        self.prefill.action = once
+        try:
+            yield
+        finally:
+            self.prefill.action = None
+        assert ran, "no request reached decode"
 
     def recomputed(self) -> float:
         return self.stack.decode_metric("kvserve_decode_recomputed_tokens_total")
@@ -95,20 +155,6 @@ def greedy(rig: Rig, ids: list[int]) -> Result:
 
 def check(ids: list[int], r: Result) -> None:
     assert_greedy_matches(r.token_ids, *oracle(ARCH, ids, NEW_TOKENS))
-
-
-def between_prefill_and_decode(monkeypatch: pytest.MonkeyPatch, action: Callable[[], None]) -> None:
-    """Runs `action` once, after prefill has answered and before decode fetches the prompt's KV."""
-    real_load = DecodeService._load
-    done = []
-
-    def load(self: DecodeService, *args: object) -> object:
-        if not done:
-            done.append(1)
-            action()
-        return real_load(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(DecodeService, "_load", load)
 
 
 # A llama block is 24.6 KB: the host tier holds 2 blocks, the disk 5.
@@ -137,7 +183,7 @@ def test_concurrent_requests_for_the_same_new_prefix(tiny: Rig) -> None:
     assert all(r is not None and r.token_ids == first.token_ids for r in results)
 
 
-def test_blocks_leased_to_a_request_survive_a_flood(tiny: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocks_leased_to_a_request_survive_a_flood(tiny: Rig) -> None:
     ids = tokens(4 * BLOCK_SIZE + 3, seed=601)
 
     def flood() -> None:  # 20 blocks of others' work through a store that holds 7
@@ -148,9 +194,9 @@ def test_blocks_leased_to_a_request_survive_a_flood(tiny: Rig, monkeypatch: pyte
     def evictions() -> int:
         return sum(t.evictions for t in tiny.kv.stats().tiers)
 
-    between_prefill_and_decode(monkeypatch, flood)
     before, evicted = tiny.recomputed(), evictions()
-    r = greedy(tiny, ids)
+    with tiny.between_prefill_and_decode(flood):
+        r = greedy(tiny, ids)
     check(ids, r)
     assert evictions() - evicted >= 10, "the flood did not evict"
     assert tiny.recomputed() - before <= 3  # the 4 leased blocks were kept; at most the tail is gone
@@ -170,9 +216,7 @@ def disk() -> Iterator[Rig]:
 
 
 @pytest.mark.parametrize("wipe", [False, True], ids=["restarted", "replaced"])
-def test_store_restarted_between_prefill_and_decode(
-    disk: Rig, monkeypatch: pytest.MonkeyPatch, wipe: bool
-) -> None:
+def test_store_restarted_between_prefill_and_decode(disk: Rig, wipe: bool) -> None:
     """The handle names blocks that the new store may no longer have (all of them, when its disk
     was wiped): decode recomputes what it misses."""
     ids = tokens(3 * BLOCK_SIZE + 5, seed=603 + wipe)
@@ -181,14 +225,13 @@ def test_store_restarted_between_prefill_and_decode(
         disk.store.kill()
         disk.store.start_again(wipe=wipe)
 
-    between_prefill_and_decode(monkeypatch, restart)
     before = disk.recomputed()
-    r = greedy(disk, ids)
+    with disk.between_prefill_and_decode(restart):
+        r = greedy(disk, ids)
     check(ids, r)
     assert r.usage.cached_tokens == 0
     if wipe:
         assert disk.recomputed() - before == len(ids)
-    monkeypatch.undo()
     again = greedy(disk, ids)  # decode stored the prompt's blocks again
     assert again.token_ids == r.token_ids and again.usage.cached_tokens == 3 * BLOCK_SIZE
 

@@ -3,8 +3,6 @@ failing sequence, and the number of tokens a request may generate."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from engine.engine import Engine, StepFailed
 from engine.kv_codec import BlockError, encode_block
 from engine.model import DEFAULT_MAX_NEW_TOKENS, ContextLengthError, max_new_tokens
 from tests.engine_fixtures import random_tokens, tiny_model
+from tests.model_faults import FaultyForward, at_position
 
 BLOCK = 8
 
@@ -37,22 +36,16 @@ def test_load_leading_and_tail_round_trip_a_prefill(engine: Engine) -> None:
     assert engine.load_leading(payloads, engine.namespace("other tenant")).blocks == []
 
 
-def test_a_failing_sequence_does_not_cost_the_others_their_step(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failing_sequence_does_not_cost_the_others_their_step() -> None:
     prompts = [random_tokens(9 + i, seed=10 + i) for i in range(3)]
+    fault = FaultyForward()
+    engine = Engine(fault.around(tiny_model("llama")), block_size=BLOCK)
     alone = [engine.decode_step([engine.prefill(p).sequence], [7])[0] for p in prompts]
     seqs = [engine.prefill(p).sequence for p in prompts]
-    real_forward = engine._forward
-
-    def faulty_forward(cache: Any, token_ids: list[int], start: int) -> torch.Tensor:
-        if start == len(prompts[1]):
-            raise RuntimeError("injected fault")
-        return real_forward(cache, token_ids, start)
-
-    monkeypatch.setattr(engine, "_forward", faulty_forward)
+    fault.fails = at_position(len(prompts[1]))  # the step feeds positions 9, 10 and 11: prompt 1's fails
     with pytest.raises(StepFailed) as info:
         engine.decode_step(seqs, [7, 7, 7])
+    assert fault.num_faults == 1
     assert list(info.value.errors) == [1] and "injected fault" in str(info.value)
     logits = info.value.logits
     assert torch.allclose(logits[0], alone[0]) and torch.allclose(logits[2], alone[2])

@@ -6,18 +6,20 @@ import contextlib
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore import KVStoreClient
-from kvstore import server as server_module
 from kvstore.block_format import checksum
 from kvstore.config import StoreConfig
-from kvstore.server import KVStoreServicer, StoreServer
-from kvstore.shm import SHM_TOKEN_FILE, ShmReader
+from kvstore.server import StoreServer
+from kvstore.shm import SHM_TOKEN_FILE
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
@@ -38,6 +40,71 @@ def status_of(fn) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as info:
         fn()
     return info.value.code()
+
+
+class WireTap(pb_grpc.KVStoreServicer):
+    """A KVStore service on a port of its own that forwards each call to a real store server,
+    message by message: a client pointed at it is watched on the wire (`put_requests`,
+    `get_requests`), and a test can act when a Get arrives or on each answer (`before_get`,
+    `on_get_response`) or rewrite what Info answers (`on_info`). Neither side is patched."""
+
+    def __init__(self, target: str) -> None:
+        self.put_requests: list[pb.PutRequest] = []
+        self.get_requests: list[pb.GetRequest] = []
+        self.before_get: Callable[[pb.GetRequest], None] = lambda request: None
+        self.on_get_response: Callable[[pb.GetResponse], None] = lambda response: None
+        self.on_info: Callable[[pb.InfoResponse], None] = lambda reply: None
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._server = grpc.server(ThreadPoolExecutor(8), options=CHANNEL_OPTIONS)
+        pb_grpc.add_KVStoreServicer_to_server(self, self._server)
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def __enter__(self) -> WireTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(0)
+        self._channel.close()
+
+    def _unary(self, method: Callable[..., Any], request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(request, timeout=context.time_remaining())
+        except grpc.RpcError as exc:
+            context.abort(exc.code(), exc.details())
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        return self._unary(self._stub.Lookup, request, context)
+
+    def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
+        def watched() -> Iterator[pb.PutRequest]:
+            for request in request_iterator:
+                self.put_requests.append(request)
+                yield request
+
+        return self._unary(self._stub.Put, watched(), context)
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        self.get_requests.append(request)
+        self.before_get(request)
+        try:
+            for response in self._stub.Get(request, timeout=context.time_remaining()):
+                self.on_get_response(response)
+                yield response
+        except grpc.RpcError as exc:
+            context.abort(exc.code(), exc.details())
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return self._unary(self._stub.Release, request, context)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        return self._unary(self._stub.Stats, request, context)
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        reply = self._unary(self._stub.Info, request, context)
+        self.on_info(reply)
+        return reply
 
 
 @pytest.mark.parametrize(("server_shm", "use_shm"), [(True, False), (True, True), (False, True)])
@@ -68,25 +135,40 @@ def test_shm_and_grpc_paths_give_identical_bytes(tmp_path: Path) -> None:
     assert [bytes(b[:n]) for b, n in zip(bufs, sizes, strict=True) if n is not None] == via_grpc
 
 
-def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path) -> None:
     config = dict(host_capacity=3000, disk_capacity=100_000, disk_path=tmp_path / "db")
-    with running_server(tmp_path, **config) as server, KVStoreClient(server.address) as c:
+    with (running_server(tmp_path, **config) as server, WireTap(server.address) as tap,
+          KVStoreClient(tap.address) as c):
+        store = server.store
         assert c.shm_dir() is not None
         c.put([(key(i), payload(i, 1000)) for i in range(3)])
         c.put([(key(i), payload(i, 1000)) for i in range(3, 6)])  # 0..2 demoted: their files are gone
         assert c.get([key(0), key(4)]) == [payload(0, 1000), payload(4, 1000)]
 
-        real = ShmReader.read
-        calls: list[str] = []
+        # Block 1 is on disk, so this client's direct read misses and it asks the store. Meanwhile
+        # another reader promotes the block (the store answers with its shm file), and writers demote
+        # it again before this client reads that file: it asks once more, for plain bytes.
+        assert store.tier_of(key(1)) == Tier.DISK
+        answers: list[str] = []
 
-        def vanishing(self: ShmReader, name: str, expected: int | None = None) -> bytes | None:
-            calls.append(name)
-            return None if len(calls) <= 2 else real(self, name, expected)  # gone for the direct read and the shm answer
+        def promote(request: pb.GetRequest) -> None:
+            if not answers:
+                assert list(store.get([key(1)]))[0] is not None
+                assert store.tier_of(key(1)) == Tier.HOST
 
-        monkeypatch.setattr(ShmReader, "read", vanishing)
-        assert server.store.tier_of(key(3)) == Tier.HOST
-        assert c.get([key(3)]) == [payload(3, 1000)]
-        assert len(calls) == 2  # direct read, shm_name answer, then plain gRPC bytes
+        def demote(response: pb.GetResponse) -> None:
+            answers.append("shm_name" if response.chunk.shm_name else "bytes")
+            if answers == ["shm_name"]:
+                for i in range(6, 9):
+                    store.put(key(i), payload(i, 1000))
+                assert store.tier_of(key(1)) == Tier.DISK
+
+        tap.get_requests.clear()
+        tap.before_get, tap.on_get_response = promote, demote
+        assert c.get([key(1)]) == [payload(1, 1000)]
+        assert [(r.via_shm, list(r.hashes)) for r in tap.get_requests] == [(True, [key(1)]), (False, [key(1)])]
+        assert answers == ["shm_name", "bytes"]
+        store.check_integrity()
 
 
 def test_eight_threads_put_and_get_byte_exact(tmp_path: Path) -> None:
@@ -260,26 +342,26 @@ def test_reflection_lists_the_store_and_health(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("view", ["missing", "other-dir", "other-token"])
-def test_client_not_sharing_the_shm_dir_sends_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view: str) -> None:
+def test_client_not_sharing_the_shm_dir_sends_bytes(tmp_path: Path, view: str) -> None:
     # As in a compose stack where containers share the boot id but each has its own /dev/shm:
     # the dir Info names is absent, or another dir stands at that path.
     other = tmp_path / "client-view"
     other.mkdir()
     if view == "other-token":
         (other / SHM_TOKEN_FILE).write_text("someone-else")
-    real_info = KVStoreServicer.Info
 
-    def info(self: KVStoreServicer, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        reply = real_info(self, request, context)
+    def seen_from_elsewhere(reply: pb.InfoResponse) -> None:
         reply.shm_dir = str(tmp_path / "nowhere") if view == "missing" else str(other)
-        return reply
 
-    monkeypatch.setattr(KVStoreServicer, "Info", info)
     blocks = [(key(i), payload(i, 5000)) for i in range(4)]
-    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
-        assert c.shm_dir() is None
-        assert c.put(blocks) == 4
-        assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
+    with running_server(tmp_path) as server, WireTap(server.address) as tap:
+        tap.on_info = seen_from_elsewhere
+        with KVStoreClient(tap.address) as c:
+            assert c.shm_dir() is None
+            assert c.put(blocks) == 4
+            assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
+    assert tap.put_requests and all(not r.staged and r.chunk.data for r in tap.put_requests)
+    assert tap.get_requests and not any(r.via_shm for r in tap.get_requests)
     assert list(other.iterdir()) == ([other / SHM_TOKEN_FILE] if view == "other-token" else [])
 
 
@@ -294,22 +376,15 @@ def test_staged_requests_must_name_files_only(tmp_path: Path) -> None:
         assert healthy(server) and len(server.store) == 0
 
 
-def test_same_host_put_batches_staged_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[int] = []
-    real_chunks = server_module._chunks_of
-
-    def counting(request: pb.PutRequest) -> list[pb.BlockChunk]:
-        chunks = real_chunks(request)
-        seen.append(len(request.staged))
-        return chunks
-
-    monkeypatch.setattr(server_module, "_chunks_of", counting)
+def test_same_host_put_batches_staged_blocks(tmp_path: Path) -> None:
     blocks = [(key(i), payload(i, 1 * MiB)) for i in range(10)]
-    with running_server(tmp_path, host_capacity=64 * MiB) as server, KVStoreClient(server.address) as c:
+    with (running_server(tmp_path, host_capacity=64 * MiB) as server, WireTap(server.address) as tap,
+          KVStoreClient(tap.address) as c):
         assert c.put(blocks) == 10
         assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
         assert not [p for p in server.store.shm_tier.dir.iterdir() if p.name.startswith("put-")]  # type: ignore[union-attr]
-    assert seen == [4, 4, 2]  # 4 MiB of staged blocks per message
+    assert [len(r.staged) for r in tap.put_requests] == [4, 4, 2]  # 4 MiB of staged blocks per message
+    assert not any(r.HasField("chunk") for r in tap.put_requests)
 
 
 def test_shm_smaller_than_the_host_tier_keeps_it_in_process_memory(tmp_path: Path) -> None:
