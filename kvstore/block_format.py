@@ -1,7 +1,7 @@
 """The stored form of a block, on disk and in shared memory: a small header, then the payload.
 
-Header (32 bytes, little endian): magic b"KVSR" (KV store record), flags u32, xxh3-64 checksum u64, payload size u64,
-write sequence u64 (restores LRU order after a restart).
+Header (32 bytes, little endian): magic b"KVSR" (KV store record), flags u32, xxh3-64 checksum u64,
+payload size u64, write sequence u64 (restores LRU order after a restart).
 """
 
 from __future__ import annotations

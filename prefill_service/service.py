@@ -161,7 +161,7 @@ class PrefillService:
             prompt_token_ids=tuple(token_ids),
             block_size=bs,
             block_hashes=tuple(keys),
-            tail_key=tail_key if tail is not None else None,
+            tail_key=None if tail is None else tail_key,
             num_cached_tokens=result.num_cached_tokens,
             num_computed_tokens=result.num_computed_tokens,
             first_token_id=first_token,
