@@ -1,207 +1,378 @@
-"""Prefill over the uncached suffix of a prompt, and decode steps, on top of a block-shaped KV cache.
+"""The serving engine: a paged KV pool, a scheduler, and one packed forward per step for every
+sequence it runs (DESIGN.md, "Engine").
 
-KV blocks have the layout ``[layers, 2, kv_heads, block_size, head_dim]`` (DESIGN.md, "KV block
-format"); inside a sequence the engine keeps a Hugging Face ``DynamicCache`` of batch size 1.
+Request threads call ``add`` and ``abort`` (thread-safe; they land in an inbox) and read each
+sequence's events. One thread runs ``step`` in a loop (``start``/``stop``), or a test calls
+``step``/``run_until_done`` itself. KV sources load and save on a small pool of I/O threads, never
+on the step thread.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence as Seq
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from engine.hashing import Namespace
-from engine.kv_codec import LeadingBlocks, decode_block, decode_leading
-from engine.model import Model, layer_kv
+from engine.kv_pool import KVPool
+from engine.model import Model
+from engine.paged_attention import PagedCache, PromptChunk, StepBatch, install
+from engine.sampling import sample_batch
+from engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
+from engine.sequence import Finished, Sequence, Status, TokenEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB on CPU, when --kv-cache-memory is not given
+DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5  # of the device memory free once the model is loaded
+
+
+class RequestTooLarge(ValueError):
+    """A sequence that could never fit the KV pool, even alone."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"  # read by the servers' error interceptor
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one step did, for metrics."""
+
+    num_seqs: int
+    num_tokens: int
+    num_preempted: int
+    queue_wait_s: tuple[float, ...]  # of the sequences admitted in this step
+    num_pool_hit_tokens: int  # prompt tokens the admitted sequences found in the pool
+    pool_used: int
+    pool_free: int
+    pool_cached: int
 
 
 @dataclass(slots=True)
-class Sequence:
-    """KV state of one sequence, ready for decode: the cache holds the KV of exactly ``token_ids``."""
+class _Forward:
+    """The inputs of one packed forward and which rows of its logits are sampled."""
 
-    token_ids: list[int]
-    _cache: DynamicCache | None = field(default=None, repr=False)
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    """What one prefill produced; ``new_blocks`` excludes the cached blocks it was given."""
-
-    sequence: Sequence
-    new_blocks: list[torch.Tensor]  # each [layers, 2, kv_heads, block_size, head_dim]
-    tail: torch.Tensor | None  # [layers, 2, kv_heads, len % block_size, head_dim], None when 0
-    logits: torch.Tensor  # [vocab] fp32, at the last prompt position
-    num_cached_tokens: int
-    num_computed_tokens: int
+    batch: StepBatch
+    input_ids: torch.Tensor  # [1, tokens]
+    positions: torch.Tensor  # [1, tokens]
+    logit_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
 
 
-class StepFailed(RuntimeError):
-    """Some sequences of a decode step failed; the others advanced and their ``logits`` rows are valid.
-
-    ``errors`` maps a batch index to its exception; those sequences are left in an undefined state
-    and must be released, never decoded again.
-    """
-
-    def __init__(self, errors: dict[int, Exception], logits: torch.Tensor) -> None:
-        super().__init__(f"{len(errors)} of {len(logits)} sequences failed: "
-                         + "; ".join(f"#{i}: {type(e).__name__}: {e}" for i, e in errors.items()))
-        self.errors = errors
-        self.logits = logits  # [batch, vocab] fp32; rows in ``errors`` are NaN
+def kv_pool_blocks(model: Model, block_size: int, kv_cache_memory: int | None) -> int:
+    """Blocks that fit ``kv_cache_memory`` bytes (default: 1 GiB on CPU, half the free memory on CUDA)."""
+    per_block = KVPool.bytes_per_block(
+        num_layers=model.num_layers, block_size=block_size, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, dtype=model.dtype,
+    )
+    if kv_cache_memory is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            kv_cache_memory = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
+        else:
+            kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+    blocks = kv_cache_memory // per_block
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {per_block} bytes")
+    return blocks
 
 
 class Engine:
-    """Runs a Model's forward passes over block-shaped KV. One sequence per forward pass for now."""
-
-    def __init__(self, model: Model, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        model: Model,
+        block_size: int = 16,
+        *,
+        kv_cache_memory: int | None = None,
+        config: SchedulerConfig | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+        io_threads: int = 4,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
         self.block_size = block_size
-        # Most models can skip the LM head for all but the last position; older ones cannot.
-        self._logits_kwargs = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters else {}
+        self.pool = KVPool(
+            kv_pool_blocks(model, block_size, kv_cache_memory), num_layers=model.num_layers,
+            block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype,
+            device=model.device,
         )
+        self.scheduler = Scheduler(self.pool, config or SchedulerConfig())
+        self.on_step = on_step
+        install(model.hf_model)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
+        # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
+        self._cond = threading.Condition()
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-io")
+        self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         """The namespace whose root seeds the prefix hashes of this model, dtype and block size."""
         return Namespace(self.model.fingerprint, self.model.kv_dtype_name, self.block_size, cache_salt)
 
-    @torch.inference_mode()
-    def prefill(self, token_ids: Seq[int], cached_blocks: Seq[torch.Tensor] = ()) -> PrefillResult:
-        """Compute the KV of ``token_ids`` past the ``cached_blocks``, which hold its leading full blocks.
+    # ---- request threads -------------------------------------------------------------------
 
-        At least the last token is always computed, for its logits; ValueError if the cached
-        blocks cover every token.
-        """
-        tokens = list(token_ids)
-        if not tokens:
-            raise ValueError("cannot prefill an empty prompt")
-        num_cached = len(cached_blocks) * self.block_size
-        if num_cached >= len(tokens):
-            raise ValueError(
-                f"{len(cached_blocks)} cached blocks cover {num_cached} of {len(tokens)} tokens; "
-                "the last prompt token must be computed"
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; its events follow on ``seq.events``. RequestTooLarge if it could never fit."""
+        if not seq.token_ids:
+            raise ValueError("cannot run an empty sequence")
+        need = self.scheduler.blocks_needed(len(seq.token_ids) + seq.max_new_tokens)
+        if need > self.pool.num_blocks:
+            raise RequestTooLarge(
+                f"{len(seq.token_ids)} tokens + {seq.max_new_tokens} to generate need {need} KV blocks of "
+                f"{self.block_size} tokens; the KV pool holds {self.pool.num_blocks} "
+                "(raise --kv-cache-memory, or send a shorter request)"
             )
-        cache = self._cache_from_blocks(cached_blocks)
-        logits = self._forward(cache, tokens[num_cached:], start=num_cached)[0, -1]  # [vocab]
-        seq = Sequence(tokens, cache)
-        first_new_block = len(cached_blocks)
-        num_full = len(tokens) // self.block_size
-        tail_start = num_full * self.block_size
-        tail = self._kv(cache, tail_start, len(tokens)) if tail_start < len(tokens) else None
-        return PrefillResult(
-            sequence=seq,
-            new_blocks=self.full_blocks(seq, first_new_block),
-            tail=tail,
-            logits=logits.float(),
-            num_cached_tokens=num_cached,
-            num_computed_tokens=len(tokens) - num_cached,
-        )
+        self._post(lambda: self.scheduler.add(seq))
 
-    @torch.inference_mode()
-    def resume(self, token_ids: Seq[int], blocks: Seq[torch.Tensor], tail: torch.Tensor | None) -> Sequence:
-        """KV state for ``token_ids`` from its full blocks plus tail, without a forward pass."""
-        tokens = list(token_ids)
-        num_tail = 0 if tail is None else tail.shape[3]
-        if len(blocks) * self.block_size + num_tail != len(tokens) or num_tail >= self.block_size:
-            raise ValueError(
-                f"{len(blocks)} blocks of {self.block_size} and a tail of {num_tail} tokens "
-                f"do not hold exactly {len(tokens)} tokens"
-            )
-        return Sequence(tokens, self._cache_from_blocks(blocks, tail))
+    def abort(self, seq: Sequence, save: bool = False) -> None:
+        """Stop ``seq`` (a client went away, or a stop string ended it); with ``save`` its KV is saved
+        first. Its Finished event follows."""
+        self._post(lambda: self._abort(seq, save))
 
-    def load_leading(self, payloads: Seq[bytes | None], namespace: Namespace) -> LeadingBlocks:
-        """Verified full blocks for this model from the start of ``payloads``, up to the first miss or bad one."""
-        m = self.model
-        return decode_leading(
-            payloads, namespace, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            dtype=m.dtype,
-        )
+    def _post(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine has stopped")
+            self._inbox.append(fn)
+            self._cond.notify()
 
-    def load_tail(self, payload: bytes, namespace: Namespace, num_tokens: int) -> torch.Tensor:
-        """A verified partial block [layers, 2, kv_heads, num_tokens, head_dim]; raises BlockError."""
-        m = self.model
-        return decode_block(
-            payload, namespace, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            dtype=m.dtype, num_tokens=num_tokens,
-        )
+    # ---- the step thread --------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def decode_step(self, seqs: list[Sequence], next_token_ids: list[int]) -> torch.Tensor:
-        """Feed one token to each sequence (appending it and its KV); returns logits [batch, vocab] fp32.
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
 
-        A released sequence is a ValueError before any work. One sequence's failing forward pass does
-        not cost the others their step: they advance, and StepFailed carries their logits and the
-        failed sequences' errors.
-        """
-        if len(seqs) != len(next_token_ids):
-            raise ValueError(f"{len(seqs)} sequences but {len(next_token_ids)} tokens")
-        caches = [self._require_cache(seq) for seq in seqs]
-        rows: list[torch.Tensor | None] = []
-        errors: dict[int, Exception] = {}
-        for i, (seq, cache, token) in enumerate(zip(seqs, caches, next_token_ids, strict=True)):
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._inbox and not self.scheduler.running:
+                    self._cond.wait()
+                if self._stopping:
+                    break
             try:
-                rows.append(self._forward(cache, [token], start=len(seq.token_ids))[0, -1].float())  # [vocab]
-            except Exception as exc:  # reported per sequence in StepFailed
-                errors[i] = exc
-                rows.append(None)
-                continue
-            seq.token_ids.append(token)
-        if not errors:
-            return torch.stack(rows)  # type: ignore[arg-type]  # [batch, vocab]
-        vocab = next((r.shape[0] for r in rows if r is not None), self.model.vocab_size)
-        nan = torch.full((vocab,), float("nan"), device=self.model.device)
-        raise StepFailed(errors, torch.stack([nan if r is None else r for r in rows]))
+                if self.step() is None and not self._inbox:
+                    with self._cond:  # nothing could run: wait for a load, a save, an add or an abort
+                        self._cond.wait(0.05)
+            except Exception:  # a bug, not a request's failure: keep serving the others
+                log.exception("engine step failed")
+        self._drain()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(seq)
+            seq.events.put(Finished("shutdown", "the engine is shutting down"))
+
+    def run_until_done(self, timeout_s: float = 600.0) -> None:
+        """Step until every added sequence has finished (tests and benchmarks, without ``start``)."""
+        deadline = time.monotonic() + timeout_s
+        while self._inbox or self.scheduler.has_work:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the engine did not finish its sequences in time")
+            if self.step() is None and not self._inbox:
+                with self._cond:
+                    self._cond.wait(0.01)
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                if not self._inbox:
+                    return
+                fn = self._inbox.popleft()
+            fn()
+
+    def step(self) -> StepStats | None:
+        """Admit, schedule and run one packed forward; None when nothing could run."""
+        self._drain()
+        plan = self.scheduler.schedule()
+        for spill in plan.spills:
+            self._save(spill, lambda seq: self._post(lambda: self._saved(seq)))
+        for seq in plan.to_load:
+            self._io.submit(self._load, seq)
+        if plan.scheduled:
+            self._run(plan.scheduled)
+        if not plan.scheduled and not plan.admitted:
+            return None
+        stats = self._stats(plan)
+        if self.on_step is not None:
+            self.on_step(stats)
+        return stats
+
+    def _stats(self, plan: Schedule) -> StepStats:
+        now = time.perf_counter()
+        return StepStats(
+            num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_preempted=plan.num_preempted,
+            queue_wait_s=tuple(now - s.arrival for s in plan.admitted if not s.num_preemptions),
+            num_pool_hit_tokens=sum(s.num_pool_hit_tokens for s in plan.admitted),
+            pool_used=self.pool.num_used, pool_free=self.pool.num_free, pool_cached=self.pool.num_cached,
+        )
+
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """One forward for the batch; if it fails, each sequence alone, so a failure fails only its own."""
+        try:
+            tokens = self._forward_and_sample(scheduled)
+        except Exception as exc:
+            if len(scheduled) == 1:
+                self._finish(scheduled[0][0], "error", error=f"{type(exc).__name__}: {exc}", save=False)
+                return
+            log.warning("a batched step of %d sequences failed (%s); retrying each alone", len(scheduled), exc)
+            for item in scheduled:
+                self._run([item])
+            return
+        for seq, n in scheduled:
+            self._advance(seq, n, tokens.get(id(seq)))
 
     @torch.inference_mode()
-    def full_blocks(self, seq: Sequence, start_block: int = 0) -> list[torch.Tensor]:
-        """Full blocks of ``seq``'s KV from block index ``start_block`` on, each [L, 2, H, block_size, D]."""
-        cache = self._require_cache(seq)
-        num_full = len(seq.token_ids) // self.block_size
-        if start_block >= num_full:
-            return []
-        kv = self._kv(cache, start_block * self.block_size, num_full * self.block_size)  # [L, 2, H, n, D]
-        return [block.contiguous() for block in kv.split(self.block_size, dim=3)]
-
-    def release(self, seq: Sequence) -> None:
-        """Free ``seq``'s KV memory; the sequence can no longer be decoded."""
-        seq._cache = None
-
-    def _forward(self, cache: DynamicCache, token_ids: list[int], start: int) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``start..`` through ``cache``; logits [1, 1, vocab] of the last one."""
-        device = self.model.device
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
-        position_ids = torch.arange(start, start + len(token_ids), device=device)[None]  # [1, n]
-        out = self.model.hf_model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=True,
-            **{self.model.cache_keyword: cache}, **self._logits_kwargs,
-        )
-        return out.logits[:, -1:]
-
-    def _cache_from_blocks(self, blocks: Seq[torch.Tensor], tail: torch.Tensor | None = None) -> DynamicCache:
-        """A DynamicCache holding the full ``blocks`` and then the ``tail``, checked against the model."""
+    def _forward_and_sample(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
+        fwd = self._prepare(scheduled)
         m = self.model
-        parts = [*blocks, tail] if tail is not None else list(blocks)
-        if not parts:
-            return DynamicCache(config=m.hf_model.config)
-        for i, part in enumerate(parts):
-            num_tokens = self.block_size if i < len(blocks) else part.shape[3]
-            expected = (m.num_layers, 2, m.num_kv_heads, num_tokens, m.head_dim)
-            if tuple(part.shape) != expected or part.dtype != m.dtype:
-                raise ValueError(f"block {i}: {part.dtype} {list(part.shape)}, expected {m.dtype} {list(expected)}")
-        kv = torch.cat([part.to(m.device) for part in parts], dim=3)  # [L, 2, H, n, D]
-        return DynamicCache([(layer[0][None], layer[1][None]) for layer in kv], config=m.hf_model.config)
+        kwargs = {"logits_to_keep": torch.tensor(fwd.logit_rows, device=m.device)} if self._logits_to_keep else {}
+        out = m.hf_model(
+            input_ids=fwd.input_ids, position_ids=fwd.positions, attention_mask=self._no_mask, use_cache=True,
+            kvserve_step=fwd.batch, **{m.cache_keyword: PagedCache(fwd.batch)}, **kwargs,
+        )
+        logits = out.logits[0] if self._logits_to_keep else out.logits[0, fwd.logit_rows]  # [sampled, vocab]
+        if not fwd.sampled:
+            return {}
+        tokens = sample_batch(logits, [s.sampler for s in fwd.sampled])
+        return {id(seq): token for seq, token in zip(fwd.sampled, tokens, strict=True)}
 
-    def _kv(self, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
-        """Tokens ``start:end`` of the cache as [L, 2, H, end - start, D]."""
-        layers = [layer_kv(layer) for layer in cache.layers]  # each ([1, H, seq, D], [1, H, seq, D])
-        return torch.stack([torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in layers])
+    def _prepare(self, scheduled: list[tuple[Sequence, int]]) -> _Forward:
+        bs, device = self.block_size, self.model.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        chunks: list[PromptChunk] = []
+        logit_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in scheduled:
+            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table[: -(-end // bs)]
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                mask = None
+                if start:  # query i sits at position start + i and sees keys 0 .. start + i
+                    mask = (torch.arange(end, device=device)[None, :]
+                            <= torch.arange(start, end, device=device)[:, None])  # [n, end]
+                chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device), mask))
+            if end == len(seq.token_ids):
+                logit_rows.append(row + n - 1)
+                sampled.append(seq)
+        pos = torch.tensor(positions, device=device)
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
+            lens = torch.tensor(decode_lens, device=device)
+            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            decode = (torch.tensor(decode_rows, device=device), tables, mask)
+        batch = StepBatch(
+            pool=self.pool,
+            slot_blocks=torch.tensor(slot_blocks, device=device),
+            slot_offsets=pos % bs,
+            decode_rows=decode[0] if decode else None,
+            decode_tables=decode[1] if decode else None,
+            decode_mask=decode[2] if decode else None,
+            chunks=tuple(chunks),
+        )
+        return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)
 
-    @staticmethod
-    def _require_cache(seq: Sequence) -> DynamicCache:
-        if seq._cache is None:
-            raise ValueError("sequence was released or never prefilled")
-        return seq._cache
+    def _advance(self, seq: Sequence, n: int, token: int | None) -> None:
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        seq.num_engine_computed_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
+        self._register(seq)
+        if token is None:
+            return
+        seq.token_ids.append(token)
+        reason = None
+        if token in seq.stop_token_ids:
+            reason = "stop"
+        elif seq.num_new_tokens >= seq.max_new_tokens:
+            reason = "length"
+        seq.events.put(TokenEvent(token, reason))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _register(self, seq: Sequence) -> None:
+        """Name the sequence's newly full blocks in the pool, for other sequences to reuse."""
+        if seq.hash_root is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        hashes = seq.full_block_hashes(self.block_size, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], hashes[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def _finish(self, seq: Sequence, reason: str, error: str = "", save: bool = True) -> None:
+        spill = self.scheduler.spill(seq, seq.num_computed_tokens) if save else None
+        self.scheduler.finish(seq)  # the spilled blocks keep their contents until the next forward
+        if spill is None:
+            seq.events.put(Finished(reason, error))
+        else:
+            self._save(spill, lambda s: s.events.put(Finished(reason, error)))
+
+    def _save(self, spill: Spill, then: Callable[[Sequence], None]) -> None:
+        kv = self.pool.kv[spill.blocks]  # a copy: [blocks, layers, 2, block_size, kv_heads, head_dim]
+        source = spill.seq.source
+        assert source is not None
+
+        def save() -> None:
+            try:
+                source.save(spill.seq, spill.first_block, kv, spill.num_tokens)
+                spill.seq.num_saved_blocks = spill.first_block + spill.num_tokens // self.block_size
+            except Exception:
+                log.exception("saving the KV of request %s failed", spill.seq.request_id)
+            then(spill.seq)
+
+        self._io.submit(save)
+
+    def _saved(self, seq: Sequence) -> None:
+        seq.saving = False
+
+    def _load(self, seq: Sequence) -> None:
+        first = seq.num_computed_tokens // self.block_size
+        try:
+            assert seq.source is not None
+            n = seq.source.load(seq, first, seq.block_table[first:], self.pool)
+            n = max(0, min(n, len(seq.token_ids) - 1 - seq.num_computed_tokens))
+        except Exception:
+            log.exception("loading the KV of request %s failed: recomputing it", seq.request_id)
+            n = 0
+        self._post(lambda: self._loaded(seq, n))
+
+    def _loaded(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduler.loaded(seq, num_tokens)
+        self._register(seq)
+        if seq.aborting is not None:
+            self._finish(seq, "aborted", save=seq.aborting == "save")
+
+    def _abort(self, seq: Sequence, save: bool) -> None:
+        if seq.status is Status.LOADING:
+            seq.aborting = "save" if save else "drop"
+        elif seq.status is not Status.FINISHED:
+            self._finish(seq, "aborted", save=save and seq.status is Status.RUNNING)

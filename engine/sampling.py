@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +27,12 @@ class SamplingParams:
 
 
 class Sampler:
-    """Samples one token at a time for one request; the same seed gives the same tokens."""
+    """One request's sampling: its parameters and its own seeded generator, so the same seed gives the
+    same tokens whichever other requests share the batch."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
-        self.generator = torch.Generator(device="cpu")
+        self.generator = torch.Generator(device=device)
         if params.seed is None:
             self.generator.seed()
         else:
@@ -38,19 +40,33 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """Next token id from ``logits`` [vocab]."""
-        logits = logits.detach().to("cpu", torch.float32)  # [vocab]
-        p = self.params
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1:
-            sorted_logits, order = torch.sort(logits, descending=True)  # [vocab]
-            probs = torch.softmax(sorted_logits, dim=-1)
+        return sample_batch(logits[None], [self])[0]
+
+
+def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """Next token of every row of ``logits`` [batch, vocab], row i by ``samplers[i]``; one batched pass
+    on the logits' device for all rows, one draw from each sampling row's own generator."""
+    logits = logits.float()
+    tokens = torch.argmax(logits, dim=-1)  # [batch]
+    rows = [i for i, s in enumerate(samplers) if s.params.temperature > 0]
+    if rows:
+        params = [samplers[i].params for i in rows]
+        x = logits[rows]  # [rows, vocab]
+        x = x / torch.tensor([p.temperature for p in params], device=x.device)[:, None]
+        vocab = x.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if min(top_k) < vocab:
+            kth = torch.topk(x, max(top_k), dim=-1).values  # [rows, max_k], descending
+            kth = kth.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)  # [rows, 1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=x.device)[:, None]  # [rows, 1]
+        if bool((top_p < 1).any()):
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
             # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
-            drop = torch.cumsum(probs, dim=-1) - probs >= p.top_p
-            logits = logits.index_fill(0, order[drop], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # [vocab]
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            drop = (torch.cumsum(probs, dim=-1) - probs >= top_p) & (top_p < 1)
+            x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        probs = torch.softmax(x, dim=-1)  # [rows, vocab]
+        for j, i in enumerate(rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=samplers[i].generator)[0]
+    return tokens.tolist()

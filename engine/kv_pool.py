@@ -1,0 +1,148 @@
+"""The paged KV pool: one preallocated tensor of fixed-size blocks, reference counts, and the
+blocks of finished sequences kept by hash for reuse (automatic prefix caching).
+
+A block is in exactly one state:
+- free: no owner, no hash; on the free list;
+- used: owned by one or more sequences (reference count > 0);
+- cached: no owner but holds the KV of a known prefix hash; reused by a later sequence that
+  asks for the same hash, or evicted (least recently freed first) when free blocks run out.
+
+Every operation is O(1) per block. Only the engine's thread calls it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from protos.block_hash import BlockHash
+
+
+class PoolExhausted(RuntimeError):
+    """More blocks were asked for than are free or evictable; the scheduler checks before it asks."""
+
+
+class KVPool:
+    def __init__(
+        self, num_blocks: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # [blocks, layers, 2, block_size, kv_heads, head_dim]: a block is one contiguous slot, in the
+        # layout of a stored block (DESIGN.md, "KV block format"), so moving it is one copy.
+        self.kv = torch.zeros(
+            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self._refs = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._by_hash: dict[BlockHash, int] = {}
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first: evicted first
+        self.num_evicted = 0
+
+    @staticmethod
+    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can take: free ones, then cached ones (evicting them)."""
+        return len(self._free) + len(self._cached)
+
+    def layer(self, layer_idx: int, kind: int) -> torch.Tensor:
+        """Keys (kind 0) or values (kind 1) of one layer: a view [blocks, block_size, kv_heads, head_dim]."""
+        return self.kv[:, layer_idx, kind]
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks for one owner (reference count 1), evicting cached blocks when no free one is left."""
+        if n > self.num_available:
+            raise PoolExhausted(f"{n} blocks asked for, {self.num_available} of {self.num_blocks} available")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._cached.popitem(last=False)
+                del self._by_hash[self._hash[block]]  # type: ignore[index]
+                self._hash[block] = None
+                self.num_evicted += 1
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def count_hits(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``hashes`` the pool holds, without taking them."""
+        n = 0
+        for h in hashes:
+            if h not in self._by_hash:
+                break
+            n += 1
+        return n
+
+    def take_hits(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks of the leading ``hashes`` the pool holds, each with one more reference."""
+        blocks = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._cached[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        """``block`` (used, now full) holds the KV of ``block_hash``. A hash already held by another block
+        keeps that one; this block then stays unnamed and is freed plainly."""
+        assert self._refs[block] > 0, f"block {block} is not in use"
+        if self._hash[block] is None and block_hash not in self._by_hash:
+            self._hash[block] = block_hash
+            self._by_hash[block_hash] = block
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block. Give a sequence's blocks in order: they are released in
+        reverse, so the tail of a prefix is evicted before its head."""
+        for block in reversed(list(blocks)):
+            refs = self._refs[block] - 1
+            assert refs >= 0, f"block {block} freed more often than taken"
+            self._refs[block] = refs
+            if refs:
+                continue
+            if self._hash[block] is None:
+                self._free.append(block)
+            else:
+                self._cached[block] = None
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless free + used + cached == total and every index agrees."""
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not free & cached, "a block is both free and cached"
+        used = {b for b in range(self.num_blocks) if self._refs[b] > 0}
+        assert not used & (free | cached), "a block in use is also free or cached"
+        assert len(free) + len(cached) + len(used) == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + used {len(used)} != {self.num_blocks}"
+        )
+        assert all(self._hash[b] is None for b in free), "a free block keeps a hash"
+        assert all(self._hash[b] is not None for b in cached), "a cached block has no hash"
+        assert all(self._hash[b] == h for h, b in self._by_hash.items()), "hash index disagrees with blocks"
+        assert sum(h is not None for h in self._hash) == len(self._by_hash), "a block hash is not indexed"

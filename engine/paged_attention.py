@@ -1,0 +1,129 @@
+"""The glue between Hugging Face's model code and the paged KV pool.
+
+One forward runs a packed batch: every token of every sequence in the step side by side
+(``input_ids`` of shape ``[1, total_tokens]``, positions per token). Two hooks of transformers
+carry it through the unchanged model code:
+
+- ``PagedCache``, given as the model's cache object: each attention layer hands it the new
+  keys and values, which it writes into the sequences' pool slots;
+- ``paged_attention``, registered as the attention implementation ``kvserve_paged``: it reads
+  each sequence's keys and values through its block table and runs SDPA, decode rows (one query
+  each) as one batched call and each prompt chunk on its own with its causal offset.
+
+Called without a step (Hugging Face ``generate`` on the same model, the oracle), the attention
+is plain SDPA with the usual masks. Hugging Face's own ``PagedAttentionCache`` is not used: its
+continuous-batching manager owns block allocation and sampling and cannot take KV computed
+elsewhere (the store), which is the point of kvserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from engine.kv_pool import KVPool
+
+ATTN_IMPLEMENTATION = "kvserve_paged"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """Tokens ``start:start + num_tokens`` of the packed batch: one sequence's prompt chunk, whose last
+    token sits at context position ``context_len - 1``."""
+
+    start: int
+    num_tokens: int
+    context_len: int
+    block_table: torch.Tensor  # [blocks] long
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool; None when the chunk is the whole context
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Where one packed forward writes and reads KV; built once per step, read by every layer."""
+
+    pool: KVPool
+    slot_blocks: torch.Tensor  # [tokens] long: the pool block of each new token
+    slot_offsets: torch.Tensor  # [tokens] long: its position in that block
+    decode_rows: torch.Tensor | None  # [decodes] long: packed index of each single-token sequence
+    decode_tables: torch.Tensor | None  # [decodes, max_blocks] long, padded with block 0
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool: keys in context
+    chunks: tuple[PromptChunk, ...]
+
+
+class PagedCache:
+    """The cache object of one packed forward: writes each layer's new K/V into the pool."""
+
+    def __init__(self, batch: StepBatch) -> None:
+        self.batch = batch
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batch
+        # key_states, value_states: [1, kv_heads, tokens, head_dim] -> slots [tokens, kv_heads, head_dim]
+        b.pool.layer(layer_idx, 0)[b.slot_blocks, b.slot_offsets] = key_states[0].transpose(0, 1)
+        b.pool.layer(layer_idx, 1)[b.slot_blocks, b.slot_offsets] = value_states[0].transpose(0, 1)
+        return key_states, value_states
+
+
+def _gather(pool_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[batch, kv_heads, blocks * block_size, head_dim] from pool slots [blocks, block_size, kv_heads, head_dim]."""
+    blocks = pool_layer[tables]  # [batch, blocks, block_size, kv_heads, head_dim]
+    b, n, bs, h, d = blocks.shape
+    return blocks.view(b, n * bs, h, d).transpose(1, 2)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [1, heads, tokens, head_dim] -> output [1, tokens, heads, head_dim]."""
+    batch: StepBatch | None = kwargs.pop("kvserve_step", None)
+    if batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    k_pool, v_pool = batch.pool.layer(layer, 0), batch.pool.layer(layer, 1)
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
+    if batch.decode_rows is not None:
+        assert batch.decode_tables is not None
+        q = query[0, :, batch.decode_rows].transpose(0, 1).unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        o = scaled_dot_product_attention(
+            q, _gather(k_pool, batch.decode_tables), _gather(v_pool, batch.decode_tables),
+            attn_mask=batch.decode_mask, scale=scaling, enable_gqa=gqa,
+        )  # [decodes, heads, 1, head_dim]
+        out[batch.decode_rows] = o[:, :, 0]
+    for c in batch.chunks:
+        q = query[:, :, c.start : c.start + c.num_tokens]  # [1, heads, n, head_dim]
+        if c.mask is None:  # no earlier context: the chunk's own keys, causal
+            k, v = key[:, :, c.start : c.start + c.num_tokens], value[:, :, c.start : c.start + c.num_tokens]
+            o = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            table = c.block_table[None]
+            k = _gather(k_pool, table)[:, :, : c.context_len]  # [1, kv_heads, context, head_dim]
+            v = _gather(v_pool, table)[:, :, : c.context_len]
+            o = scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling, enable_gqa=gqa)
+        out[c.start : c.start + c.num_tokens] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def install(hf_model: Any) -> None:
+    """Make ``hf_model`` run its attention through ``paged_attention`` (plain SDPA without a step)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    if hf_model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)

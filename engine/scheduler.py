@@ -1,0 +1,193 @@
+"""Which sequences go into the next forward, and with how many tokens (continuous batching).
+
+Each step takes every decoding sequence's next token first, then chunks of prompts being computed,
+under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``), so a long
+prompt is spread over many steps and never stalls the streams already running. A sequence is
+admitted only when the pool can hold all its current tokens; when decoding sequences need a block
+and none is left, the newest running sequence is preempted: its blocks are freed (those past what
+its KV source already holds are first copied out to be saved there) and it waits to be admitted
+again, from the pool's cached blocks, its source, and recomputation, in that order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_pool import KVPool
+from engine.sequence import Sequence, Status
+from protos.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """Blocks of a sequence leaving the pool that its source should keep: ``blocks`` from ``first_block``
+    on, holding ``num_tokens`` tokens. Their contents stay valid until the next forward."""
+
+    seq: Sequence
+    first_block: int
+    blocks: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class Schedule:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
+    admitted: list[Sequence] = field(default_factory=list)
+    to_load: list[Sequence] = field(default_factory=list)  # admitted, for their source to fill
+    spills: list[Spill] = field(default_factory=list)  # from preemptions
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, config: SchedulerConfig) -> None:
+        self.pool = pool
+        self.config = config
+        self.block_size = pool.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.num_loading = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.num_loading)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return _blocks_for(num_tokens, self.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.config.max_num_batched_tokens
+        decoding = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        for seq in decoding:
+            if budget == 0:
+                break
+            if seq.status is Status.RUNNING and self._grow(seq, out):
+                out.scheduled.append((seq, 1))
+                budget -= 1
+        for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]:
+            if budget == 0:
+                break
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+        while budget and self.waiting and len(self.running) + self.num_loading < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.saving or not self._admit(seq):
+                break
+            self.waiting.popleft()
+            out.admitted.append(seq)
+            if seq.status is Status.LOADING:
+                out.to_load.append(seq)
+            else:
+                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+                out.scheduled.append((seq, n))
+                budget -= n
+        return out
+
+    def _grow(self, seq: Sequence, out: Schedule) -> bool:
+        """Room for ``seq``'s next token, preempting the newest unscheduled sequences; False if ``seq``
+        itself was preempted."""
+        need = self.blocks_needed(seq.num_computed_tokens + 1) - len(seq.block_table)
+        scheduled = {id(s) for s, _ in out.scheduled}
+        while need > self.pool.num_available:
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+            self.preempt(victim, out)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Reserve blocks for all of ``seq``'s tokens, reusing the pool's blocks of its leading prefix."""
+        bs = self.block_size
+        hashes = seq.full_block_hashes(bs, (len(seq.token_ids) - 1) // bs) if seq.hash_root is not None else []
+        hits = self.pool.count_hits(hashes)
+        need = self.blocks_needed(len(seq.token_ids)) - hits
+        # Keep one block of headroom per running sequence (each may need one soon), and count every hit
+        # as if it were taken from the cached blocks. Alone, a sequence always fits (Engine.add checks).
+        if need + hits > self.pool.num_available - len(self.running):
+            return False
+        self._take(seq, hashes, hits, need)
+        return True
+
+    def _take(self, seq: Sequence, hashes: list[BlockHash], hits: int, need: int) -> None:
+        seq.block_table = self.pool.take_hits(hashes[:hits]) + self.pool.allocate(need)
+        seq.num_computed_tokens = seq.num_pool_hit_tokens = hits * self.block_size
+        seq.num_registered_blocks = hits
+        seq.num_loaded_tokens = 0
+        if seq.source is not None and seq.num_computed_tokens < len(seq.token_ids) - 1:
+            seq.status = Status.LOADING
+            self.num_loading += 1
+        else:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def loaded(self, seq: Sequence, num_tokens: int) -> None:
+        """The source filled ``num_tokens`` tokens after the pool's hits."""
+        self.num_loading -= 1
+        seq.num_loaded_tokens = num_tokens
+        seq.num_computed_tokens += num_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def preempt(self, seq: Sequence, out: Schedule) -> None:
+        self.running.remove(seq)
+        spill = self.spill(seq, seq.num_computed_tokens // self.block_size * self.block_size)
+        if spill is not None:
+            out.spills.append(spill)
+            seq.saving = True
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        out.num_preempted += 1
+
+    def spill(self, seq: Sequence, num_tokens: int) -> Spill | None:
+        """The blocks holding tokens up to ``num_tokens`` past those the source already has, if any."""
+        if seq.source is None:
+            return None
+        first = seq.num_saved_blocks
+        end = self.blocks_needed(num_tokens)
+        if end <= first:
+            return None
+        return Spill(seq, first, seq.block_table[first:end], num_tokens - first * self.block_size)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take ``seq`` out (running or waiting) and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.LOADING:
+            self.num_loading -= 1
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = Status.FINISHED
