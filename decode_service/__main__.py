@@ -11,10 +11,11 @@ from decode_service.server import SERVICE_NAME, DecodeServicer
 from decode_service.service import DecodeService
 from engine.engine import Engine
 from engine.model import load_model
+from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillClient
 from protos.kvserve.v1 import decode_pb2_grpc
-from serving.cli import add_model_flags, add_server_flags, configure_logging, serve
+from serving.cli import add_engine_flags, add_model_flags, add_server_flags, configure_logging, serve
 from serving.server import Server
 
 
@@ -26,8 +27,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_flags(ap, model_help="local Hugging Face model folder (the one prefill serves)")
     ap.add_argument("--prefill", default="127.0.0.1:50052", help="prefill service address (default %(default)s)")
     add_server_flags(ap, listen="127.0.0.1:50051", max_workers=64)
-    ap.add_argument("--max-batch-size", type=int, default=32,
-                    help="most sequences decoded together; more wait (default %(default)s)")
+    add_engine_flags(ap)
     ap.add_argument("--prefill-timeout-s", type=float, default=60.0,
                     help="deadline of the Prefill call (default %(default)s)")
     return ap
@@ -37,15 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_logging("decode", args.log_level)
     try:
-        engine = Engine(load_model(args.model, device=args.device), block_size=args.block_size)
-    except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError)
+        model = load_model(args.model, device=args.device)
+        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
+        metrics = DecodeMetrics(server.registry)
+        engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+                        on_step=metrics.engine.observe)
+    except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
     prefill = PrefillClient(args.prefill, timeout_s=args.prefill_timeout_s)
-    server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
-    service = DecodeService(engine, store, prefill, DecodeMetrics(server.registry),
-                            max_batch_size=args.max_batch_size)
+    service = DecodeService(engine, store, prefill, metrics)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(service), SERVICE_NAME)
     service.start()
     return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close])

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from serving.metrics import LATENCY_BUCKETS
+from serving.metrics import LATENCY_BUCKETS, EngineMetrics
 
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class DecodeMetrics:
@@ -39,8 +38,8 @@ class DecodeMetrics:
                              buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram(p + "request_seconds", "Request arrival to final result",
                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.batch_size = Histogram(p + "batch_size", "Sequences per decode step", buckets=BATCH_BUCKETS,
-                                    registry=registry)
-        self.running = Gauge(p + "running_requests", "Sequences in the decode batch", registry=registry)
-        self.waiting = Gauge(p + "waiting_requests", "Requests not yet in the decode batch (prefill, KV fetch, queue)",
+        self.running = Gauge(p + "running_requests", "Requests whose sequence is in the decode engine (queued, "
+                             "loading KV, computing or decoding)", registry=registry)
+        self.waiting = Gauge(p + "waiting_requests", "Requests not yet in the decode engine (prefill, hand-off)",
                              registry=registry)
+        self.engine = EngineMetrics(registry, p)

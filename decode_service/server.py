@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from decode_service.scheduler import Cancellation
+from decode_service.cancellation import Cancellation
 from decode_service.service import DecodeService, GenerateJob, GenerateOutcome
 from decode_service.stopping import TokenOutput
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc

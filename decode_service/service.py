@@ -8,21 +8,20 @@ chat hits the cache on the reply as well as on the prompt.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from decode_service.kv_loader import LoadedPrompt, load_prompt_kv
+from decode_service.cancellation import Cancellation
+from decode_service.kv_source import DecodeKV
 from decode_service.metrics import DecodeMetrics
-from decode_service.scheduler import Cancellation, DecodeEntry, Scheduler, Stopped
 from decode_service.stopping import Generation, TokenOutput
 from engine.engine import Engine
-from engine.hashing import Namespace, prefix_hashes
-from engine.kv_codec import encode_block
 from engine.model import max_new_tokens
 from engine.sampling import Sampler, SamplingParams
+from engine.sequence import Finished, Sequence
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCancelled, PrefillClient
 from serving.cache_session import StoreSession
@@ -72,31 +71,28 @@ class DeploymentMismatch(FailedPrecondition):
 
 
 class RequestState:
-    """How a request ended when it ends without an exception (e.g. cancelled), and its decode entry."""
+    """How a request ended when it ends without an exception (e.g. cancelled)."""
 
     def __init__(self) -> None:
         self.outcome = "ok"
-        self.entry: DecodeEntry | None = None
+        self.in_engine = False  # past this, the request no longer counts as waiting
         self.result_sent = False  # past this, a client that hangs up has cancelled nothing
 
 
 class DecodeService:
-    def __init__(
-        self, engine: Engine, store: KVStoreClient, prefill: PrefillClient, metrics: DecodeMetrics,
-        max_batch_size: int = 32,
-    ) -> None:
+    def __init__(self, engine: Engine, store: KVStoreClient, prefill: PrefillClient, metrics: DecodeMetrics) -> None:
         self.engine = engine
         self.store = store
         self.prefill = prefill
         self.metrics = metrics
-        self.engine_lock = threading.Lock()
-        self.scheduler = Scheduler(engine, self.engine_lock, metrics, max_batch_size=max_batch_size)
+        self._stopping = False
 
     def start(self) -> None:
-        self.scheduler.start()
+        self.engine.start()
 
     def stop(self) -> None:
-        self.scheduler.stop()
+        self._stopping = True
+        self.engine.stop()
         self.prefill.close()
 
     def _store_failed(self, op: str) -> None:
@@ -115,7 +111,7 @@ class DecodeService:
                 state.outcome = outcome_of(exc)
             raise
         finally:
-            if state.entry is None or not state.entry.admitted:
+            if not state.in_engine:
                 m.waiting.dec()
             m.requests.labels(outcome=state.outcome).inc()
 
@@ -123,7 +119,7 @@ class DecodeService:
         self, job: GenerateJob, cancel: Cancellation, state: RequestState
     ) -> Iterator[TokenOutput | GenerateOutcome]:
         m, engine, opts = self.metrics, self.engine, job.options
-        if self.scheduler.stopping:
+        if self._stopping:
             raise Unavailable("the decode service is shutting down")
         call = self.prefill.start(job.request_id, job.prompt, opts, time_left_s=job.time_left_s)
         cancel.on_cancel(call.cancel)
@@ -149,19 +145,19 @@ class DecodeService:
         yield first
 
         namespace = engine.namespace(opts.cache_salt)
-        store = StoreSession(self.store, self._store_failed)
-        if first.finish_reason is None:
-            loaded = self._load(store, handle, namespace)
-            state.entry = DecodeEntry(loaded.seq, self._sampler(opts.sampling), generation, first.token_id, cancel)
-            try:
-                yield from self._decode(state, t_first)
-                if generation.finished and opts.prefix_cache:
-                    self._put_generated(store, loaded, generation, namespace)
-            finally:  # the loop has let go of the sequence (see _decode)
-                with self.engine_lock:
-                    engine.release(loaded.seq)
-        else:
-            store.release(handle.lease_id)
+        kv = DecodeKV(StoreSession(self.store, self._store_failed), namespace, handle, opts.prefix_cache)
+        try:
+            if first.finish_reason is None:
+                seq = Sequence(
+                    [*prompt, first.token_id], self._sampler(opts.sampling), max_new_tokens=max_tokens - 1,
+                    stop_token_ids=frozenset() if opts.ignore_eos else engine.model.eos_token_ids,
+                    hash_root=namespace.root() if opts.prefix_cache else None, source=kv,
+                    num_saved_blocks=len(prompt) // engine.block_size, request_id=job.request_id,
+                )
+                yield from self._decode(seq, generation, cancel, state, t_first)
+                self._count_kv(seq, kv, handle.request_id)
+        finally:
+            kv.release_lease()
         if not generation.finished:
             return
         done = time.perf_counter()
@@ -200,63 +196,66 @@ class DecodeService:
             f"the prefill service at {self.prefill.addr} does not match this decode service: " + "; ".join(problems)
         )
 
-    @staticmethod
-    def _sampler(params: SamplingParams) -> Sampler:
+    def _sampler(self, params: SamplingParams) -> Sampler:
         # Prefill drew the first token from this seed; decode continues on a stream of its own.
         seed = None if params.seed is None else (params.seed + 1) % 2**64
-        return Sampler(SamplingParams(params.temperature, params.top_k, params.top_p, seed))
+        return Sampler(SamplingParams(params.temperature, params.top_k, params.top_p, seed), self.engine.model.device)
 
-    def _load(self, store: StoreSession, handle: PrefillHandle, namespace: Namespace) -> LoadedPrompt:
-        loaded = load_prompt_kv(self.engine, self.engine_lock, store, handle, namespace)
-        store.release(handle.lease_id)
-        if loaded.bad_block is not None:
-            self.metrics.bad_blocks.labels(kind=loaded.bad_block.kind).inc()
-        if loaded.num_recomputed_tokens:
-            self.metrics.recomputed_tokens.inc(loaded.num_recomputed_tokens)
-            log.info("request %s: recomputed %d prompt tokens whose KV was not in the store",
-                     handle.request_id, loaded.num_recomputed_tokens)
-        return loaded
-
-    def _decode(self, state: RequestState, t_first: float) -> Iterator[TokenOutput]:
-        """Streams the loop's tokens; on any exit before the last, takes the entry out of the loop
-        and waits until the loop has let go of its sequence."""
-        entry = state.entry
-        assert entry is not None
-        self.scheduler.submit(entry)
-        results = entry.results()
+    def _decode(
+        self, seq: Sequence, generation: Generation, cancel: Cancellation, state: RequestState, t_first: float
+    ) -> Iterator[TokenOutput]:
+        """Streams the engine's tokens through ``generation`` until the sequence has left the engine (its
+        KV saved). On any exit before that (the client went away, a failure here), the sequence is
+        aborted and this waits until the engine has let go of it."""
+        m = self.metrics
+        try:
+            self.engine.add(seq)
+        except RuntimeError as exc:  # the engine has stopped
+            raise Unavailable("the decode service is shutting down") from exc
+        state.in_engine = True
+        m.waiting.dec()
+        m.running.inc()
+        cancel.on_cancel(lambda: self._abort(seq))
+        finished: Finished | None = None
         last_sent = t_first
         try:
-            for out in results:
-                if isinstance(out, Stopped):
-                    if out.reason == "cancelled":
-                        state.outcome = "cancelled"
-                        return
-                    if out.reason == "shutdown":
-                        raise Unavailable(out.error)
-                    raise ServiceError(f"generation failed: {out.error}")
-                now = time.perf_counter()
-                self.metrics.itl.observe(now - last_sent)
-                last_sent = now
-                yield out
+            while finished is None:
+                event = seq.events.get()
+                if isinstance(event, Finished):
+                    finished = event
+                elif not generation.finished:  # tokens past a stop string are dropped
+                    out = generation.accept(event.token_id)
+                    now = time.perf_counter()
+                    m.itl.observe(now - last_sent)
+                    last_sent = now
+                    yield out
+                    if generation.finished and event.finish_reason is None:  # a stop string: the engine goes on
+                        self._abort(seq, save=True)
         finally:
-            if not entry.generation.finished:
-                entry.cancel.cancel()
-                for _ in results:
+            if finished is None:
+                self._abort(seq)
+                while not isinstance(seq.events.get(), Finished):
                     pass
-
-    def _put_generated(
-        self, store: StoreSession, loaded: LoadedPrompt, generation: Generation, namespace: Namespace
-    ) -> None:
-        """Puts the full blocks of prompt + generated tokens that the store does not hold yet."""
-        bs = self.engine.block_size
-        tokens = [*generation.prompt_token_ids, *generation.token_ids]
-        num_blocks = min(len(loaded.seq.token_ids), len(tokens)) // bs
-        start = loaded.num_stored_blocks
-        if num_blocks <= start:
+            m.running.dec()
+        if generation.finished:
             return
-        assert loaded.seq.token_ids[: num_blocks * bs] == tokens[: num_blocks * bs]
-        hashes = prefix_hashes(tokens[: num_blocks * bs], bs, namespace.root())
-        with self.engine_lock:
-            blocks = self.engine.full_blocks(loaded.seq, start)[: num_blocks - start]
-        payloads = [encode_block(kv, namespace) for kv in blocks]
-        self.metrics.stored_blocks.inc(store.put(zip(hashes[start:], payloads, strict=True)))
+        if finished.reason == "aborted":
+            state.outcome = "cancelled"
+        elif finished.reason == "shutdown":
+            raise Unavailable(finished.error or "the decode service is shutting down")
+        else:
+            raise ServiceError(f"generation failed: {finished.error or finished.reason}")
+
+    def _abort(self, seq: Sequence, save: bool = False) -> None:
+        with contextlib.suppress(RuntimeError):  # the engine has stopped; it finishes every sequence itself
+            self.engine.abort(seq, save=save)
+
+    def _count_kv(self, seq: Sequence, kv: DecodeKV, request_id: str) -> None:
+        m = self.metrics
+        if kv.error is not None:
+            m.bad_blocks.labels(kind=kv.error.kind).inc()
+        m.stored_blocks.inc(kv.num_stored)
+        recomputed = max(0, seq.num_engine_computed_tokens - 1)  # the first token's KV is always computed here
+        if recomputed:
+            m.recomputed_tokens.inc(recomputed)
+            log.info("request %s: recomputed %d prompt tokens whose KV was not in the store", request_id, recomputed)

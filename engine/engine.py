@@ -112,6 +112,7 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-io")
+        self._io_in_flight = 0  # loads and saves submitted and not yet done
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -181,7 +182,7 @@ class Engine:
     def run_until_done(self, timeout_s: float = 600.0) -> None:
         """Step until every added sequence has finished (tests and benchmarks, without ``start``)."""
         deadline = time.monotonic() + timeout_s
-        while self._inbox or self.scheduler.has_work:
+        while self._inbox or self.scheduler.has_work or self._io_in_flight:
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine did not finish its sequences in time")
             if self.step() is None and not self._inbox:
@@ -203,7 +204,7 @@ class Engine:
         for spill in plan.spills:
             self._save(spill, lambda seq: self._post(lambda: self._saved(seq)))
         for seq in plan.to_load:
-            self._io.submit(self._load, seq)
+            self._submit_io(lambda seq=seq: self._load(seq))
         if plan.scheduled:
             self._run(plan.scheduled)
         if not plan.scheduled and not plan.admitted:
@@ -241,15 +242,19 @@ class Engine:
     def _forward_and_sample(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
         fwd = self._prepare(scheduled)
         m = self.model
-        kwargs = {"logits_to_keep": torch.tensor(fwd.logit_rows, device=m.device)} if self._logits_to_keep else {}
+        rows = torch.tensor(fwd.logit_rows, dtype=torch.long, device=m.device)
+        kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
         out = m.hf_model(
             input_ids=fwd.input_ids, position_ids=fwd.positions, attention_mask=self._no_mask, use_cache=True,
             kvserve_step=fwd.batch, **{m.cache_keyword: PagedCache(fwd.batch)}, **kwargs,
         )
-        logits = out.logits[0] if self._logits_to_keep else out.logits[0, fwd.logit_rows]  # [sampled, vocab]
+        logits = out.logits[0] if self._logits_to_keep else out.logits[0, rows]  # [sampled, vocab]
         if not fwd.sampled:
             return {}
         tokens = sample_batch(logits, [s.sampler for s in fwd.sampled])
+        for seq, row in zip(fwd.sampled, logits, strict=True):
+            if seq.keep_logits:
+                seq.logits = row.float()
         return {id(seq): token for seq, token in zip(fwd.sampled, tokens, strict=True)}
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]) -> _Forward:
@@ -349,7 +354,21 @@ class Engine:
                 log.exception("saving the KV of request %s failed", spill.seq.request_id)
             then(spill.seq)
 
-        self._io.submit(save)
+        self._submit_io(save)
+
+    def _submit_io(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._io_in_flight += 1
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._cond:
+                    self._io_in_flight -= 1
+                    self._cond.notify()
+
+        self._io.submit(run)
 
     def _saved(self, seq: Sequence) -> None:
         seq.saving = False
@@ -363,9 +382,11 @@ class Engine:
         except Exception:
             log.exception("loading the KV of request %s failed: recomputing it", seq.request_id)
             n = 0
-        self._post(lambda: self._loaded(seq, n))
+        self._post(lambda: self._loaded(seq, first, n))
 
-    def _loaded(self, seq: Sequence, num_tokens: int) -> None:
+    def _loaded(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
+        # Blocks the source did not have are computed here, and saved there when the sequence leaves.
+        seq.num_saved_blocks = min(seq.num_saved_blocks, first_block + num_tokens // self.block_size)
         self.scheduler.loaded(seq, num_tokens)
         self._register(seq)
         if seq.aborting is not None:

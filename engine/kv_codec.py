@@ -1,8 +1,8 @@
 """KV block wire format: a fixed 64-byte header followed by the raw contiguous tensor bytes.
 
 Header (little-endian): magic ``KVB\\x01`` (a KV block; the store's own record header is ``KVSR``),
-format version (u16), dtype code (u8), pad (u8), shape ``[layers, 2, kv_heads, num_tokens,
-head_dim]`` (5 x u32), namespace id (first 16 bytes of the namespace root), xxh3-64 of the payload
+format version (u16), dtype code (u8), pad (u8), shape ``[layers, 2, num_tokens, kv_heads,
+head_dim]`` (5 x u32, token-major: the layout of a KV pool slot, so a block moves in one copy), namespace id (first 16 bytes of the namespace root), xxh3-64 of the payload
 (u64), payload length (u64), zero padding to 64 bytes.
 A full block has ``num_tokens == block_size``; a prompt's tail uses the same format with fewer.
 """
@@ -10,8 +10,6 @@ A full block has ``num_tokens == block_size``; a prompt's tail uses the same for
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -50,9 +48,9 @@ def namespace_id(namespace: Namespace) -> bytes:
 
 
 def encode_block(kv: torch.Tensor, namespace: Namespace) -> bytes:
-    """Serialise one block (or tail) ``kv`` of shape [layers, 2, kv_heads, n, head_dim]."""
+    """Serialise one block (or tail) ``kv`` of shape [layers, 2, n, kv_heads, head_dim]."""
     if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"expected [layers, 2, kv_heads, n, head_dim], got {list(kv.shape)}")
+        raise ValueError(f"expected [layers, 2, n, kv_heads, head_dim], got {list(kv.shape)}")
     if kv.dtype not in _DTYPE_CODES:
         raise ValueError(f"unsupported KV dtype {kv.dtype}")
     payload = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -68,7 +66,7 @@ def encode_block(kv: torch.Tensor, namespace: Namespace) -> bytes:
     return header.ljust(HEADER_BYTES, b"\x00") + payload
 
 
-def decode_block(
+def verify_block(
     payload: bytes,
     namespace: Namespace,
     *,
@@ -77,8 +75,8 @@ def decode_block(
     head_dim: int,
     dtype: torch.dtype,
     num_tokens: int | None = None,
-) -> torch.Tensor:
-    """Verify and deserialise a block into a CPU tensor [layers, 2, kv_heads, n, head_dim].
+) -> tuple[memoryview, int]:
+    """The checked payload of a block [layers, 2, n, kv_heads, head_dim] and its ``n``, without a copy.
 
     ``num_tokens`` pins ``n`` (pass ``block_size`` for full blocks); ``None`` accepts any
     ``1 <= n <= namespace.block_size`` (tails). Raises BlockError naming what is wrong; the
@@ -89,7 +87,8 @@ def decode_block(
     magic, version, dtype_code, *fields = HEADER.unpack_from(payload)
     shape, ns_id, checksum, length = tuple(fields[:5]), fields[5], fields[6], fields[7]
     if magic != BLOCK_MAGIC or version != BLOCK_FORMAT_VERSION:
-        raise BlockError("format", f"not a kvserve block (magic {magic!r}, version {version})")
+        raise BlockError("format", f"not a kvserve block of format {BLOCK_FORMAT_VERSION} (magic {magic!r}, "
+                                   f"version {version})")
     if length != len(payload) - HEADER_BYTES:
         raise BlockError("format", f"payload is {len(payload) - HEADER_BYTES} bytes, header says {length}")
     if ns_id != namespace_id(namespace):
@@ -97,51 +96,31 @@ def decode_block(
     block_dtype = _CODE_DTYPES.get(dtype_code)
     if block_dtype != dtype:
         raise BlockError("dtype", f"block dtype {block_dtype} (code {dtype_code}), expected {dtype}")
-    n = shape[3]
+    n = shape[2]
     ok_tokens = n == num_tokens if num_tokens is not None else 1 <= n <= namespace.block_size
-    if shape[:3] + shape[4:] != (num_layers, 2, num_kv_heads, head_dim) or not ok_tokens:
-        expected = [num_layers, 2, num_kv_heads, num_tokens if num_tokens is not None else "n", head_dim]
+    if shape[:2] + shape[3:] != (num_layers, 2, num_kv_heads, head_dim) or not ok_tokens:
+        expected = [num_layers, 2, num_tokens if num_tokens is not None else "n", num_kv_heads, head_dim]
         raise BlockError("shape", f"block shape {list(shape)}, expected {expected}")
     body = memoryview(payload)[HEADER_BYTES:]
     if length != n * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize:
         raise BlockError("format", f"payload of {length} bytes does not match shape {list(shape)}")
     if xxhash.xxh3_64_intdigest(body) != checksum:
         raise BlockError("checksum", "payload checksum mismatch (corrupt block)")
-    # One copy into writable memory; the tensor keeps the bytearray alive.
-    return torch.frombuffer(bytearray(body), dtype=dtype).view(shape)
+    return body, n
 
 
-@dataclass(frozen=True, slots=True)
-class LeadingBlocks:
-    """The full blocks decoded from the start of a run; ``error`` is the bad block that ended it, if one did."""
-
-    blocks: list[torch.Tensor]  # each [layers, 2, kv_heads, block_size, head_dim]
-    error: BlockError | None = None
-
-
-def decode_leading(
-    payloads: Iterable[bytes | None],
+def decode_block(
+    payload: bytes,
     namespace: Namespace,
     *,
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
-) -> LeadingBlocks:
-    """Decode full blocks in order up to the first miss (None) or bad block.
-
-    A bad block is a miss (DESIGN.md, "KV block format"): what follows it is not used either, since
-    a prefix must be contiguous; the caller recomputes from there and counts ``error.kind``.
-    """
-    blocks: list[torch.Tensor] = []
-    for payload in payloads:
-        if payload is None:
-            break
-        try:
-            blocks.append(decode_block(
-                payload, namespace, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                dtype=dtype, num_tokens=namespace.block_size,
-            ))
-        except BlockError as exc:
-            return LeadingBlocks(blocks, exc)
-    return LeadingBlocks(blocks)
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """Verify and deserialise a block into a CPU tensor [layers, 2, n, kv_heads, head_dim] (see verify_block)."""
+    body, n = verify_block(payload, namespace, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, dtype=dtype, num_tokens=num_tokens)
+    # One copy into writable memory; the tensor keeps the bytearray alive.
+    return torch.frombuffer(bytearray(body), dtype=dtype).view(num_layers, 2, n, num_kv_heads, head_dim)

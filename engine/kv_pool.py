@@ -12,6 +12,7 @@ Every operation is O(1) per block. Only the engine's thread calls it.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
@@ -70,6 +71,19 @@ class KVPool:
     def layer(self, layer_idx: int, kind: int) -> torch.Tensor:
         """Keys (kind 0) or values (kind 1) of one layer: a view [blocks, block_size, kv_heads, head_dim]."""
         return self.kv[:, layer_idx, kind]
+
+    def write(self, block: int, payload: memoryview, num_tokens: int) -> None:
+        """Copy the raw bytes of ``num_tokens`` tokens of KV ([layers, 2, num_tokens, kv_heads, head_dim], the
+        layout of a stored block) into the first ``num_tokens`` slots of ``block``: one copy."""
+        with warnings.catch_warnings():  # read-only source: torch warns that it may not write to it; it does not
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=self.kv.dtype)
+        dst = self.kv[block]  # [layers, 2, block_size, kv_heads, head_dim]
+        if num_tokens == self.block_size:
+            dst.view(-1).copy_(src)
+        else:
+            layers, _, _, heads, dim = dst.shape
+            dst[:, :, :num_tokens].copy_(src.view(layers, 2, num_tokens, heads, dim))
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for one owner (reference count 1), evicting cached blocks when no free one is left."""

@@ -1,7 +1,8 @@
 """``kvserve bench prefill``: a prompt prefilled cold, then again over its cached prefix blocks.
 
-The blocks go through the wire codec and a dict keyed by prefix hash, as the KV store would hold
-them. The cold prefill's arithmetic rate is set against the machine's matmul rate measured in the
+Both run through the serving engine (chunks under its token budget, as the services run them). The
+blocks go through the wire codec into a dict keyed by prefix hash, as the KV store would hold them,
+and come back from it into the engine's pool. The cold prefill's arithmetic rate is set against the machine's matmul rate measured in the
 same run (how close the engine's compute is to what the hardware allows).
 """
 
@@ -16,9 +17,14 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from engine.engine import Engine
-from engine.hashing import prefix_hashes
-from engine.kv_codec import decode_block, encode_block
+from engine.hashing import Namespace, prefix_hashes
+from engine.kv_pool import KVPool
+from engine.kv_transfer import load_blocks, save_blocks
 from engine.model import Model, encode_prompt, load_model
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import SchedulerConfig
+from engine.sequence import Sequence
+from protos.block_hash import BlockHash
 
 SYSTEM_PROMPT = (
     "You are the on-call assistant for a fleet of inference servers. Answer briefly, cite the runbook "
@@ -42,6 +48,38 @@ def prefill_flops(model: Model, num_tokens: int) -> float:
     return 2.0 * layer_params * num_tokens + attention
 
 
+class DictStore:
+    """Blocks by prefix hash in a dict: the KV store's part, without the process."""
+
+    def __init__(self, namespace: Namespace, hashes: list[BlockHash]) -> None:
+        self.namespace = namespace
+        self.hashes = hashes
+        self.blocks: dict[BlockHash, bytes] = {}
+
+    def get(self, hashes: list[BlockHash]) -> list[bytes | None]:
+        return [self.blocks.get(h) for h in hashes]
+
+    def put(self, blocks: list[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
+        self.blocks.update(blocks)
+        return len(blocks)
+
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+        return load_blocks(self, self.hashes[first_block : seq.num_saved_blocks], self.namespace, pool, blocks).num_tokens
+
+    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+        save_blocks(self, self.hashes[first_block:], self.namespace, kv, num_tokens)
+
+
+def prefill(engine: Engine, prompt: list[int], store: DictStore, num_cached_blocks: int) -> tuple[Sequence, float]:
+    """One prompt through the engine, its leading ``num_cached_blocks`` from ``store``; (sequence, seconds)."""
+    seq = Sequence(prompt, Sampler(SamplingParams()), max_new_tokens=1, source=store,
+                   num_saved_blocks=num_cached_blocks, keep_logits=True)
+    start = time.perf_counter()
+    engine.add(seq)
+    engine.run_until_done()
+    return seq, time.perf_counter() - start
+
+
 def matmul_flops_per_s(n: int = 2048, repeat: int = 5) -> float:
     """Best fp32 square-matmul rate of this machine, the roof for the prefill's arithmetic."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -58,29 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens,
+                        help="the engine's token budget per forward, as the services' flag (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()
 
-    engine = Engine(load_model(args.model), block_size=args.block_size)
+    engine = Engine(load_model(args.model), block_size=args.block_size,
+                    config=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens))
     model, namespace = engine.model, engine.namespace()
     prompt = encode_prompt(model, messages=build_prompt(args.prompt_tokens))
-    hashes = prefix_hashes(prompt, engine.block_size, namespace.root())
+    store = DictStore(namespace, prefix_hashes(prompt, engine.block_size, namespace.root()))
 
-    engine.prefill(prompt[:64])  # warm-up, so one-time start-up costs are not billed to the cold prefill
-    start = time.perf_counter()
-    cold = engine.prefill(prompt)
-    cold_s = time.perf_counter() - start
-    store = {h: encode_block(block, namespace) for h, block in zip(hashes, cold.new_blocks, strict=True)}
-
-    start = time.perf_counter()
-    reusable = hashes[: (len(prompt) - 1) // engine.block_size]  # the last token is always computed
-    shape = {"num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim}
-    cached = [
-        decode_block(store[h], namespace, **shape, dtype=model.dtype, num_tokens=engine.block_size) for h in reusable
-    ]
-    warm = engine.prefill(prompt, cached)
-    warm_s = time.perf_counter() - start
+    prefill(engine, prompt[:64], DictStore(namespace, []), 0)  # warm-up: one-time start-up costs
+    cold, cold_s = prefill(engine, prompt, store, 0)
+    warm, warm_s = prefill(engine, prompt, store, (len(prompt) - 1) // engine.block_size)  # never the last token
+    assert cold.logits is not None and warm.logits is not None
+    num_cached = warm.num_loaded_tokens
 
     cold_flops_per_s = prefill_flops(model, len(prompt)) / cold_s
     peak_flops_per_s = matmul_flops_per_s()
@@ -89,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         "cold_gflops_per_s": cold_flops_per_s / 1e9,
         "matmul_gflops_per_s": peak_flops_per_s / 1e9,
         "cold_vs_matmul": cold_flops_per_s / peak_flops_per_s,
-        "cold": {"cached_tokens": cold.num_cached_tokens, "computed_tokens": cold.num_computed_tokens, "s": cold_s},
-        "warm": {"cached_tokens": warm.num_cached_tokens, "computed_tokens": warm.num_computed_tokens, "s": warm_s},
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "cold": {"cached_tokens": cold.num_loaded_tokens, "computed_tokens": len(prompt) - cold.num_loaded_tokens,
+                 "s": cold_s},
+        "warm": {"cached_tokens": num_cached, "computed_tokens": len(prompt) - num_cached, "s": warm_s},
         "speedup": cold_s / warm_s,
         "max_logit_diff": float(torch.max(torch.abs(cold.logits - warm.logits))),
         "same_next_token": int(cold.logits.argmax()) == int(warm.logits.argmax()),
@@ -99,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"model {args.model} ({model.num_layers} layers, fingerprint {model.fingerprint[:12]}), "
-          f"block size {engine.block_size}, prompt {len(prompt)} tokens")  # fmt: skip
+          f"block size {engine.block_size}, prompt {len(prompt)} tokens, "
+          f"chunks of at most {args.max_num_batched_tokens} tokens")  # fmt: skip
     for name in ("cold", "warm"):
         r = report[name]
         assert isinstance(r, dict)

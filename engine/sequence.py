@@ -81,6 +81,8 @@ class Sequence:
     source: KVSource | None = None
     num_saved_blocks: int = 0
     request_id: str = ""
+    keep_logits: bool = False  # keep the logits of the latest sampled token in ``logits``
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [vocab] fp32
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_prompt_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -98,6 +100,7 @@ class Sequence:
     events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue, repr=False)
 
     def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)  # its own: the engine appends to it
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
 

@@ -8,12 +8,13 @@ from collections.abc import Sequence
 
 from engine.engine import Engine
 from engine.model import load_model
+from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import SERVICE_NAME, PrefillServicer
 from prefill_service.service import DEFAULT_LEASE_TTL_S, PrefillService
 from protos.kvserve.v1 import prefill_pb2_grpc
-from serving.cli import add_model_flags, add_server_flags, configure_logging, serve
+from serving.cli import add_engine_flags, add_model_flags, add_server_flags, configure_logging, serve
 from serving.server import Server
 
 
@@ -23,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
         description="The prefill service: computes the prompt KV the store lacks and leaves it there for decode.",
     )
     add_model_flags(ap, model_help="local Hugging Face model folder")
-    add_server_flags(ap, listen="127.0.0.1:50052", max_workers=16)
+    add_server_flags(ap, listen="127.0.0.1:50052", max_workers=64)
+    add_engine_flags(ap)
     ap.add_argument("--lease-ttl-s", type=float, default=DEFAULT_LEASE_TTL_S,
                     help="how long the prompt's blocks stay pinned for decode (default %(default)s)")
     return ap
@@ -33,15 +35,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_logging("prefill", args.log_level)
     try:
-        engine = Engine(load_model(args.model, device=args.device), block_size=args.block_size)
-    except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError)
+        model = load_model(args.model, device=args.device)
+        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
+        metrics = PrefillMetrics(server.registry)
+        engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
+                        on_step=metrics.engine.observe)
+    except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
-    server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
-    service = PrefillService(engine, store, PrefillMetrics(server.registry), lease_ttl_s=args.lease_ttl_s)
+    service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
-    return serve(server, "prefill", on_stop=[store.close])
+    service.start()
+    return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from serving.metrics import LATENCY_BUCKETS
+from serving.metrics import LATENCY_BUCKETS, EngineMetrics
 
 
 class PrefillMetrics:
@@ -28,5 +28,6 @@ class PrefillMetrics:
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.compute = Histogram(p + "compute_seconds", "Forward pass time per request",
                                  buckets=LATENCY_BUCKETS, registry=registry)
-        self.running = Gauge(p + "running_requests", "Requests in the forward pass", registry=registry)
-        self.waiting = Gauge(p + "waiting_requests", "Requests waiting for the engine", registry=registry)
+        self.running = Gauge(p + "running_requests", "Requests in the engine: queued, loading KV or computing",
+                             registry=registry)
+        self.engine = EngineMetrics(registry, p)

@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
+import queue
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.engine import Engine
-from engine.hashing import prefix_hashes
-from engine.kv_codec import encode_block
+from engine.hashing import Namespace, prefix_hashes
+from engine.kv_codec import BlockError
+from engine.kv_pool import KVPool
+from engine.kv_transfer import load_blocks, save_blocks
 from engine.model import Model, encode_prompt, max_new_tokens
 from engine.sampling import Sampler
+from engine.sequence import Finished, Sequence, Status, TokenEvent
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
 from protos.block_hash import BlockHash
 from serving.cache_session import StoreSession
-from serving.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from serving.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from serving.metrics import count_outcome
 from serving.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
 
 DEFAULT_LEASE_TTL_S = 30.0
+LIVENESS_POLL_S = 0.05  # how often a waiting request checks that its caller is still there
 
 
 def _never() -> bool:
@@ -70,8 +75,43 @@ def encode(model: Model, prompt: PromptInput) -> list[int]:
         raise InvalidArgument(str(exc)) from exc
 
 
+class PrefillKV:
+    """Prefill's side of the store for one prompt: the store's leading hits are loaded into the pool,
+    and what was computed here is saved back (full blocks under their keys, the partial tail under a
+    request-scoped key for decode)."""
+
+    def __init__(self, store: StoreSession, namespace: Namespace, keys: list[BlockHash], tail_key: BlockHash,
+                 ephemeral: bool) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.keys = keys
+        self.tail_key = tail_key
+        self.ephemeral = ephemeral
+        self.fetch_s = 0.0
+        self.put_s = 0.0
+        self.num_stored = 0
+        self.tail_stored = False
+        self.error: BlockError | None = None
+
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+        t = time.perf_counter()
+        loaded = load_blocks(self.store, self.keys[first_block : seq.num_saved_blocks], self.namespace, pool, blocks)
+        self.error = loaded.error or self.error
+        self.fetch_s += time.perf_counter() - t
+        return loaded.num_tokens
+
+    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+        t = time.perf_counter()
+        finished = seq.status is Status.FINISHED  # else preempted: its tail is recomputed, not stored
+        self.num_stored += save_blocks(self.store, self.keys[first_block:], self.namespace, kv, num_tokens,
+                                       self.tail_key if finished else None, ephemeral=self.ephemeral)
+        self.tail_stored = finished and num_tokens % kv.shape[3] != 0 and not self.store.failed
+        self.put_s += time.perf_counter() - t
+
+
 class PrefillService:
-    """Domain logic of the Prefill RPC over an Engine and the KV store; one forward pass at a time."""
+    """Domain logic of the Prefill RPC over the batched Engine and the KV store: concurrent prompts
+    share forward passes under the engine's token budget."""
 
     def __init__(
         self, engine: Engine, store: KVStoreClient, metrics: PrefillMetrics, lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -80,18 +120,12 @@ class PrefillService:
         self.store = store
         self.metrics = metrics
         self.lease_ttl_s = lease_ttl_s
-        self._engine_lock = threading.Lock()
 
-    @contextmanager
-    def _engine_turn(self) -> Iterator[None]:
-        self.metrics.waiting.inc()
-        with self._engine_lock:
-            self.metrics.waiting.dec()
-            self.metrics.running.inc()
-            try:
-                yield
-            finally:
-                self.metrics.running.dec()
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
 
     def _store_failed(self, op: str) -> None:
         self.metrics.store_failures.labels(op=op).inc()
@@ -117,58 +151,80 @@ class PrefillService:
             keys, tail_key = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
             reusable = []
         num_hits, lookup_lease = store.lookup(reusable, self.lease_ttl_s)
+        kv = PrefillKV(store, namespace, keys, tail_key, ephemeral=not opts.prefix_cache)
+        seq = Sequence(
+            token_ids, Sampler(opts.sampling, engine.model.device), max_new_tokens=1,
+            hash_root=namespace.root() if opts.prefix_cache else None, source=kv, num_saved_blocks=num_hits,
+            request_id=job.request_id,
+        )
         try:
             t_lookup = time.perf_counter()
-
-            # 3: fetch the leading hits.
-            cached = engine.load_leading(store.get(reusable[:num_hits]), namespace)
-            if cached.error is not None:
-                self.metrics.bad_blocks.labels(kind=cached.error.kind).inc()
-            t_fetch = time.perf_counter()
-
-            # 4: compute the rest and sample the first token, unless the caller has gone meanwhile.
-            with self._engine_turn():
-                job.check_live("before the prefill started")
-                t_compute0 = time.perf_counter()
-                result = engine.prefill(token_ids, cached.blocks)
-                first_token = Sampler(opts.sampling).sample(result.logits)
-                new_blocks = [encode_block(kv, namespace) for kv in result.new_blocks]
-                tail = encode_block(result.tail, namespace) if result.tail is not None else None
-                engine.release(result.sequence)
-            t_compute = time.perf_counter()
-            ttft = t_compute - start
-
-            # 5: put the new full blocks and the tail; lease every prompt block for decode.
-            stored = store.put(zip(keys[len(cached.blocks):], new_blocks, strict=True),
-                               ephemeral=not opts.prefix_cache)
-            if tail is not None:
-                store.put([(tail_key, tail)], ephemeral=True)
+            # 3-5: the engine takes the pool's and the store's leading blocks, computes the rest in chunks
+            # beside other requests, samples the first token, and saves what it computed.
+            job.check_live("before the prefill started")
+            first_token, t_first = self._run(seq, job)
             _, lease = store.lookup(keys, self.lease_ttl_s)
         finally:
             store.release(lookup_lease)
         done = time.perf_counter()
 
+        num_cached = seq.num_pool_hit_tokens + seq.num_loaded_tokens
         m = self.metrics
+        if kv.error is not None:
+            m.bad_blocks.labels(kind=kv.error.kind).inc()
         m.prompt_tokens.inc(len(token_ids))
-        m.cached_tokens.inc(result.num_cached_tokens)
-        m.computed_tokens.inc(result.num_computed_tokens)
+        m.cached_tokens.inc(num_cached)
+        m.computed_tokens.inc(len(token_ids) - num_cached)
         m.generated_tokens.inc()
-        m.stored_blocks.inc(stored)
-        m.ttft.observe(ttft)
-        m.compute.observe(t_compute - t_compute0)
+        m.stored_blocks.inc(kv.num_stored - kv.tail_stored)
+        m.ttft.observe(t_first - start)
+        compute_s = max(0.0, t_first - t_lookup - kv.fetch_s)
+        m.compute.observe(compute_s)
         return PrefillHandle(
             request_id=job.request_id,
             prompt_token_ids=tuple(token_ids),
             block_size=bs,
             block_hashes=tuple(keys),
-            tail_key=None if tail is None else tail_key,
-            num_cached_tokens=result.num_cached_tokens,
-            num_computed_tokens=result.num_computed_tokens,
+            tail_key=tail_key if kv.tail_stored else None,
+            num_cached_tokens=num_cached,
+            num_computed_tokens=len(token_ids) - num_cached,
             first_token_id=first_token,
             timings=PrefillTimings(
-                lookup_s=t_lookup - start, fetch_s=t_fetch - t_lookup, compute_s=t_compute - t_fetch,
-                put_s=done - t_compute, total_s=done - start,
+                lookup_s=t_lookup - start, fetch_s=kv.fetch_s, compute_s=compute_s, put_s=kv.put_s,
+                total_s=done - start,
             ),
             lease_id=lease,
             model_fingerprint=engine.model.fingerprint,
         )
+
+    def _run(self, seq: Sequence, job: PrefillJob) -> tuple[int, float]:
+        """The first token and when it was sampled, once the sequence has left the engine (KV saved)."""
+        self.engine.add(seq)
+        self.metrics.running.inc()
+        first: tuple[int, float] | None = None
+        gone: Exception | None = None
+        try:
+            while True:
+                try:
+                    event = seq.events.get(timeout=LIVENESS_POLL_S)
+                except queue.Empty:
+                    if gone is None:
+                        try:
+                            job.check_live("while its prompt was being computed")
+                        except (Cancelled, DeadlineExceeded) as exc:
+                            gone = exc
+                            self.engine.abort(seq)
+                    continue
+                if isinstance(event, TokenEvent):
+                    first = (event.token_id, time.perf_counter())
+                elif isinstance(event, Finished):
+                    break
+        finally:
+            self.metrics.running.dec()
+        if gone is not None:
+            raise gone
+        if event.reason == "shutdown":
+            raise Unavailable("the prefill service is shutting down")
+        if first is None:
+            raise ServiceError(f"the prefill failed: {event.error or event.reason}")
+        return first

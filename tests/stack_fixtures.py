@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.engine import Engine
 from engine.model import Model, load_model
+from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
 from kvstore import KVStoreClient
 from tests.engine_fixtures import assert_greedy_matches
@@ -161,9 +162,13 @@ def _model(arch: str, role: str) -> Model:
     return load_model(model_dir(arch))
 
 
-def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE) -> Engine:
+TEST_KV_CACHE_BYTES = 64 << 20
+
+
+def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE, config: SchedulerConfig | None = None,
+           kv_cache_memory: int = TEST_KV_CACHE_BYTES, model: Model | None = None) -> Engine:
     """An Engine over a model loaded once per (arch, role): prefill and decode never share one."""
-    return Engine(_model(arch, role), block_size=block_size)
+    return Engine(model or _model(arch, role), block_size=block_size, config=config, kv_cache_memory=kv_cache_memory)
 
 
 # --- prefill and decode in this process, over a FakeStore --------------------------------------
@@ -176,9 +181,9 @@ class LocalStack:
     maps the Model its engine runs, `wrap_prefill_client` the PrefillClient it reaches prefill with."""
 
     def __init__(
-        self, arch: str, store: FakeStore | KVStoreClient | None = None, max_batch_size: int = 32,
+        self, arch: str, store: FakeStore | KVStoreClient | None = None, config: SchedulerConfig | None = None,
         block_size: int = BLOCK_SIZE, decode_arch: str | None = None, decode_block_size: int | None = None,
-        *, wrap_decode_model: Callable[[Model], Model] | None = None,
+        *, decode_kv_cache_memory: int = TEST_KV_CACHE_BYTES, wrap_decode_model: Callable[[Model], Model] | None = None,
         wrap_prefill_client: Callable[[Any], Any] | None = None,
     ) -> None:
         from decode_service.metrics import DecodeMetrics
@@ -196,20 +201,23 @@ class LocalStack:
         self.arch = arch
         self.store = store if store is not None else FakeStore()
         self.prefill_server = Server("127.0.0.1:0", metrics_port=0)
-        self.prefill = PrefillService(engine(arch, "prefill", block_size), self.store,  # type: ignore[arg-type]
+        self.prefill = PrefillService(engine(arch, "prefill", block_size, config), self.store,  # type: ignore[arg-type]
                                       PrefillMetrics(self.prefill_server.registry))
+        self.prefill.start()
         self.prefill_server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.prefill), PREFILL)
         self.prefill_addr = f"127.0.0.1:{self.prefill_server.start()}"
         self.decode_server = Server("127.0.0.1:0", metrics_port=0)
-        decode_engine = engine(decode_arch or arch, "decode", decode_block_size or block_size)
+        decode_model = _model(decode_arch or arch, "decode")
         if wrap_decode_model is not None:
-            decode_engine = Engine(wrap_decode_model(decode_engine.model), block_size=decode_engine.block_size)
+            decode_model = wrap_decode_model(decode_model)
+        self.decode_metrics = DecodeMetrics(self.decode_server.registry)
+        decode_engine = Engine(decode_model, block_size=decode_block_size or block_size, config=config,
+                               kv_cache_memory=decode_kv_cache_memory, on_step=self.decode_metrics.engine.observe)
         prefill_client = PrefillClient(self.prefill_addr, timeout_s=30.0)
         if wrap_prefill_client is not None:
             prefill_client = wrap_prefill_client(prefill_client)
         self.decode = DecodeService(
-            decode_engine, self.store, prefill_client,  # type: ignore[arg-type]
-            DecodeMetrics(self.decode_server.registry), max_batch_size=max_batch_size,
+            decode_engine, self.store, prefill_client, self.decode_metrics,  # type: ignore[arg-type]
         )
         self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), DECODE)
         self.decode.start()
@@ -225,6 +233,7 @@ class LocalStack:
         self.decode_server.stop(0)
         self.decode.stop()
         self.prefill_server.stop(0)
+        self.prefill.stop()
 
 
 # --- the three services as real processes on loopback ------------------------------------------

@@ -20,14 +20,16 @@ PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore"
           for grpc in ("", "_grpc")}
 SERVING = {"serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
            "serving.server"}
-ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.model", "engine.sampling"}
+ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.kv_transfer", "engine.model",
+                       "engine.sampling", "engine.scheduler", "engine.sequence"}
 
 ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "engine": {"protos.block_hash"},
     "kvstore": {"protos.block_hash", "serving.cli", "serving.server"} | PROTOS,
-    # requests: the contract names engine's SamplingParams; cache_session: the store's public client.
-    "serving": {"protos.block_hash", "engine.sampling", "kvstore"} | PROTOS,
+    # requests: the contract names engine's SamplingParams; metrics: the engine's StepStats;
+    # cache_session: the store's public client.
+    "serving": {"protos.block_hash", "engine.sampling", "engine.engine", "kvstore"} | PROTOS,
     "prefill_service": {"protos.block_hash", "kvstore"} | ENGINE_FOR_SERVICES | SERVING | PROTOS,
     "decode_service": {"protos.block_hash", "kvstore", "prefill_service.client"}
     | ENGINE_FOR_SERVICES | SERVING | PROTOS,

@@ -1,0 +1,80 @@
+"""Decode's side of the hand-off: where a sequence's KV comes from beyond decode's own pool, and
+where it goes (DESIGN.md, "Request flow", steps 6 and 8).
+
+Loading: the prompt's full blocks from the store under the handle's keys, then, on the first
+admission only, the prompt's partial tail. A block that is missing or fails verification is a miss
+(DESIGN.md, "Failure policy"): what follows it is recomputed by the engine. Saving: full blocks
+of a preempted sequence, so that it resumes from the store; and when it finishes, the blocks of
+its generated tokens, so that the next turn of a chat hits the cache on the reply too (with the
+prefix cache off, only a preempted sequence's blocks are kept, under request-private keys).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import torch
+
+from engine.hashing import Namespace, hash_block_tokens
+from engine.kv_codec import BlockError
+from engine.kv_pool import KVPool
+from engine.kv_transfer import load_blocks, save_blocks
+from engine.sequence import Sequence, Status
+from protos.block_hash import BlockHash
+from serving.cache_session import StoreSession
+from serving.requests import PrefillHandle
+
+
+class DecodeKV:
+    def __init__(self, store: StoreSession, namespace: Namespace, handle: PrefillHandle, cacheable: bool) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.cacheable = cacheable
+        self.lease_id = handle.lease_id
+        bs = namespace.block_size
+        num_full, tail_len = divmod(len(handle.prompt_token_ids), bs)
+        self.num_prompt_tokens = len(handle.prompt_token_ids)
+        # A malformed handle (keys for another number of blocks): trust none of its keys.
+        valid = len(handle.block_hashes) == num_full
+        self.prompt_keys = list(handle.block_hashes) if valid else []
+        self.tail = (handle.tail_key, tail_len) if valid and tail_len and handle.tail_key is not None else None
+        self._private_root = BlockHash(hashlib.sha256(b"kvserve/decode-private\x00" + os.urandom(32)).digest())
+        self._lock = threading.Lock()
+        self.num_stored = 0
+        self.error: BlockError | None = None
+
+    def keys(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """Store keys of the sequence's first ``num_blocks`` full blocks."""
+        bs = self.namespace.block_size
+        if self.cacheable:
+            return seq.full_block_hashes(bs, num_blocks)
+        keys = self.prompt_keys[:num_blocks]
+        for i in range(len(keys), num_blocks):  # private blocks past the prompt chain on from its last key
+            parent = keys[-1] if keys else self._private_root
+            keys.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return keys
+
+    def release_lease(self) -> None:
+        """Let go of the prompt's lease (once): decode has its blocks, or will not fetch them."""
+        with self._lock:
+            lease, self.lease_id = self.lease_id, ""
+        self.store.release(lease)
+
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+        bs = self.namespace.block_size
+        num_full = min(seq.num_saved_blocks, (len(seq.token_ids) - 1) // bs)
+        first_admission = len(seq.token_ids) == self.num_prompt_tokens + 1
+        tail = self.tail if first_admission and num_full == self.num_prompt_tokens // bs else None
+        loaded = load_blocks(self.store, self.keys(seq, num_full)[first_block:], self.namespace, pool, blocks, tail)
+        self.release_lease()
+        self.error = loaded.error or self.error
+        return loaded.num_tokens
+
+    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+        if not self.cacheable and seq.status is Status.FINISHED:
+            return
+        num_full = first_block + num_tokens // self.namespace.block_size
+        self.num_stored += save_blocks(self.store, self.keys(seq, num_full)[first_block:], self.namespace, kv,
+                                       num_tokens, ephemeral=not self.cacheable)
