@@ -41,8 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
         metrics = DecodeMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs),
-                        on_step=metrics.engine.observe)
+                        config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

@@ -86,6 +86,7 @@ class DecodeService:
         self.prefill = prefill
         self.metrics = metrics
         self._stopping = False
+        engine.on_step = metrics.engine.observe
 
     def start(self) -> None:
         self.engine.start()

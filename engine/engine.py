@@ -9,6 +9,7 @@ on the step thread.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
@@ -44,14 +45,21 @@ class RequestTooLarge(ValueError):
 class StepStats:
     """What one step did, for metrics."""
 
-    num_seqs: int
-    num_tokens: int
+    num_seqs: int  # in the forward
+    num_tokens: int  # in the forward
+    num_admitted: int
     num_preempted: int
+    num_running: int  # sequences admitted (running or loading their KV) after the step
+    num_waiting: int  # sequences waiting for admission after the step
     queue_wait_s: tuple[float, ...]  # of the sequences admitted in this step
     num_pool_hit_tokens: int  # prompt tokens the admitted sequences found in the pool
     pool_used: int
     pool_free: int
     pool_cached: int
+
+    @property
+    def idle(self) -> bool:
+        return not self.num_seqs and not self.num_admitted
 
 
 @dataclass(slots=True)
@@ -169,7 +177,7 @@ class Engine:
                 if self._stopping:
                     break
             try:
-                if self.step() is None and not self._inbox:
+                if self.step().idle and not self._inbox:
                     with self._cond:  # nothing could run: wait for a load, a save, an add or an abort
                         self._cond.wait(0.05)
             except Exception:  # a bug, not a request's failure: keep serving the others
@@ -185,7 +193,7 @@ class Engine:
         while self._inbox or self.scheduler.has_work or self._io_in_flight:
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine did not finish its sequences in time")
-            if self.step() is None and not self._inbox:
+            if self.step().idle and not self._inbox:
                 with self._cond:
                     self._cond.wait(0.01)
 
@@ -197,18 +205,16 @@ class Engine:
                 fn = self._inbox.popleft()
             fn()
 
-    def step(self) -> StepStats | None:
-        """Admit, schedule and run one packed forward; None when nothing could run."""
+    def step(self) -> StepStats:
+        """Admit, schedule and run one packed forward (none when nothing can run)."""
         self._drain()
         plan = self.scheduler.schedule()
         for spill in plan.spills:
             self._save(spill, lambda seq: self._post(lambda: self._saved(seq)))
         for seq in plan.to_load:
-            self._submit_io(lambda seq=seq: self._load(seq))
+            self._submit_io(functools.partial(self._load, seq))
         if plan.scheduled:
             self._run(plan.scheduled)
-        if not plan.scheduled and not plan.admitted:
-            return None
         stats = self._stats(plan)
         if self.on_step is not None:
             self.on_step(stats)
@@ -217,7 +223,9 @@ class Engine:
     def _stats(self, plan: Schedule) -> StepStats:
         now = time.perf_counter()
         return StepStats(
-            num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_preempted=plan.num_preempted,
+            num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_admitted=len(plan.admitted),
+            num_preempted=plan.num_preempted, num_running=len(self.scheduler.running) + self.scheduler.num_loading,
+            num_waiting=len(self.scheduler.waiting),
             queue_wait_s=tuple(now - s.arrival for s in plan.admitted if not s.num_preemptions),
             num_pool_hit_tokens=sum(s.num_pool_hit_tokens for s in plan.admitted),
             pool_used=self.pool.num_used, pool_free=self.pool.num_free, pool_cached=self.pool.num_cached,

@@ -95,7 +95,9 @@ class KVPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._cached.popitem(last=False)
-                del self._by_hash[self._hash[block]]  # type: ignore[index]
+                evicted = self._hash[block]
+                assert evicted is not None
+                del self._by_hash[evicted]
                 self._hash[block] = None
                 self.num_evicted += 1
             self._refs[block] = 1

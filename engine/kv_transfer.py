@@ -40,15 +40,15 @@ def load_blocks(
     keys = list(keys[: len(blocks)])
     with_tail = tail is not None and len(blocks) > len(keys)
     payloads = store.get(keys + [tail[0]] if with_tail and tail else keys)
-    shape = {"num_layers": pool.kv.shape[1], "num_kv_heads": pool.kv.shape[4], "head_dim": pool.kv.shape[5],
-             "dtype": pool.kv.dtype}
+    _, layers, _, _, heads, dim = pool.kv.shape
     bs, done = pool.block_size, 0
     for i, payload in enumerate(payloads):
         if payload is None:
             break
         num_tokens = bs if i < len(keys) else tail[1]  # type: ignore[index]
         try:
-            body, _ = verify_block(payload, namespace, num_tokens=num_tokens, **shape)
+            body, _ = verify_block(payload, namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                                   dtype=pool.kv.dtype, num_tokens=num_tokens)
         except BlockError as exc:
             return Loaded(done, exc)
         pool.write(blocks[i], body, num_tokens)

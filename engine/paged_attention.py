@@ -95,7 +95,7 @@ def paged_attention(
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    layer = module.layer_idx
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_pool, v_pool = batch.pool.layer(layer, 0), batch.pool.layer(layer, 1)
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]

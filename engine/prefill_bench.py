@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import abc
 from pathlib import Path
 
 import torch
@@ -56,12 +57,13 @@ class DictStore:
         self.hashes = hashes
         self.blocks: dict[BlockHash, bytes] = {}
 
-    def get(self, hashes: list[BlockHash]) -> list[bytes | None]:
+    def get(self, hashes: abc.Sequence[BlockHash]) -> list[bytes | None]:
         return [self.blocks.get(h) for h in hashes]
 
-    def put(self, blocks: list[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
-        self.blocks.update(blocks)
-        return len(blocks)
+    def put(self, blocks: abc.Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
+        items = list(blocks)
+        self.blocks.update(items)
+        return len(items)
 
     def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
         return load_blocks(self, self.hashes[first_block : seq.num_saved_blocks], self.namespace, pool, blocks).num_tokens

@@ -30,4 +30,6 @@ class PrefillMetrics:
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.running = Gauge(p + "running_requests", "Requests in the engine: queued, loading KV or computing",
                              registry=registry)
+        self.waiting = Gauge(p + "waiting_requests", "Requests not yet in the engine (tokenizing, store lookup)",
+                             registry=registry)
         self.engine = EngineMetrics(registry, p)

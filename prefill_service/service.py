@@ -120,6 +120,7 @@ class PrefillService:
         self.store = store
         self.metrics = metrics
         self.lease_ttl_s = lease_ttl_s
+        engine.on_step = metrics.engine.observe
 
     def start(self) -> None:
         self.engine.start()
@@ -137,20 +138,24 @@ class PrefillService:
     def _prefill(self, job: PrefillJob) -> PrefillHandle:
         start = time.perf_counter()
         engine, opts, bs = self.engine, job.options, self.engine.block_size
-        token_ids = encode(engine.model, job.prompt)
-        max_new_tokens(engine.model, len(token_ids), opts.max_tokens)  # refuse what decode could not finish
-        namespace = engine.namespace(opts.cache_salt)
-        store = StoreSession(self.store, self._store_failed)
+        self.metrics.waiting.inc()
+        try:
+            token_ids = encode(engine.model, job.prompt)
+            max_new_tokens(engine.model, len(token_ids), opts.max_tokens)  # refuse what decode could not finish
+            namespace = engine.namespace(opts.cache_salt)
+            store = StoreSession(self.store, self._store_failed)
 
-        # 1-2: hash full blocks; look up those that may be reused (never the last prompt token).
-        if opts.prefix_cache:
-            keys = list(prefix_hashes(token_ids, bs, namespace.root()))
-            tail_key = request_scoped_keys(namespace.root(), job.request_id, 0)[1]
-            reusable = keys[: (len(token_ids) - 1) // bs]
-        else:
-            keys, tail_key = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
-            reusable = []
-        num_hits, lookup_lease = store.lookup(reusable, self.lease_ttl_s)
+            # 1-2: hash full blocks; look up those that may be reused (never the last prompt token).
+            if opts.prefix_cache:
+                keys = list(prefix_hashes(token_ids, bs, namespace.root()))
+                tail_key = request_scoped_keys(namespace.root(), job.request_id, 0)[1]
+                reusable = keys[: (len(token_ids) - 1) // bs]
+            else:
+                keys, tail_key = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
+                reusable = []
+            num_hits, lookup_lease = store.lookup(reusable, self.lease_ttl_s)
+        finally:
+            self.metrics.waiting.dec()
         kv = PrefillKV(store, namespace, keys, tail_key, ephemeral=not opts.prefix_cache)
         seq = Sequence(
             token_ids, Sampler(opts.sampling, engine.model.device), max_new_tokens=1,
@@ -198,22 +203,21 @@ class PrefillService:
         )
 
     def _run(self, seq: Sequence, job: PrefillJob) -> tuple[int, float]:
-        """The first token and when it was sampled, once the sequence has left the engine (KV saved)."""
+        """The first token and when it was sampled, once the sequence has left the engine (KV saved).
+        When the caller goes away meanwhile, the sequence is aborted and this returns at once."""
         self.engine.add(seq)
         self.metrics.running.inc()
         first: tuple[int, float] | None = None
-        gone: Exception | None = None
         try:
             while True:
                 try:
                     event = seq.events.get(timeout=LIVENESS_POLL_S)
                 except queue.Empty:
-                    if gone is None:
-                        try:
-                            job.check_live("while its prompt was being computed")
-                        except (Cancelled, DeadlineExceeded) as exc:
-                            gone = exc
-                            self.engine.abort(seq)
+                    try:
+                        job.check_live("while its prompt was being computed")
+                    except (Cancelled, DeadlineExceeded):
+                        self.engine.abort(seq)  # the engine frees it at its next step
+                        raise
                     continue
                 if isinstance(event, TokenEvent):
                     first = (event.token_id, time.perf_counter())
@@ -221,8 +225,6 @@ class PrefillService:
                     break
         finally:
             self.metrics.running.dec()
-        if gone is not None:
-            raise gone
         if event.reason == "shutdown":
             raise Unavailable("the prefill service is shutting down")
         if first is None:

@@ -45,7 +45,8 @@ BATCH_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class EngineMetrics:
-    """Per forward: sequences and tokens; the pool's blocks; preemptions, pool prefix hits, queue wait."""
+    """Per forward: sequences and tokens; sequences running and waiting; the pool's blocks; preemptions,
+    pool prefix hits, queue wait."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
         p = prefix + "engine_"
@@ -59,10 +60,16 @@ class EngineMetrics:
                                    registry=registry)
         self.pool_hit_tokens = Counter(p + "pool_hit_tokens", "Prompt tokens whose KV was reused from the pool",
                                        registry=registry)
+        self.running = Gauge(p + "running_sequences", "Sequences admitted: computing, decoding or loading KV",
+                             registry=registry)
+        self.waiting = Gauge(p + "waiting_sequences", "Sequences waiting for admission (KV blocks or a slot)",
+                             registry=registry)
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Time from a sequence's arrival to its admission",
                                     buckets=LATENCY_BUCKETS, registry=registry)
 
     def observe(self, stats: StepStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
         if stats.num_seqs:
             self.batch_seqs.observe(stats.num_seqs)
             self.batch_tokens.observe(stats.num_tokens)

@@ -165,10 +165,10 @@ def _model(arch: str, role: str) -> Model:
 TEST_KV_CACHE_BYTES = 64 << 20
 
 
-def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE, config: SchedulerConfig | None = None,
-           kv_cache_memory: int = TEST_KV_CACHE_BYTES, model: Model | None = None) -> Engine:
+def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE, config: SchedulerConfig | None = None
+           ) -> Engine:
     """An Engine over a model loaded once per (arch, role): prefill and decode never share one."""
-    return Engine(model or _model(arch, role), block_size=block_size, config=config, kv_cache_memory=kv_cache_memory)
+    return Engine(_model(arch, role), block_size=block_size, config=config, kv_cache_memory=TEST_KV_CACHE_BYTES)
 
 
 # --- prefill and decode in this process, over a FakeStore --------------------------------------
@@ -177,13 +177,15 @@ def engine(arch: str, role: str = "prefill", block_size: int = BLOCK_SIZE, confi
 class LocalStack:
     """The prefill and decode gRPC servers in this process (port 0), sharing one FakeStore (or the
     KVStoreClient given). Decode runs `arch` with `block_size` unless told otherwise, to test
-    misconfigured deployments. A test's fakes go in at decode's public seams: `wrap_decode_model`
-    maps the Model its engine runs, `wrap_prefill_client` the PrefillClient it reaches prefill with."""
+    misconfigured deployments. A test's fakes go in at public seams: `wrap_decode_model` and
+    `wrap_prefill_model` map the Model each engine runs, `wrap_prefill_client` the PrefillClient decode
+    reaches prefill with."""
 
     def __init__(
         self, arch: str, store: FakeStore | KVStoreClient | None = None, config: SchedulerConfig | None = None,
         block_size: int = BLOCK_SIZE, decode_arch: str | None = None, decode_block_size: int | None = None,
         *, decode_kv_cache_memory: int = TEST_KV_CACHE_BYTES, wrap_decode_model: Callable[[Model], Model] | None = None,
+        wrap_prefill_model: Callable[[Model], Model] | None = None,
         wrap_prefill_client: Callable[[Any], Any] | None = None,
     ) -> None:
         from decode_service.metrics import DecodeMetrics
@@ -201,8 +203,13 @@ class LocalStack:
         self.arch = arch
         self.store = store if store is not None else FakeStore()
         self.prefill_server = Server("127.0.0.1:0", metrics_port=0)
-        self.prefill = PrefillService(engine(arch, "prefill", block_size, config), self.store,  # type: ignore[arg-type]
-                                      PrefillMetrics(self.prefill_server.registry))
+        prefill_metrics = PrefillMetrics(self.prefill_server.registry)
+        prefill_model = _model(arch, "prefill")
+        if wrap_prefill_model is not None:
+            prefill_model = wrap_prefill_model(prefill_model)
+        prefill_engine = Engine(prefill_model, block_size=block_size, config=config,
+                                kv_cache_memory=TEST_KV_CACHE_BYTES)
+        self.prefill = PrefillService(prefill_engine, self.store, prefill_metrics)  # type: ignore[arg-type]
         self.prefill.start()
         self.prefill_server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.prefill), PREFILL)
         self.prefill_addr = f"127.0.0.1:{self.prefill_server.start()}"
@@ -212,7 +219,7 @@ class LocalStack:
             decode_model = wrap_decode_model(decode_model)
         self.decode_metrics = DecodeMetrics(self.decode_server.registry)
         decode_engine = Engine(decode_model, block_size=decode_block_size or block_size, config=config,
-                               kv_cache_memory=decode_kv_cache_memory, on_step=self.decode_metrics.engine.observe)
+                               kv_cache_memory=decode_kv_cache_memory)
         prefill_client = PrefillClient(self.prefill_addr, timeout_s=30.0)
         if wrap_prefill_client is not None:
             prefill_client = wrap_prefill_client(prefill_client)

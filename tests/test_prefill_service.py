@@ -26,10 +26,25 @@ def store() -> FakeStore:
     return FakeStore()
 
 
+def _service(store: FakeStore) -> PrefillService:
+    service = PrefillService(engine(ARCH), store, PrefillMetrics(Server("127.0.0.1:0").registry))  # type: ignore[arg-type]
+    service.start()
+    return service
+
+
 @pytest.fixture()
 def service(store: FakeStore) -> Iterator[PrefillService]:
-    server = Server("127.0.0.1:0")
-    yield PrefillService(engine(ARCH), store, PrefillMetrics(server.registry))  # type: ignore[arg-type]
+    s = _service(store)
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def replica(store: FakeStore) -> Iterator[PrefillService]:
+    """A second prefill over the same store, with a KV pool of its own: what it reuses comes from the store."""
+    s = _service(store)
+    yield s
+    s.stop()
 
 
 def job(ids: list[int], **options: object) -> PrefillJob:
@@ -40,7 +55,7 @@ def metric(service: PrefillService, name: str, **labels: str) -> float:
     return service.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_cold_then_warm_prefill(service: PrefillService, store: FakeStore) -> None:
+def test_cold_then_warm_prefill(service: PrefillService, replica: PrefillService, store: FakeStore) -> None:
     ids = tokens(5 * BLOCK_SIZE + 7, seed=1)
     cold = service.prefill(job(ids))
     root = service.engine.namespace().root()
@@ -51,52 +66,63 @@ def test_cold_then_warm_prefill(service: PrefillService, store: FakeStore) -> No
     assert cold.lease_id and store.leases[cold.lease_id] == list(cold.block_hashes)
     assert cold.first_token_id == oracle(ARCH, ids, 1)[0][0]
 
-    warm = service.prefill(job(ids))
+    store.calls.clear()
+    warm = replica.prefill(job(ids))  # from the store
     assert (warm.num_cached_tokens, warm.num_computed_tokens) == (5 * BLOCK_SIZE, 7)
     assert warm.first_token_id == cold.first_token_id
     assert warm.tail_key != cold.tail_key  # request-scoped
-    assert metric(service, "kvserve_prefill_cached_tokens_total") == 5 * BLOCK_SIZE
+    assert "get" in store.calls
+    assert metric(replica, "kvserve_prefill_cached_tokens_total") == 5 * BLOCK_SIZE
+
+    store.calls.clear()
+    again = service.prefill(job(ids))  # from its own KV pool: the store is not asked for blocks
+    assert (again.num_cached_tokens, again.first_token_id) == (5 * BLOCK_SIZE, cold.first_token_id)
+    assert "get" not in store.calls
+    assert metric(service, "kvserve_prefill_engine_pool_hit_tokens_total") == 5 * BLOCK_SIZE
     assert metric(service, "kvserve_prefill_requests_total", outcome="ok") == 2
 
 
-def test_a_prompt_of_whole_blocks_computes_its_last_block(service: PrefillService, store: FakeStore) -> None:
+def test_a_prompt_of_whole_blocks_computes_its_last_block(service: PrefillService, replica: PrefillService) -> None:
     ids = tokens(4 * BLOCK_SIZE, seed=2)
     service.prefill(job(ids))
-    warm = service.prefill(job(ids))
+    assert (service.prefill(job(ids)).num_cached_tokens, replica.prefill(job(ids)).num_cached_tokens) == (
+        3 * BLOCK_SIZE, 3 * BLOCK_SIZE)
+    warm = replica.prefill(job(ids))
     assert (warm.num_cached_tokens, warm.num_computed_tokens) == (3 * BLOCK_SIZE, BLOCK_SIZE)
     assert warm.tail_key is None
 
 
-def test_partial_hit_reuses_the_shared_blocks(service: PrefillService) -> None:
+def test_partial_hit_reuses_the_shared_blocks(service: PrefillService, replica: PrefillService) -> None:
     shared = tokens(3 * BLOCK_SIZE, seed=3)
     service.prefill(job(shared + tokens(20, seed=4)))
-    other = shared + tokens(25, seed=5)
-    h = service.prefill(job(other))
-    assert (h.num_cached_tokens, h.num_computed_tokens) == (3 * BLOCK_SIZE, 25)
-    assert h.first_token_id == oracle(ARCH, other, 1)[0][0]
+    other, third = shared + tokens(25, seed=5), shared + tokens(30, seed=6)
+    for h, ids in ((replica.prefill(job(other)), other), (service.prefill(job(third)), third)):  # store, pool
+        assert (h.num_cached_tokens, h.num_computed_tokens) == (3 * BLOCK_SIZE, len(ids) - 3 * BLOCK_SIZE)
+        assert h.first_token_id == oracle(ARCH, ids, 1)[0][0]
 
 
-def test_a_corrupt_block_ends_the_hit_run(service: PrefillService, store: FakeStore) -> None:
+def test_a_corrupt_block_ends_the_hit_run(service: PrefillService, replica: PrefillService, store: FakeStore) -> None:
     ids = tokens(4 * BLOCK_SIZE + 3, seed=6)
     cold = service.prefill(job(ids))
     store.corrupt(cold.block_hashes[2])
-    h = service.prefill(job(ids))
+    h = replica.prefill(job(ids))
     assert (h.num_cached_tokens, h.num_computed_tokens) == (2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 3)
     assert h.first_token_id == cold.first_token_id
-    assert metric(service, "kvserve_prefill_bad_blocks_total", kind="checksum") == 1
+    assert metric(replica, "kvserve_prefill_bad_blocks_total", kind="checksum") == 1
 
 
-def test_store_down_recomputes_and_counts_it(service: PrefillService, store: FakeStore) -> None:
+def test_store_down_recomputes_and_counts_it(service: PrefillService, replica: PrefillService, store: FakeStore
+                                             ) -> None:
     ids = tokens(3 * BLOCK_SIZE + 1, seed=7)
     service.prefill(job(ids))
     store.down = True
     store.calls.clear()
-    h = service.prefill(job(ids))
+    h = replica.prefill(job(ids))
     assert (h.num_cached_tokens, h.num_computed_tokens) == (0, len(ids))
-    assert h.lease_id == ""
+    assert h.lease_id == "" and h.first_token_id == oracle(ARCH, ids, 1)[0][0]
     assert store.calls == ["lookup"]  # the first failure ends the store's part in the request
-    assert metric(service, "kvserve_prefill_store_failures_total", op="lookup") == 1
-    assert metric(service, "kvserve_prefill_requests_total", outcome="ok") == 2
+    assert metric(replica, "kvserve_prefill_store_failures_total", op="lookup") == 1
+    assert metric(replica, "kvserve_prefill_requests_total", outcome="ok") == 1
 
 
 def test_prefix_cache_off_uses_request_scoped_ephemeral_keys(service: PrefillService, store: FakeStore) -> None:
@@ -126,10 +152,12 @@ def stub() -> Iterator[prefill_pb2_grpc.PrefillStub]:
     server = Server("127.0.0.1:0")
     service = PrefillService(engine(ARCH), FakeStore(), PrefillMetrics(server.registry))  # type: ignore[arg-type]
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
+    service.start()
     port = server.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield prefill_pb2_grpc.PrefillStub(channel)
     server.stop(0)
+    service.stop()
 
 
 def request(prompt: common_pb2.Prompt | None = None, **sampling: object) -> prefill_pb2.PrefillRequest:

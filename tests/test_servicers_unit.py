@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import grpc_testing
 import pytest
-from decode_service.scheduler import Cancellation
+from decode_service.cancellation import Cancellation
 
 from decode_service.server import DecodeServicer
 from decode_service.service import DeploymentMismatch, GenerateJob, GenerateOutcome, Timings, Usage

@@ -1,0 +1,90 @@
+"""The baseline of ``kvserve bench decode``: Hugging Face ``generate`` on the same prompts as one padded batch.
+
+No serving at all: one process, the model loaded with ``from_pretrained``, greedy, EOS ignored, exactly
+``--new-tokens`` per prompt. For each concurrency N of ``--streams``, the first N prompts run as one
+left-padded batch (all prompts of the same length need no padding) and the wall time of the whole
+``generate`` call is measured, prompt processing included, as the stack's time is. The prompts come
+as a JSON list of token-id lists (``--prompts FILE``, ``-`` for stdin), so that the caller's stack
+runs exactly the same ones. Prints one JSON object (``client.decode_bench`` reads it)::
+
+    python -m engine.hf_batch_bench --model data/models/tiny-llama --prompts prompts.json --streams 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging as hf_logging
+
+PAD_TOKEN_ID = 0  # any id: padded positions are masked out
+
+
+def padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and their attention mask, both [batch, longest prompt]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_TOKEN_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy ``generate`` of exactly ``new_tokens`` per prompt, as one batch: (new tokens per prompt, seconds)."""
+    # No min_new_tokens: it would mask the model's EOS ids (from its generation_config) out of the
+    # logits, which is not greedy decoding; eos_token_id=None alone runs every row to max_new_tokens.
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=PAD_TOKEN_ID)
+    ids, mask = padded_batch(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)  # type: ignore[operator]
+    seconds = time.perf_counter() - start
+    return out[:, ids.shape[1]:].tolist(), seconds
+
+
+def read_prompts(path: str) -> list[list[int]]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    prompts = json.loads(text)
+    if not (isinstance(prompts, list) and prompts and all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)):
+        raise SystemExit("--prompts must hold a non-empty JSON list of non-empty lists of token ids")
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.hf_batch_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
+    ap.add_argument("--prompts", required=True, help="JSON file of token-id lists; - reads stdin")
+    ap.add_argument("--streams", default="1,4,16,64", help="batch sizes, comma-separated (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    args = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    levels = [int(n) for n in args.streams.split(",")]
+    prompts = read_prompts(args.prompts)
+    if max(levels) > len(prompts):
+        raise SystemExit(f"--streams asks for {max(levels)} prompts; --prompts holds {len(prompts)}")
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
+    generate(model, prompts[:1], 2)  # warm-up: one-time start-up costs
+    runs = []
+    for n in levels:
+        tokens, seconds = generate(model, prompts[:n], args.new_tokens)
+        generated = sum(len(t) for t in tokens)
+        runs.append({"streams": n, "generated_tokens": generated, "s": seconds, "tok_s": generated / seconds,
+                     "token_ids": tokens})
+    print(json.dumps({"torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
