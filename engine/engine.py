@@ -148,9 +148,13 @@ class Engine:
         first. Its Finished event follows."""
         self._post(lambda: self._abort(seq, save))
 
-    def _post(self, fn: Callable[[], None]) -> None:
+    def _post(self, fn: Callable[[], None], *, internal: bool = False) -> None:
+        """Queue ``fn`` for the step thread. Requests are refused once stopping (RuntimeError); what the
+        engine's own I/O threads post then is dropped: shutdown finishes every sequence itself."""
         with self._cond:
             if self._stopping:
+                if internal:
+                    return
                 raise RuntimeError("the engine has stopped")
             self._inbox.append(fn)
             self._cond.notify()
@@ -183,7 +187,7 @@ class Engine:
             except Exception:  # a bug, not a request's failure: keep serving the others
                 log.exception("engine step failed")
         self._drain()
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        for seq in [*self.scheduler.running, *self.scheduler.loading, *self.scheduler.waiting]:
             self.scheduler.finish(seq)
             seq.events.put(Finished("shutdown", "the engine is shutting down"))
 
@@ -210,7 +214,7 @@ class Engine:
         self._drain()
         plan = self.scheduler.schedule()
         for spill in plan.spills:
-            self._save(spill, lambda seq: self._post(lambda: self._saved(seq)))
+            self._save(spill, lambda seq: self._post(lambda: self._saved(seq), internal=True))
         for seq in plan.to_load:
             self._submit_io(functools.partial(self._load, seq))
         if plan.scheduled:
@@ -224,7 +228,7 @@ class Engine:
         now = time.perf_counter()
         return StepStats(
             num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_admitted=len(plan.admitted),
-            num_preempted=plan.num_preempted, num_running=len(self.scheduler.running) + self.scheduler.num_loading,
+            num_preempted=plan.num_preempted, num_running=len(self.scheduler.running) + len(self.scheduler.loading),
             num_waiting=len(self.scheduler.waiting),
             queue_wait_s=tuple(now - s.arrival for s in plan.admitted if not s.num_preemptions),
             num_pool_hit_tokens=sum(s.num_pool_hit_tokens for s in plan.admitted),
@@ -362,9 +366,10 @@ class Engine:
                 log.exception("saving the KV of request %s failed", spill.seq.request_id)
             then(spill.seq)
 
-        self._submit_io(save)
+        self._submit_io(save, on_cancel=lambda: then(spill.seq))
 
-    def _submit_io(self, fn: Callable[[], None]) -> None:
+    def _submit_io(self, fn: Callable[[], None], on_cancel: Callable[[], None] | None = None) -> None:
+        """Run ``fn`` on an I/O thread; ``on_cancel`` instead if the engine stops before it starts."""
         with self._cond:
             self._io_in_flight += 1
 
@@ -376,7 +381,9 @@ class Engine:
                     self._io_in_flight -= 1
                     self._cond.notify()
 
-        self._io.submit(run)
+        future = self._io.submit(run)
+        if on_cancel is not None:
+            future.add_done_callback(lambda f: on_cancel() if f.cancelled() else None)
 
     def _saved(self, seq: Sequence) -> None:
         seq.saving = False
@@ -390,7 +397,7 @@ class Engine:
         except Exception:
             log.exception("loading the KV of request %s failed: recomputing it", seq.request_id)
             n = 0
-        self._post(lambda: self._loaded(seq, first, n))
+        self._post(lambda: self._loaded(seq, first, n), internal=True)
 
     def _loaded(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
         # Blocks the source did not have are computed here, and saved there when the sequence leaves.

@@ -66,11 +66,11 @@ class Scheduler:
         self.block_size = pool.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
-        self.num_loading = 0
+        self.loading: list[Sequence] = []  # admitted; their source is filling their blocks
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.num_loading)
+        return bool(self.waiting or self.running or self.loading)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return _blocks_for(num_tokens, self.block_size)
@@ -95,7 +95,7 @@ class Scheduler:
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             out.scheduled.append((seq, n))
             budget -= n
-        while budget and self.waiting and len(self.running) + self.num_loading < self.config.max_num_seqs:
+        while budget and self.waiting and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.saving or not self._admit(seq):
                 break
@@ -129,9 +129,9 @@ class Scheduler:
         hashes = seq.full_block_hashes(bs, (len(seq.token_ids) - 1) // bs) if seq.hash_root is not None else []
         hits = self.pool.count_hits(hashes)
         need = self.blocks_needed(len(seq.token_ids)) - hits
-        # Keep one block of headroom per running sequence (each may need one soon), and count every hit
+        # Keep one block of headroom per admitted sequence (each may need one soon), and count every hit
         # as if it were taken from the cached blocks. Alone, a sequence always fits (Engine.add checks).
-        if need + hits > self.pool.num_available - len(self.running):
+        if need + hits > self.pool.num_available - len(self.running) - len(self.loading):
             return False
         self._take(seq, hashes, hits, need)
         return True
@@ -143,14 +143,14 @@ class Scheduler:
         seq.num_loaded_tokens = 0
         if seq.source is not None and seq.num_computed_tokens < len(seq.token_ids) - 1:
             seq.status = Status.LOADING
-            self.num_loading += 1
+            self.loading.append(seq)
         else:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
     def loaded(self, seq: Sequence, num_tokens: int) -> None:
         """The source filled ``num_tokens`` tokens after the pool's hits."""
-        self.num_loading -= 1
+        self.loading.remove(seq)
         seq.num_loaded_tokens = num_tokens
         seq.num_computed_tokens += num_tokens
         seq.status = Status.RUNNING
@@ -187,7 +187,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         elif seq.status is Status.LOADING:
-            self.num_loading -= 1
+            self.loading.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.status = Status.FINISHED

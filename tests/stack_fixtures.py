@@ -57,16 +57,19 @@ def _hf_model(arch: str) -> torch.nn.Module:
 def oracle(arch: str, token_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Hugging Face `generate`, greedy, EOS ignored: the tokens and the logits [vocab] of each step."""
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, output_logits=True,
+        return_dict_in_generate=True,
     )
     input_ids = torch.tensor([list(token_ids)])
-    # An explicit mask: generate would otherwise mask every prompt token equal to pad_token_id.
+    # An explicit mask: generate would otherwise mask every prompt token equal to pad_token_id. EOS is
+    # ignored only when given as a keyword: in the config, None falls back to the model's own.
     with torch.inference_mode():
         out = _hf_model(arch).generate(  # type: ignore[operator]
-            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, eos_token_id=None
         )
-    return out.sequences[0, len(token_ids):].tolist(), [step[0] for step in out.logits]
+    got = out.sequences[0, len(token_ids):].tolist()
+    assert len(got) == max_new_tokens, f"the oracle stopped after {len(got)} of {max_new_tokens} tokens"
+    return got, [step[0] for step in out.logits]
 
 
 def tokens(n: int, seed: int) -> list[int]:
