@@ -11,7 +11,10 @@ import pytest
 
 from client import Client
 from client.client import InvalidArgumentError, OutOfRangeError, UnavailableError
-from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
+from engine.hashing import Namespace, prefix_hashes
+from engine.model import model_fingerprint
+from kvstore import KVStoreClient
+from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, model_dir, oracle, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -71,24 +74,30 @@ def test_store_killed_then_restarted(stack: ProcessStack, shm: bool) -> None:
 
 
 def check_store_restart(stack: ProcessStack) -> None:
-    ids = tokens(4 * BLOCK_SIZE + 5, seed=400)
-    want, logits = oracle(ARCH, ids, 16)
-    with Client(stack.decode[ARCH].addr, timeout_s=60) as client:
-        first = client.generate(token_ids=ids, max_tokens=16, ignore_eos=True)
-        assert_greedy_matches(first.token_ids, want, logits)
+    """Fresh prompts throughout: a prompt seen before would be reused from the services' own KV pools,
+    whatever the store does."""
+    def fresh(seed: int) -> tuple[list[int], int]:
+        """A new prompt's answer checked against the oracle: (prompt, its cached tokens)."""
+        ids = tokens(4 * BLOCK_SIZE + 5, seed=seed)
+        want, logits = oracle(ARCH, ids, 16)
+        got = client.generate(token_ids=ids, max_tokens=16, ignore_eos=True)
+        assert_greedy_matches(got.token_ids, want, logits)
+        return ids, got.usage.cached_tokens
 
+    namespace = Namespace(model_fingerprint(model_dir(ARCH)), "float32", BLOCK_SIZE)
+    with Client(stack.decode[ARCH].addr, timeout_s=60) as client:
+        fresh(400)
         stack.kill_store()
-        second = client.generate(token_ids=ids, max_tokens=16, ignore_eos=True)
-        assert second.usage.cached_tokens == 0 and second.token_ids == first.token_ids
+        assert fresh(401)[1] == 0
 
         stack.restart_store()
         deadline = time.monotonic() + 15  # the services' store channels reconnect with backoff
-        while True:
-            again = client.generate(token_ids=ids, max_tokens=16, ignore_eos=True)
-            assert again.token_ids == first.token_ids
-            if again.usage.cached_tokens == 4 * BLOCK_SIZE:
-                break
-            assert time.monotonic() < deadline, "hits did not resume after the store restarted"
+        for seed in range(402, 10_000):
+            ids, _ = fresh(seed)
+            with KVStoreClient(stack.store.addr) as store:  # the blocks prefill computed went to the store
+                if store.lookup(prefix_hashes(ids, BLOCK_SIZE, namespace.root())).num_hits == 4:
+                    break
+            assert time.monotonic() < deadline, "the store was not used again after it restarted"
             time.sleep(0.5)
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from engine import bench
-from engine.hashing import Namespace, hash_block_tokens, prefix_hashes
+from engine.hashing import BLOCK_FORMAT_VERSION, Namespace, hash_block_tokens, prefix_hashes
 
 NS = Namespace(model_fingerprint="ab" * 32, kv_dtype="float32", block_size=4, cache_salt="tenant-a")
 TOKENS = [0, 1, 2, 3, 4, 5, 6, 7, 2**32 - 1, 65536, 9, 10, 11]
@@ -33,7 +33,7 @@ def test_chain_is_sha256_of_parent_and_uint32_le_tokens() -> None:
 
 def test_root_is_sha256_of_canonical_namespace() -> None:
     canonical = json.dumps(
-        {"block_size": 4, "cache_salt": "tenant-a", "format_version": 1, "kv_dtype": "float32",
+        {"block_size": 4, "cache_salt": "tenant-a", "format_version": BLOCK_FORMAT_VERSION, "kv_dtype": "float32",
          "model_fingerprint": "ab" * 32},
         separators=(",", ":"),
     ).encode()  # fmt: skip
@@ -54,7 +54,7 @@ def test_identical_in_separate_processes() -> None:
         Namespace("cd" * 32, "float32", 4, cache_salt="tenant-a"),
         Namespace("ab" * 32, "bfloat16", 4, cache_salt="tenant-a"),
         Namespace("ab" * 32, "float32", 8, cache_salt="tenant-a"),
-        Namespace("ab" * 32, "float32", 4, cache_salt="tenant-a", format_version=2),
+        Namespace("ab" * 32, "float32", 4, cache_salt="tenant-a", format_version=BLOCK_FORMAT_VERSION - 1),
     ],
 )
 def test_any_namespace_change_changes_every_hash(changed: Namespace) -> None:

@@ -20,8 +20,8 @@ PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore"
           for grpc in ("", "_grpc")}
 SERVING = {"serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
            "serving.server"}
-ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.kv_transfer", "engine.model",
-                       "engine.sampling", "engine.scheduler", "engine.sequence"}
+ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.kv_pool", "engine.kv_transfer",
+                       "engine.model", "engine.sampling", "engine.scheduler", "engine.sequence"}
 
 ALLOWED: dict[str, set[str]] = {
     "protos": set(),

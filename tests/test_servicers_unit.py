@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import grpc_testing
 import pytest
-from decode_service.cancellation import Cancellation
 
+from decode_service.cancellation import Cancellation
 from decode_service.server import DecodeServicer
 from decode_service.service import DeploymentMismatch, GenerateJob, GenerateOutcome, Timings, Usage
 from decode_service.stopping import TokenOutput
