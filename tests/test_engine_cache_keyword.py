@@ -1,7 +1,8 @@
 """The cache object reaches the model under the keyword the installed transformers fills.
 
 transformers 5.17 takes ``past_key_values=`` and silently ignores ``cache=``; 5.24 takes ``cache=``.
-A forward that drops the cache still runs, so these tests check that the KV got filled and reused.
+A forward that drops the cache still runs (the paged attention then reads empty pool slots), so these
+tests check that the KV got filled and reused.
 """
 
 from __future__ import annotations
@@ -14,13 +15,22 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from engine.engine import Engine, PrefillResult
 from engine.model import CACHE_KEYWORDS, Model, UnsupportedModelError, probe_cache
-from tests.engine_fixtures import ARCHS, random_tokens, tiny_model
+from tests.engine_fixtures import (
+    ARCHS,
+    DictStore,
+    PrefixSource,
+    assert_matches_oracle,
+    make_engine,
+    make_seq,
+    random_tokens,
+    run,
+    tiny_model,
+)
 
 BLOCK = 8
 PROMPT = random_tokens(21, seed=5)  # 2 full blocks of 8 and a tail of 5
-NEXT_TOKEN = 7
+NEW = 6
 
 
 class KeywordFilter:
@@ -45,41 +55,35 @@ class KeywordFilter:
         return getattr(self._inner, name)
 
 
-def _engine(model: Model) -> Engine:
-    return Engine(model, block_size=BLOCK)
+def _assert_kv_filled_and_reused(model: Model) -> None:
+    """An engine on ``model`` fills the pool with KV for every token of PROMPT, and a second sequence that
+    loads the first one's blocks continues exactly as the first did and as the oracle does."""
+    engine = make_engine(model, BLOCK, 16)
+    source = PrefixSource(DictStore(), engine.namespace())
+    cold = make_seq(model, PROMPT, NEW, source=source)
+    (cold_out,) = run(engine, [cold])
+    kv = source.saves[-1].kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
+    num_tokens = len(PROMPT) + NEW - 1
+    per_token = kv.permute(0, 3, 1, 2, 4, 5).flatten(0, 1).flatten(1)[:num_tokens]  # [tokens, layers * 2 * ...]
+    assert bool((per_token.abs().amax(dim=1) > 0).all()), "some token has all-zero KV"
 
-
-def _assert_kv_filled_and_reused(engine: Engine, full: PrefillResult) -> None:
-    """``full`` (a cold prefill of PROMPT on any engine of the same model) holds KV for every token, and
-    ``engine`` continues from cached blocks and from a sequence exactly as it would from scratch."""
-    m = engine.model
-    assert len(full.new_blocks) == 2 and full.tail is not None
-    kv = torch.cat([*full.new_blocks, full.tail], dim=3)  # [L, 2, H, 21, D]
-    assert kv.shape == (m.num_layers, 2, m.num_kv_heads, len(PROMPT), m.head_dim)
-    assert bool((kv.abs().amax(dim=(0, 1, 2, 4)) > 0).all()), "some token has all-zero KV"
-
-    warm = engine.prefill(PROMPT, full.new_blocks)
-    torch.testing.assert_close(warm.logits, full.logits, atol=1e-4, rtol=0)
-    assert warm.tail is not None
-    torch.testing.assert_close(warm.tail, full.tail, atol=1e-4, rtol=0)
-
-    reference = engine.prefill([*PROMPT, NEXT_TOKEN]).logits
-    step = engine.decode_step([engine.resume(PROMPT, full.new_blocks, full.tail)], [NEXT_TOKEN])[0]
-    torch.testing.assert_close(step, reference, atol=1e-4, rtol=0)
+    warm = make_seq(model, PROMPT, NEW, source=source)
+    (warm_out,) = run(engine, [warm])
+    assert warm.num_loaded_tokens == len(PROMPT) // BLOCK * BLOCK
+    assert warm_out.tokens == cold_out.tokens
+    assert_matches_oracle(model, cold, cold_out)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_fills_and_reuses_the_kv_of_every_token(arch: str) -> None:
-    engine = _engine(tiny_model(arch))
-    _assert_kv_filled_and_reused(engine, engine.prefill(PROMPT))
+def test_the_engine_fills_and_reuses_the_kv_of_every_token(arch: str) -> None:
+    _assert_kv_filled_and_reused(tiny_model(arch))
 
 
 def test_a_forward_that_drops_the_cache_fails_the_check() -> None:
     model = tiny_model("llama")
-    full = _engine(model).prefill(PROMPT)
-    dropping = _engine(replace(model, hf_model=KeywordFilter(model, accepted=None)))
-    with pytest.raises(AssertionError):  # wrong logits, no error from the engine itself
-        _assert_kv_filled_and_reused(dropping, full)
+    dropping = replace(model, hf_model=KeywordFilter(model, accepted=None))
+    with pytest.raises(AssertionError):  # no error from the engine itself: empty KV, wrong tokens
+        _assert_kv_filled_and_reused(dropping)
 
 
 def test_probe_refuses_a_forward_that_drops_the_cache() -> None:
@@ -110,6 +114,4 @@ def test_engine_passes_the_cache_under_the_detected_keyword(accepted: str) -> No
     assert probe.keyword == accepted
     assert (probe.num_layers, probe.num_kv_heads, probe.head_dim) == (model.num_layers, model.num_kv_heads,
                                                                        model.head_dim)
-    filtered = replace(model, hf_model=KeywordFilter(model, accepted), cache_keyword=probe.keyword)
-    engine = _engine(filtered)
-    _assert_kv_filled_and_reused(engine, engine.prefill(PROMPT))
+    _assert_kv_filled_and_reused(replace(model, hf_model=KeywordFilter(model, accepted), cache_keyword=probe.keyword))

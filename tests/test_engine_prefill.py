@@ -1,100 +1,186 @@
+"""A prompt computed over KV from elsewhere (DESIGN.md, "Engine", "KV block format"): the pool's slots
+hold, token-major, exactly the keys and values Hugging Face computes; a prompt whose leading blocks are
+loaded from the store, through the block codec, continues exactly as one computed from scratch; the last
+prompt token is always computed; a block that is missing or fails verification is recomputed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 import pytest
 import torch
+from transformers import DynamicCache
 
-from engine.engine import Engine, PrefillResult
+from engine.engine import Engine
+from engine.hashing import prefix_hashes
 from engine.kv_codec import decode_block, encode_block
-from tests.engine_fixtures import ARCHS, random_tokens, tiny_model
+from engine.kv_pool import KVPool
+from engine.kv_transfer import load_blocks, save_blocks
+from engine.model import Model, layer_kv
+from engine.sequence import Sequence
+from protos.block_hash import BlockHash
+from tests.engine_fixtures import (
+    ARCHS,
+    DictStore,
+    PrefixSource,
+    Save,
+    assert_matches_oracle,
+    make_engine,
+    make_seq,
+    oracle,
+    random_tokens,
+    run,
+    tiny_model,
+)
 
 BLOCK = 8
 PROMPT = random_tokens(61, seed=1)  # 7 full blocks of 8 and a tail of 5
+NEW = 8
+TAIL_KEY = BlockHash(b"\x01" * 32)
 
 
-def _engine(arch: str) -> Engine:
-    return Engine(tiny_model(arch), block_size=BLOCK)
+@dataclass(frozen=True)
+class Cold:
+    """PROMPT computed from scratch: the KV its sequence saved on finishing, and its store."""
+
+    model: Model
+    save: Save
+    store: DictStore
+    first_token: int
 
 
-def _through_codec(engine: Engine, blocks: list[torch.Tensor], num_tokens: int | None = BLOCK) -> list[torch.Tensor]:
-    m, ns = engine.model, engine.namespace()
-    shape = {"num_layers": m.num_layers, "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim}
-    return [decode_block(encode_block(b, ns), ns, **shape, dtype=m.dtype, num_tokens=num_tokens) for b in blocks]
+def _engine(model: Model) -> Engine:
+    return make_engine(model, BLOCK, 32)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def cold(request: pytest.FixtureRequest) -> tuple[Engine, PrefillResult]:
-    engine = _engine(request.param)
-    return engine, engine.prefill(PROMPT)
+def cold(request: pytest.FixtureRequest) -> Cold:
+    model = tiny_model(request.param)
+    engine = _engine(model)
+    source = PrefixSource(DictStore(), engine.namespace())
+    seq = make_seq(model, PROMPT, 1, source=source)
+    (outcome,) = run(engine, [seq])
+    (save,) = source.saves
+    return Cold(model, save, source.store, outcome.tokens[0])
 
 
-def test_cold_prefill_layout(cold: tuple[Engine, PrefillResult]) -> None:
-    engine, result = cold
-    m = engine.model
-    assert (result.num_cached_tokens, result.num_computed_tokens) == (0, 61)
-    assert len(result.new_blocks) == 7
-    assert all(b.shape == (m.num_layers, 2, m.num_kv_heads, BLOCK, m.head_dim) for b in result.new_blocks)
-    assert result.tail is not None and result.tail.shape[3] == 5
-    assert result.logits.shape == (m.vocab_size,) and result.logits.dtype == torch.float32
-    assert result.sequence.token_ids == PROMPT
+def _store_with(cold: Cold, num_blocks: int) -> DictStore:
+    """A store holding the cold run's first ``num_blocks`` blocks of PROMPT."""
+    store = DictStore()
+    keys = PrefixSource(store, _engine(cold.model).namespace()).keys(PROMPT)
+    store.blocks = {key: cold.store.blocks[key] for key in keys[:num_blocks]}
+    return store
 
 
-@pytest.mark.parametrize("num_cached_blocks", [1, 3, 7])
-@pytest.mark.parametrize("codec", [False, True])
-def test_prefill_over_cached_blocks_equals_full_prefill(
-    cold: tuple[Engine, PrefillResult], num_cached_blocks: int, codec: bool
-) -> None:
-    engine, full = cold
-    cached = full.new_blocks[:num_cached_blocks]
-    if codec:
-        cached = _through_codec(engine, cached)
-    warm = engine.prefill(PROMPT, cached)
-    assert (warm.num_cached_tokens, warm.num_computed_tokens) == (8 * num_cached_blocks, 61 - 8 * num_cached_blocks)
-    torch.testing.assert_close(warm.logits, full.logits, atol=1e-4, rtol=0)
-    assert len(warm.new_blocks) == 7 - num_cached_blocks
-    for new, ref in zip(warm.new_blocks, full.new_blocks[num_cached_blocks:], strict=True):
-        torch.testing.assert_close(new, ref, atol=1e-4, rtol=0)
-    assert warm.tail is not None and full.tail is not None
-    torch.testing.assert_close(warm.tail, full.tail, atol=1e-4, rtol=0)
+def _tokens(kv: torch.Tensor) -> torch.Tensor:
+    """[blocks, layers, 2, block_size, kv_heads, head_dim] -> [layers, 2, blocks * block_size, kv_heads, head_dim]."""
+    b, layers, _, bs, heads, dim = kv.shape
+    return kv.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, b * bs, heads, dim)
 
 
-def test_block_aligned_prompt_has_no_tail_and_must_compute_last_token(cold: tuple[Engine, PrefillResult]) -> None:
-    engine, full = cold
-    aligned = PROMPT[:56]
-    result = engine.prefill(aligned, full.new_blocks[:6])
-    assert result.tail is None and len(result.new_blocks) == 1 and result.num_computed_tokens == 8
-    with pytest.raises(ValueError, match="last prompt token"):
-        engine.prefill(aligned, full.new_blocks[:7])
-    with pytest.raises(ValueError):
-        engine.prefill(PROMPT, [full.new_blocks[0][:, :, :, :4]])  # a short block is not a full block
+def test_the_pool_holds_hugging_face_keys_and_values_token_major(cold: Cold) -> None:
+    m, save = cold.model, cold.save
+    assert (save.first_block, save.num_tokens) == (0, 61)
+    assert save.kv.shape == (8, m.num_layers, 2, BLOCK, m.num_kv_heads, m.head_dim) and save.kv.dtype == m.dtype
+    assert len(cold.store.blocks) == 7  # full blocks only: a tail is request-scoped
+    cache = DynamicCache(config=m.hf_model.config)
+    with torch.inference_mode():
+        m.hf_model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{m.cache_keyword: cache})
+    kv = _tokens(save.kv)[:, :, :61]
+    for layer, cache_layer in enumerate(cache.layers):
+        keys, values = layer_kv(cache_layer)  # [1, kv_heads, tokens, head_dim]
+        torch.testing.assert_close(kv[layer, 0], keys[0].transpose(0, 1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(kv[layer, 1], values[0].transpose(0, 1), atol=1e-5, rtol=0)
+    assert cold.first_token == oracle(m, PROMPT, 1)[0][0]
 
 
-def test_resume_then_decode_equals_continuing_the_prefilled_sequence() -> None:
-    engine = _engine("qwen2")
-    prefilled = engine.prefill(PROMPT)
-    blocks = _through_codec(engine, prefilled.new_blocks)
-    assert prefilled.tail is not None
-    (tail,) = _through_codec(engine, [prefilled.tail], num_tokens=None)
-    resumed = engine.resume(PROMPT, blocks, tail)
-    a = engine.decode_step([prefilled.sequence], [42])
-    b = engine.decode_step([resumed], [42])
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert resumed.token_ids == [*PROMPT, 42]
-    with pytest.raises(ValueError):
-        engine.resume(PROMPT[:-1], blocks, tail)
+@pytest.mark.parametrize("num_stored_blocks", [1, 3, 7])
+def test_a_prompt_over_stored_blocks_continues_as_from_scratch(cold: Cold, num_stored_blocks: int) -> None:
+    model = cold.model
+    engine = _engine(model)
+    source = PrefixSource(_store_with(cold, num_stored_blocks), engine.namespace())
+    seq = make_seq(model, PROMPT, NEW, source=source)
+    (outcome,) = run(engine, [seq])
+    loaded = BLOCK * num_stored_blocks
+    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (loaded, 61 - loaded)
+    assert_matches_oracle(model, seq, outcome)
+    # What it computed over the loaded blocks is what the cold run computed.
+    warm = _tokens(source.saves[-1].kv)
+    torch.testing.assert_close(warm[:, :, loaded:61], _tokens(cold.save.kv)[:, :, loaded:61], atol=1e-5, rtol=0)
 
 
-def test_decode_step_batch_and_full_blocks() -> None:
-    engine = _engine("llama")
-    one, two = engine.prefill(PROMPT[:20]).sequence, engine.prefill(PROMPT[:13]).sequence
-    solo = engine.prefill(PROMPT[:13]).sequence
-    batched = engine.decode_step([one, two], [5, 6])  # [2, vocab]
-    assert batched.shape == (2, engine.model.vocab_size) and batched.dtype == torch.float32
-    torch.testing.assert_close(batched[1], engine.decode_step([solo], [6])[0], atol=1e-5, rtol=0)
-    for token in range(4):  # 21 -> 25 tokens: 3 full blocks
-        engine.decode_step([one], [token])
-    assert len(one.token_ids) == 25
-    blocks = engine.full_blocks(one, start_block=2)
-    assert len(blocks) == 1
-    reference = engine.prefill(one.token_ids).new_blocks[2]
-    torch.testing.assert_close(blocks[0], reference, atol=1e-4, rtol=0)
-    engine.release(one)
-    with pytest.raises(ValueError, match="released"):
-        engine.decode_step([one], [1])
+def test_a_block_aligned_prompt_computes_its_last_block(cold: Cold) -> None:
+    model = cold.model
+    engine = _engine(model)
+    seq = make_seq(model, PROMPT[:56], NEW, source=PrefixSource(_store_with(cold, 7), engine.namespace()))
+    (outcome,) = run(engine, [seq])
+    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (48, 8)
+    assert_matches_oracle(model, seq, outcome)
+
+
+class Overreaching(PrefixSource):
+    """Loads every full block, the last prompt token's too, and claims more tokens than the sequence has."""
+
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+        loaded = load_blocks(self.store, self.keys(seq.token_ids)[first_block:], self.namespace, pool, blocks)
+        return loaded.num_tokens + 100
+
+
+def test_the_last_prompt_token_is_computed_whatever_the_source_says(cold: Cold) -> None:
+    model = cold.model
+    engine = _engine(model)
+    seq = make_seq(model, PROMPT[:56], NEW, source=Overreaching(_store_with(cold, 7), engine.namespace()))
+    (outcome,) = run(engine, [seq])
+    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (55, 1)
+    assert_matches_oracle(model, seq, outcome)
+
+
+class HandOff(PrefixSource):
+    """Decode's side of the hand-off: the prompt's full blocks, then its partial tail."""
+
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+        keys = self.keys(PROMPT)[first_block:]
+        return load_blocks(self.store, keys, self.namespace, pool, blocks, tail=(TAIL_KEY, 5)).num_tokens
+
+
+def test_a_handed_off_prompt_with_its_tail_computes_only_the_first_token(cold: Cold) -> None:
+    model = cold.model
+    engine = _engine(model)
+    store = DictStore()
+    keys = prefix_hashes(PROMPT, BLOCK, engine.namespace().root())
+    assert save_blocks(store, keys, engine.namespace(), cold.save.kv, 61, tail_key=TAIL_KEY) == 8
+    source = HandOff(store, engine.namespace())
+    seq = make_seq(model, [*PROMPT, cold.first_token], NEW, source=source, num_saved_blocks=7)
+    (outcome,) = run(engine, [seq])
+    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (61, 1)
+    assert_matches_oracle(model, seq, outcome)
+    assert source.saves[-1].first_block == 7  # blocks the store already holds are not saved again
+
+
+class Failing(PrefixSource):
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+        raise ConnectionError("the store is down")
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "other namespace", "source fails"])
+def test_a_bad_block_is_a_miss_and_what_follows_is_recomputed(cold: Cold, fault: str) -> None:
+    model = cold.model
+    engine = _engine(model)
+    ns = engine.namespace()
+    store = _store_with(cold, 7)
+    keys = PrefixSource(store, ns).keys(PROMPT)
+    if fault == "corrupt":
+        payload = bytearray(store.blocks[keys[3]])
+        payload[-1] ^= 0xFF
+        store.blocks[keys[3]] = bytes(payload)
+    elif fault == "other namespace":
+        shape = {"num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim}
+        other = engine.namespace("another tenant")
+        store.blocks = {k: encode_block(decode_block(p, ns, **shape, dtype=model.dtype), other)
+                        for k, p in store.blocks.items()}
+    source = (Failing if fault == "source fails" else PrefixSource)(store, ns)
+    seq = make_seq(model, PROMPT, NEW, source=source)
+    (outcome,) = run(engine, [seq])
+    loaded = 24 if fault == "corrupt" else 0
+    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (loaded, 61 - loaded)
+    assert_matches_oracle(model, seq, outcome)

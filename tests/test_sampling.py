@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler, SamplingParams, sample_batch
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 
@@ -41,3 +41,55 @@ def test_low_temperature_concentrates() -> None:
 def test_invalid_params(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+MIX = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, seed=1),
+    SamplingParams(temperature=1.0, top_k=5, seed=2),
+    SamplingParams(temperature=1.3, top_p=0.8, seed=3),
+    SamplingParams(),
+    SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=4),
+    SamplingParams(temperature=2.0, top_k=40, seed=5),
+]
+
+
+def _logits(steps: int, rows: int, vocab: int = 40) -> torch.Tensor:
+    return 3 * torch.randn(steps, rows, vocab, generator=torch.Generator().manual_seed(11))  # [steps, rows, vocab]
+
+
+def test_sample_batch_gives_each_row_what_its_sampler_gives_alone() -> None:
+    logits = _logits(60, len(MIX))
+    alone = [Sampler(p) for p in MIX]
+    batched = [Sampler(p) for p in MIX]
+    want = [[s.sample(step[i]) for step in logits] for i, s in enumerate(alone)]
+    got = [sample_batch(step, batched) for step in logits]
+    assert [[row[i] for row in got] for i in range(len(MIX))] == want
+    assert all(len(set(tokens)) > 1 for tokens in want)  # every row saw many different tokens
+
+
+def test_sample_batch_rows_do_not_depend_on_their_neighbours() -> None:
+    logits = _logits(40, len(MIX))
+    order = [5, 0, 3, 6, 1, 4, 2]
+    together = [Sampler(p) for p in MIX]
+    shuffled = [Sampler(MIX[i]) for i in order]
+    pairs = [[Sampler(MIX[i]), Sampler(MIX[(i + 1) % len(MIX)])] for i in range(len(MIX))]
+    for step in logits:
+        a = sample_batch(step, together)
+        b = sample_batch(step[order], shuffled)
+        assert [b[order.index(i)] for i in range(len(MIX))] == a
+        assert [sample_batch(step[[i, (i + 1) % len(MIX)]], pair)[0] for i, pair in enumerate(pairs)] == a
+
+
+def test_greedy_rows_of_a_batch_are_argmax_and_draw_nothing() -> None:
+    logits = _logits(20, len(MIX))
+    samplers = [Sampler(p) for p in MIX]
+    for step in logits:
+        tokens = sample_batch(step, samplers)
+        assert [tokens[0], tokens[4]] == step[[0, 4]].argmax(-1).tolist()
+    assert sample_batch(logits[0].to(torch.bfloat16), [Sampler(SamplingParams())] * len(MIX)) == \
+        logits[0].to(torch.bfloat16).float().argmax(-1).tolist()
+    greedy = Sampler(SamplingParams(seed=9))
+    state = greedy.generator.get_state()
+    sample_batch(logits[0], [greedy] * len(MIX))
+    assert torch.equal(greedy.generator.get_state(), state)

@@ -1,0 +1,274 @@
+"""The batched engine against the oracle: every stream of a batch generates, greedily, what Hugging Face
+``generate`` gives for its token ids alone (DESIGN.md, "Models"), however the engine packs, chunks,
+preempts, reuses and resumes it. A mismatch is allowed only at a near-tie of the oracle's logits.
+
+Every run ends with the pool intact and no block left in use (``tests.engine_fixtures.finish``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.engine import RequestTooLarge, StepStats
+from engine.model import load_model
+from engine.sampling import SamplingParams
+from engine.sequence import Finished
+from engine.sequence import Sequence as KVSequence
+from tests.engine_fixtures import (
+    ARCHS,
+    DictStore,
+    PrefixSource,
+    assert_matches_oracle,
+    finish,
+    make_engine,
+    make_seq,
+    oracle,
+    random_tokens,
+    run,
+    tiny_model,
+    tiny_model_path,
+)
+from tests.model_faults import FaultyForward, at_position
+
+BLOCK = 8
+MAX_NEW = 12
+
+
+def _prompts(n: int, seed: int = 0, shortest: int = 3, spread: int = 120) -> list[list[int]]:
+    """``n`` prompts of different lengths in ``shortest .. shortest + spread - 1``."""
+    return [random_tokens(shortest + (37 * i + seed) % spread, seed=1000 * seed + i) for i in range(n)]
+
+
+class StepLog:
+    """An ``on_step`` callback that keeps every step's stats."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepStats] = []
+
+    def __call__(self, stats: StepStats) -> None:
+        self.steps.append(stats)
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(s.num_preempted for s in self.steps)
+
+
+@pytest.mark.parametrize("num_streams", [1, 8, 32])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_concurrent_streams_equal_hf_generate(arch: str, num_streams: int) -> None:
+    model = tiny_model(arch)
+    log = StepLog()
+    engine = make_engine(model, BLOCK, 1024, on_step=log)
+    seqs = [make_seq(model, p, MAX_NEW) for p in _prompts(num_streams)]
+    outcomes = run(engine, seqs)
+    assert max(s.num_seqs for s in log.steps) == num_streams  # every stream decoded in the same forward
+    for seq, outcome in zip(seqs, outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
+
+
+def test_streams_join_a_running_batch() -> None:
+    model = tiny_model("qwen2")
+    log = StepLog()
+    engine = make_engine(model, BLOCK, 256, on_step=log)
+    prompts = _prompts(8, seed=1, spread=50)
+    first = [make_seq(model, p, MAX_NEW) for p in prompts[:4]]
+    later = [make_seq(model, p, MAX_NEW) for p in prompts[4:]]
+    for seq in first:
+        engine.add(seq)
+    for _ in range(4):
+        engine.step()
+    assert [s.num_new_tokens for s in first] == [4] * 4
+    num_steps_before = len(log.steps)
+    for seq in later:
+        engine.add(seq)
+    outcomes = finish(engine, first + later)
+    assert max(s.num_seqs for s in log.steps[num_steps_before:]) == 8  # the newcomers ran beside the others
+    for seq, outcome in zip(first + later, outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
+
+
+@pytest.mark.parametrize("resume_from", ["store", "recompute", "pool"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preempted_streams_resume_and_equal_hf_generate(arch: str, resume_from: str) -> None:
+    """8 streams growing to 7-11 blocks each in a pool of 24: decoding runs out of blocks, the newest
+    streams are preempted and later resume from the store, by recomputing, or from the pool's cached blocks."""
+    model = tiny_model(arch)
+    log = StepLog()
+    engine = make_engine(model, BLOCK, 24, on_step=log)
+    source = PrefixSource(DictStore(), engine.namespace()) if resume_from == "store" else None
+    hash_root = engine.namespace().root() if resume_from == "pool" else None
+    seqs = [make_seq(model, p, 24, source=source, hash_root=hash_root) for p in _prompts(8, seed=2, shortest=20,
+                                                                                         spread=41)]
+    outcomes = run(engine, seqs)
+    preempted = [s for s in seqs if s.num_preemptions]
+    assert preempted and sum(s.num_preemptions for s in seqs) == log.num_preempted
+    assert all(step.pool_used <= engine.pool.num_blocks for step in log.steps)
+    if resume_from == "store":
+        assert source is not None
+        # Resumed from the full blocks its preemption saved; only preempted sequences found any.
+        assert all(s.num_loaded_tokens > 0 and s.num_loaded_tokens % BLOCK == 0 for s in preempted)
+        assert {ld.seq_id for ld in source.loads if ld.num_tokens} == {s.seq_id for s in preempted}
+    elif resume_from == "pool":  # its blocks were kept by hash when it was preempted
+        assert all(s.num_pool_hit_tokens > 0 and s.num_loaded_tokens == 0 for s in preempted)
+    if resume_from == "recompute":
+        assert all(s.num_engine_computed_tokens > s.num_prompt_tokens for s in preempted)
+        assert all(s.num_loaded_tokens == s.num_pool_hit_tokens == 0 for s in seqs)
+    else:  # no prompt token computed twice
+        assert all(s.num_engine_computed_tokens == s.num_prompt_tokens for s in seqs)
+    for seq, outcome in zip(seqs, outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
+
+
+@pytest.mark.parametrize("budget", [16, 32])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_long_prompts_computed_in_chunks_between_decode_rows(arch: str, budget: int) -> None:
+    model = tiny_model(arch)
+    short = [make_seq(model, p, 24) for p in (random_tokens(6, seed=30), random_tokens(11, seed=31))]
+    long = [make_seq(model, p, MAX_NEW) for p in (random_tokens(301, seed=32), random_tokens(213, seed=33))]
+    seqs = short + long
+    # (short streams' tokens so far, long prompts' computed tokens) after each step
+    progress: list[tuple[int, list[int]]] = []
+
+    def observe(stats: StepStats) -> None:
+        assert stats.num_tokens <= budget
+        progress.append((sum(s.num_new_tokens for s in short), [s.num_computed_tokens for s in long]))
+
+    engine = make_engine(model, BLOCK, 256, max_num_batched_tokens=budget, on_step=observe)
+    outcomes = run(engine, seqs)
+    assert len(progress) >= (301 + 213) // budget
+    interleaved = [
+        now for before, now in zip(progress, progress[1:], strict=False)
+        if now[0] > before[0] and any(0 < c < len(s.token_ids) - s.num_new_tokens for c, s in zip(now[1], long,
+                                                                                                 strict=True))
+    ]
+    assert interleaved, "no short stream decoded while a long prompt was half computed"
+    for seq, outcome in zip(seqs, outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_shared_prefix_is_taken_from_the_pool(arch: str) -> None:
+    model = tiny_model(arch)
+    log = StepLog()
+    engine = make_engine(model, BLOCK, 64, on_step=log)
+    root = engine.namespace().root()
+    prompt = random_tokens(45, seed=40)
+    first = make_seq(model, prompt, MAX_NEW, hash_root=root)
+    run(engine, [first])
+    assert engine.pool.num_cached == (45 + MAX_NEW - 1) // BLOCK  # every full block computed, kept by hash
+
+    # Another user's prompt sharing the first 40 tokens (5 blocks), and the next turn of the first chat.
+    other = make_seq(model, [*prompt[:40], *random_tokens(10, seed=41)], MAX_NEW, hash_root=root)
+    next_turn = make_seq(model, [*first.token_ids, *random_tokens(5, seed=42)], MAX_NEW, hash_root=root)
+    steps_before = len(log.steps)
+    outcomes = run(engine, [other, next_turn])
+    assert (other.num_pool_hit_tokens, other.num_engine_computed_tokens) == (40, 10)
+    assert (next_turn.num_pool_hit_tokens, next_turn.num_engine_computed_tokens) == (56, 6)
+    assert sum(s.num_pool_hit_tokens for s in log.steps[steps_before:]) == 96
+    for seq, outcome in zip([other, next_turn], outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
+
+
+def test_a_running_sequence_shares_its_blocks_and_a_whole_prompt_keeps_its_last_token() -> None:
+    model = tiny_model("llama")
+    engine = make_engine(model, BLOCK, 64)
+    root = engine.namespace().root()
+    prompt = random_tokens(48, seed=43)  # 6 full blocks
+    first = make_seq(model, prompt, MAX_NEW, hash_root=root)
+    engine.add(first)
+    engine.step()
+    engine.step()
+    assert first.num_new_tokens == 2
+    same = make_seq(model, prompt, MAX_NEW, hash_root=root)
+    engine.add(same)
+    engine.step()
+    # The pool holds all 6 blocks, in use by ``first``; the last prompt token is computed all the same.
+    assert (same.num_pool_hit_tokens, same.num_engine_computed_tokens) == (40, 8)
+    assert same.block_table[:5] == first.block_table[:5] and same.block_table[5] != first.block_table[5]
+    a, b = finish(engine, [first, same])
+    assert a.tokens == b.tokens
+    assert_matches_oracle(model, first, a)
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch() -> None:
+    model = tiny_model("llama")
+    prompt = random_tokens(30, seed=50)
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1234)
+    (alone,) = run(make_engine(model, BLOCK, 128), [make_seq(model, prompt, 16, params)])
+
+    others = _prompts(6, seed=5)
+    batch = [
+        make_seq(model, others[0], 16),
+        make_seq(model, others[1], 16, SamplingParams(temperature=1.0, seed=1)),
+        make_seq(model, prompt, 16, params),
+        make_seq(model, others[2], 16, SamplingParams(temperature=0.7, top_k=5, seed=1234)),
+        make_seq(model, prompt, 16, SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=4321)),
+        *(make_seq(model, p, 16, SamplingParams(temperature=1.3, top_p=0.5)) for p in others[3:]),
+    ]
+    outcomes = run(make_engine(model, BLOCK, 128), batch)
+    assert outcomes[2].tokens == alone.tokens
+    assert outcomes[4].tokens != alone.tokens  # the seed decides
+    assert all(o.finished == Finished("length") and len(o.tokens) == 16 for o in outcomes)
+
+
+def test_a_request_larger_than_the_pool_is_refused_at_add() -> None:
+    model = tiny_model("llama")
+    engine = make_engine(model, BLOCK, 10)  # 80 tokens
+    with pytest.raises(RequestTooLarge, match="need 11 KV blocks of 8 tokens; the KV pool holds 10"):
+        engine.add(make_seq(model, random_tokens(70, seed=60), 11))
+    assert not engine.scheduler.has_work
+    fits = make_seq(model, random_tokens(70, seed=60), 10)
+    (outcome,) = run(engine, [fits])
+    assert_matches_oracle(model, fits, outcome)
+
+
+@pytest.mark.parametrize("where", ["prompt", "decode"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_failing_forward_fails_only_its_sequence(arch: str, where: str) -> None:
+    """Prompts of 9, 12 and 40 tokens generate 8 each: positions up to 15, 18 and 46. A forward computing
+    position 25 (the long prompt) or 43 (its fourth generated token) fails; only that sequence ends."""
+    fault = FaultyForward(at_position(25 if where == "prompt" else 43))
+    model = fault.around(load_model(tiny_model_path(arch)))  # not the shared model: the engine keeps it wrapped
+    engine = make_engine(model, BLOCK, 64)
+    seqs = [make_seq(model, random_tokens(n, seed=70 + n), 8) for n in (9, 12, 40)]
+    *fine, failed = run(engine, seqs)
+    assert fault.num_faults >= 1
+    assert failed.finished.reason == "error" and "injected fault" in failed.finished.error
+    oracle_tokens, _ = oracle(tiny_model(arch), seqs[2].token_ids[:40], 8)
+    assert failed.tokens == ([] if where == "prompt" else oracle_tokens[:4])
+    for seq, outcome in zip(seqs[:2], fine, strict=True):
+        assert_matches_oracle(tiny_model(arch), seq, outcome)
+
+
+@pytest.mark.slow
+def test_many_long_requests_in_a_quarter_of_their_memory() -> None:
+    """48 requests of 1,500 prompt tokens + 64 generated, in a pool holding a quarter of them: all finish,
+    the pool is never overrun, preempted requests resume from the store, and every output is the oracle's."""
+    model = tiny_model("llama")
+    bs, prompt_len, new = 16, 1500, 64
+    per_request = math.ceil((prompt_len + new) / bs)
+    # A quarter, less a few blocks: twelve requests that exactly fit would never be preempted (admission keeps
+    # a block of headroom per running sequence), twelve that almost fit run out of blocks as they decode.
+    num_blocks = 48 * per_request // 4 - 12
+    log = StepLog()
+    running: list[int] = []
+
+    def observe(stats: StepStats) -> None:
+        log(stats)
+        running.append(len(engine.scheduler.running))
+        in_tables = sum(len(s.block_table) for s in engine.scheduler.running)
+        assert stats.pool_used <= engine.pool.num_blocks and in_tables <= engine.pool.num_blocks
+
+    engine = make_engine(model, bs, num_blocks, max_num_batched_tokens=1024, on_step=observe)
+    source = PrefixSource(DictStore(), engine.namespace())
+    seqs: list[KVSequence] = [make_seq(model, random_tokens(prompt_len, seed=100 + i), new, source=source)
+                              for i in range(48)]
+    outcomes = run(engine, seqs)
+    engine.stop()
+    assert log.num_preempted > 0 and max(running) < 48
+    preempted = [s for s in seqs if s.num_preemptions]
+    assert all(s.num_loaded_tokens >= prompt_len // bs * bs for s in preempted)
+    for seq, outcome in zip(seqs, outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)

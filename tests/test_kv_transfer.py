@@ -1,0 +1,165 @@
+"""Moving KV between a small real pool and a block store in a dict: exact blocks, exact bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from engine.hashing import Namespace
+from engine.kv_codec import decode_block, encode_block
+from engine.kv_pool import KVPool
+from engine.kv_transfer import Loaded, load_blocks, save_blocks
+from protos.block_hash import BlockHash
+
+NS = Namespace("cd" * 32, "float32", block_size=4)
+LAYERS, BS, HEADS, DIM = 2, 4, 2, 4
+
+
+class DictStore:
+    """A BlockStore in a dict that records what it was asked."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[BlockHash, bytes] = {}
+        self.gets: list[list[BlockHash]] = []
+        self.puts: list[tuple[list[BlockHash], bool]] = []  # (keys, ephemeral)
+
+    def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        self.gets.append(list(hashes))
+        return [self.blocks.get(h) for h in hashes]
+
+    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
+        blocks = list(blocks)
+        self.puts.append(([key for key, _ in blocks], ephemeral))
+        self.blocks.update(blocks)
+        return len(blocks)
+
+
+def _key(name: str) -> BlockHash:
+    return BlockHash(hashlib.sha256(name.encode()).digest())
+
+
+KEYS = [_key(f"k{i}") for i in range(3)]
+TAIL = _key("tail")
+
+
+def _pool() -> KVPool:
+    pool = KVPool(8, num_layers=LAYERS, block_size=BS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)))
+    pool.kv[4:].fill_(-1)  # blocks 4..7 receive; -1 marks a slot nothing was written to
+    return pool
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _untouched(pool: KVPool, *blocks: int) -> bool:
+    return bool((pool.kv[list(blocks)] == -1).all())
+
+
+def _saved(num_tokens: int = 12, tail_key: BlockHash | None = None) -> tuple[DictStore, KVPool, torch.Tensor]:
+    """Blocks 0..2 of a pool saved under KEYS (and the tail of ``num_tokens`` under ``tail_key``)."""
+    store, pool = DictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]]  # a copy: [blocks, layers, 2, block_size, kv_heads, head_dim]
+    save_blocks(store, KEYS, NS, kv, num_tokens, tail_key=tail_key)
+    store.puts.clear()
+    return store, pool, kv
+
+
+def test_saved_blocks_load_back_bit_exactly_into_other_blocks() -> None:
+    store, pool = DictStore(), _pool()
+    pool.kv[1, 0, 0, 0, 0, 0] = float("nan")
+    kv = pool.kv[[0, 1, 2]]
+    assert save_blocks(store, KEYS, NS, kv, 12) == 3
+    assert store.puts == [(KEYS, False)]
+
+    assert load_blocks(store, KEYS, NS, pool, [6, 4, 5]) == Loaded(12)
+    assert store.gets == [KEYS]
+    assert torch.equal(_bits(pool.kv[[6, 4, 5]]), _bits(kv))
+    assert _untouched(pool, 7)
+    assert torch.equal(_bits(pool.kv[[0, 1, 2]]), _bits(kv))
+
+
+def test_ephemeral_saves_are_put_as_ephemeral() -> None:
+    store, pool = DictStore(), _pool()
+    assert save_blocks(store, KEYS[:2], NS, pool.kv[[0, 1]], 8, ephemeral=True) == 2
+    assert store.puts == [(KEYS[:2], True)]
+
+
+def test_a_miss_stops_the_run() -> None:
+    store, pool, kv = _saved()
+    del store.blocks[KEYS[1]]
+    assert load_blocks(store, KEYS, NS, pool, [4, 5, 6]) == Loaded(4)
+    assert torch.equal(_bits(pool.kv[4]), _bits(kv[0]))
+    assert _untouched(pool, 5, 6, 7)  # block 2 is in the store, but a prefix must be contiguous
+
+
+def test_a_corrupt_block_stops_the_run_and_is_reported() -> None:
+    store, pool, kv = _saved()
+    bad = bytearray(store.blocks[KEYS[1]])
+    bad[-1] ^= 0x01
+    store.blocks[KEYS[1]] = bytes(bad)
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "checksum"
+    assert torch.equal(_bits(pool.kv[4]), _bits(kv[0]))
+    assert _untouched(pool, 5, 6, 7)
+
+
+def test_a_block_of_another_shape_or_namespace_is_reported() -> None:
+    store, pool, _ = _saved()
+    store.blocks[KEYS[0]] = encode_block(torch.zeros(LAYERS, 2, BS, HEADS, DIM * 2), NS)
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 0 and loaded.error is not None and loaded.error.kind == "shape"
+    other = Namespace("cd" * 32, "float32", block_size=4, cache_salt="other")
+    loaded = load_blocks(store, KEYS, other, pool, [4, 5, 6])
+    assert loaded.num_tokens == 0 and loaded.error is not None and loaded.error.kind == "namespace"
+    assert _untouched(pool, 4, 5, 6, 7)
+
+
+def test_save_puts_the_tail_under_its_key_as_ephemeral() -> None:
+    store, pool = DictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]]
+    assert save_blocks(store, KEYS, NS, kv, 10, tail_key=TAIL) == 3
+    assert store.puts == [(KEYS[:2], False), ([TAIL], True)]
+    tail = decode_block(store.blocks[TAIL], NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                        dtype=torch.float32, num_tokens=2)
+    assert torch.equal(_bits(tail), _bits(kv[2, :, :, :2]))  # [layers, 2, 2, kv_heads, head_dim]
+
+    store = DictStore()
+    assert save_blocks(store, KEYS, NS, kv, 10) == 2  # no tail key: the partial block stays here
+    assert store.puts == [(KEYS[:2], False)]
+
+
+def test_the_tail_loads_after_every_full_block_into_the_block_after_them() -> None:
+    store, pool, kv = _saved(10, TAIL)
+    assert load_blocks(store, KEYS[:2], NS, pool, [6, 4, 5], (TAIL, 2)) == Loaded(10)
+    assert store.gets == [[*KEYS[:2], TAIL]]
+    assert torch.equal(_bits(pool.kv[[6, 4]]), _bits(kv[:2]))
+    assert torch.equal(_bits(pool.kv[5, :, :, :2]), _bits(kv[2, :, :, :2]))
+    assert _untouched(pool, 7) and bool((pool.kv[5, :, :, 2:] == -1).all())  # only the tail's two slots
+
+
+def test_the_tail_is_not_loaded_after_a_miss_or_without_a_block_for_it() -> None:
+    store, pool, kv = _saved(10, TAIL)
+    del store.blocks[KEYS[1]]
+    assert load_blocks(store, KEYS[:2], NS, pool, [4, 5, 6], (TAIL, 2)) == Loaded(4)
+    assert _untouched(pool, 5, 6, 7)
+
+    store, pool, kv = _saved(10, TAIL)
+    assert load_blocks(store, KEYS[:2], NS, pool, [4, 5], (TAIL, 2)) == Loaded(8)
+    assert store.gets == [KEYS[:2]]  # no block left for the tail: not even asked for
+    assert _untouched(pool, 6, 7)
+
+    store, pool, kv = _saved(10, TAIL)
+    assert load_blocks(store, KEYS, NS, pool, [4, 5], (TAIL, 2)) == Loaded(8)  # more keys than blocks
+    assert store.gets == [KEYS[:2]]
+
+
+def test_a_tail_of_the_wrong_length_is_reported_after_the_full_blocks() -> None:
+    store, pool, kv = _saved(10, TAIL)
+    loaded = load_blocks(store, KEYS[:2], NS, pool, [4, 5, 6], (TAIL, 3))
+    assert loaded.num_tokens == 8 and loaded.error is not None and loaded.error.kind == "shape"
+    assert torch.equal(_bits(pool.kv[[4, 5]]), _bits(kv[:2]))
+    assert _untouched(pool, 6, 7)
