@@ -184,8 +184,11 @@ class Engine:
                 if self.step().idle and not self._inbox:
                     with self._cond:  # nothing could run: wait for a load, a save, an add or an abort
                         self._cond.wait(0.05)
-            except Exception:  # a bug, not a request's failure: keep serving the others
-                log.exception("engine step failed")
+            except Exception as exc:  # a bug, not one request's failure: fail what was running, go on
+                log.exception("engine step failed; failing its %d running sequences", len(self.scheduler.running))
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, "error", error=f"internal engine error: {type(exc).__name__}: {exc}",
+                                 save=False)
         self._drain()
         for seq in [*self.scheduler.running, *self.scheduler.loading, *self.scheduler.waiting]:
             self.scheduler.finish(seq)
