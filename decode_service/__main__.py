@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     add_model_flags(ap, model_help="local Hugging Face model folder (the one prefill serves)")
     ap.add_argument("--prefill", default="127.0.0.1:50052", help="prefill service address (default %(default)s)")
     add_server_flags(ap, listen="127.0.0.1:50051", max_workers=64)
-    add_engine_flags(ap)
+    add_engine_flags(ap, max_num_batched_tokens=256,
+                     why="smaller keeps the running streams' inter-token latency flat while a prompt is computed, larger computes it sooner")
     ap.add_argument("--prefill-timeout-s", type=float, default=60.0,
                     help="deadline of the Prefill call (default %(default)s)")
     return ap

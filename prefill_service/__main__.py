@@ -25,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
     )
     add_model_flags(ap, model_help="local Hugging Face model folder")
     add_server_flags(ap, listen="127.0.0.1:50052", max_workers=64)
-    add_engine_flags(ap)
+    add_engine_flags(ap, max_num_batched_tokens=2048,
+                     why="prefill runs only prompts, so a large budget computes them fastest")
     ap.add_argument("--lease-ttl-s", type=float, default=DEFAULT_LEASE_TTL_S,
                     help="how long the prompt's blocks stay pinned for decode (default %(default)s)")
     return ap

@@ -48,14 +48,14 @@ def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:
                    help="deadline of each KV store call; past it the request recomputes (default %(default)s)")
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, why: str) -> None:
     """The flags of the batched engine (prefill, decode): KV pool size and what one step may hold."""
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
                    help="size of the KV pool, e.g. 2GiB (default: 1GiB on CPU, half the free device memory "
                         "on CUDA); a request that cannot fit it even alone is refused")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="most tokens in one forward: every decoding sequence's next token, then prompt "
-                        "chunks (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help=f"most tokens in one forward: every decoding sequence's next token, then prompt "
+                        f"chunks; {why} (default %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="most sequences in the engine at once; more wait (default %(default)s)")
 
