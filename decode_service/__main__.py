@@ -15,7 +15,14 @@ from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillClient
 from protos.kvserve.v1 import decode_pb2_grpc
-from serving.cli import add_engine_flags, add_model_flags, add_server_flags, configure_logging, serve
+from serving.cli import (
+    add_engine_flags,
+    add_model_flags,
+    add_server_flags,
+    configure_logging,
+    engine_token_budget,
+    serve,
+)
 from serving.server import Server
 
 
@@ -27,8 +34,8 @@ def parser() -> argparse.ArgumentParser:
     add_model_flags(ap, model_help="local Hugging Face model folder (the one prefill serves)")
     ap.add_argument("--prefill", default="127.0.0.1:50052", help="prefill service address (default %(default)s)")
     add_server_flags(ap, listen="127.0.0.1:50051", max_workers=64)
-    add_engine_flags(ap, max_num_batched_tokens=256,
-                     why="smaller keeps the running streams' inter-token latency flat while a prompt is computed, larger computes it sooner")
+    add_engine_flags(ap, budget_cpu=64, budget_cuda=512,
+                     why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
     ap.add_argument("--prefill-timeout-s", type=float, default=60.0,
                     help="deadline of the Prefill call (default %(default)s)")
     return ap
@@ -42,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
         metrics = DecodeMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs))
+                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 PAD_TOKEN_ID = 0  # any id: padded positions are masked out
@@ -36,10 +36,12 @@ def padded_batch(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+def generate(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
     """Greedy ``generate`` of exactly ``new_tokens`` per prompt, as one batch: (new tokens per prompt, seconds)."""
-    # No min_new_tokens: it would mask the model's EOS ids (from its generation_config) out of the
-    # logits, which is not greedy decoding; eos_token_id=None alone runs every row to max_new_tokens.
+    # EOS ignored as the stack ignores it: generate fills a None eos_token_id from the model's own
+    # generation_config (and would then stop or pad after EOS), so it is cleared there. Not
+    # min_new_tokens either: that masks EOS out of the logits, which is not greedy decoding.
+    model.generation_config.eos_token_id = None
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                               pad_token_id=PAD_TOKEN_ID)
     ids, mask = padded_batch(prompts)
@@ -47,7 +49,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) 
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, generation_config=config)  # type: ignore[operator]
     seconds = time.perf_counter() - start
-    return out[:, ids.shape[1]:].tolist(), seconds
+    tokens = out[:, ids.shape[1]:].tolist()
+    if any(len(t) != new_tokens for t in tokens):
+        raise RuntimeError(f"generate returned {[len(t) for t in tokens]} new tokens, not {new_tokens} each")
+    return tokens, seconds
 
 
 def read_prompts(path: str) -> list[list[int]]:

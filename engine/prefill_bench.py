@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
 
     engine = Engine(load_model(args.model), block_size=args.block_size,
-                    config=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens))
+                    config=SchedulerConfig(args.max_num_batched_tokens, max_num_seqs=1))
     model, namespace = engine.model, engine.namespace()
     prompt = encode_prompt(model, messages=build_prompt(args.prompt_tokens))
     store = DictStore(namespace, prefix_hashes(prompt, engine.block_size, namespace.root()))

@@ -14,7 +14,14 @@ from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import SERVICE_NAME, PrefillServicer
 from prefill_service.service import DEFAULT_LEASE_TTL_S, PrefillService
 from protos.kvserve.v1 import prefill_pb2_grpc
-from serving.cli import add_engine_flags, add_model_flags, add_server_flags, configure_logging, serve
+from serving.cli import (
+    add_engine_flags,
+    add_model_flags,
+    add_server_flags,
+    configure_logging,
+    engine_token_budget,
+    serve,
+)
 from serving.server import Server
 
 
@@ -25,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_model_flags(ap, model_help="local Hugging Face model folder")
     add_server_flags(ap, listen="127.0.0.1:50052", max_workers=64)
-    add_engine_flags(ap, max_num_batched_tokens=2048,
+    add_engine_flags(ap, budget_cpu=2048, budget_cuda=8192,
                      why="prefill runs only prompts, so a large budget computes them fastest")
     ap.add_argument("--lease-ttl-s", type=float, default=DEFAULT_LEASE_TTL_S,
                     help="how long the prompt's blocks stay pinned for decode (default %(default)s)")
@@ -40,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
         metrics = PrefillMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs))
+                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

@@ -48,16 +48,27 @@ def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:
                    help="deadline of each KV store call; past it the request recomputes (default %(default)s)")
 
 
-def add_engine_flags(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, why: str) -> None:
-    """The flags of the batched engine (prefill, decode): KV pool size and what one step may hold."""
+def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda: int, why: str) -> None:
+    """The flags of the batched engine (prefill, decode): KV pool size and what one step may hold.
+    The token budget's default depends on the device (see `engine_token_budget`)."""
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
                    help="size of the KV pool, e.g. 2GiB (default: 1GiB on CPU, half the free device memory "
                         "on CUDA); a request that cannot fit it even alone is refused")
-    p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"most tokens in one forward: every decoding sequence's next token, then prompt "
-                        f"chunks; {why} (default %(default)s)")
+                        f"chunks; {why} (default {budget_cpu} on CPU, {budget_cuda} on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="most sequences in the engine at once; more wait (default %(default)s)")
+    p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
+
+
+def engine_token_budget(args: argparse.Namespace) -> int:
+    """--max-num-batched-tokens, or its default for --device: a CPU's forward costs in proportion to its
+    tokens from a few dozen on, a GPU's stays flat to hundreds."""
+    if args.max_num_batched_tokens is not None:
+        return int(args.max_num_batched_tokens)
+    cpu, cuda = args.token_budget_defaults
+    return int(cuda if str(args.device).startswith("cuda") else cpu)
 
 
 def configure_logging(service: str, level: str) -> None:

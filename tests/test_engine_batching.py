@@ -135,7 +135,7 @@ def test_long_prompts_computed_in_chunks_between_decode_rows(arch: str, budget: 
         assert stats.num_tokens <= budget
         progress.append((sum(s.num_new_tokens for s in short), [s.num_computed_tokens for s in long]))
 
-    engine = make_engine(model, BLOCK, 256, max_num_batched_tokens=budget, on_step=observe)
+    engine = make_engine(model, BLOCK, 256, max_num_batched_tokens=budget, max_num_seqs=budget, on_step=observe)
     outcomes = run(engine, seqs)
     assert len(progress) >= (301 + 213) // budget
     interleaved = [

@@ -55,7 +55,7 @@ def test_batched_streams_on_cuda_equal_hf_generate(arch: str, dtype: torch.dtype
     blocks of 16: preempted streams resume from the store."""
     model = _model(arch, dtype)
     preempted: list[int] = []
-    engine = make_engine(model, BLOCK, 12, max_num_batched_tokens=32,
+    engine = make_engine(model, BLOCK, 12, max_num_batched_tokens=32, max_num_seqs=32,
                          on_step=lambda stats: preempted.append(stats.num_preempted))
     assert engine.pool.kv.device.type == "cuda" and engine.pool.kv.dtype == dtype
     source = PrefixSource(DictStore(), engine.namespace())

@@ -221,8 +221,8 @@ def _seq(num_tokens: int, start: int = 0, *, max_new_tokens: int = 16, cached: b
     )
 
 
-def _scheduler(num_blocks: int, block_size: int = 4, *, budget: int = 64, max_seqs: int = 64) -> Scheduler:
-    return Scheduler(_pool(num_blocks, block_size), SchedulerConfig(budget, max_seqs))
+def _scheduler(num_blocks: int, block_size: int = 4, *, budget: int = 64, max_seqs: int | None = None) -> Scheduler:
+    return Scheduler(_pool(num_blocks, block_size), SchedulerConfig(budget, max_seqs or min(budget, 64)))
 
 
 def _schedule(sched: Scheduler) -> Schedule:
@@ -302,7 +302,7 @@ def test_decode_tokens_go_before_prompt_chunks_and_fill_the_budget_first() -> No
     assert plan.scheduled == [(a, 1), (b, 7)]
     _step(sched, plan)
 
-    sched.config = SchedulerConfig(max_num_batched_tokens=1)
+    sched.config = SchedulerConfig(max_num_batched_tokens=1, max_num_seqs=1)
     plan = _schedule(sched)  # only one token fits: the decode
     assert plan.scheduled == [(a, 1)]
 
@@ -477,3 +477,8 @@ def test_no_block_is_leaked_by_cancellations_failures_and_preemptions() -> None:
     assert not sched.loading and not sched.running and not sched.waiting
     assert (sched.pool.num_free, sched.pool.num_used, sched.pool.num_cached) == (0, 0, 9)
     sched.pool.check_integrity()
+
+
+def test_a_token_budget_below_the_sequence_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be at least max_num_seqs"):
+        SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=64)
