@@ -38,8 +38,12 @@ test-quick: $(STAMP)
 protos: $(STAMP)
 	$(PY) protos/build.py
 
-bench: $(STAMP)
-	$(VENV)/bin/kvserve bench all
+bench: $(STAMP) $(MODEL_DIR)/config.json
+	$(VENV)/bin/kvserve bench hash
+	$(VENV)/bin/kvserve bench prefill --model $(MODEL_DIR)
+	$(VENV)/bin/kvserve bench store
+	$(VENV)/bin/kvserve bench e2e
+	$(VENV)/bin/kvserve bench decode
 
 clean:
 	rm -rf $(VENV) data build *.egg-info

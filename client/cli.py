@@ -31,6 +31,7 @@ FORWARDED = {
     ("bench", "prefill"): "engine.prefill_bench",
     ("bench", "store"): "kvstore.bench",
     ("bench", "e2e"): "client.bench",
+    ("bench", "decode"): "client.decode_bench",
     ("kvstore",): "kvstore.__main__",
     ("prefill",): "prefill_service.__main__",
     ("decode",): "decode_service.__main__",
@@ -96,9 +97,9 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
-    bench = sub.add_parser("bench", help="benchmarks: hash, prefill, store, e2e (see `kvserve bench NAME --help`)",
-                           description="Benchmarks; see `kvserve bench NAME --help`.")
-    bench.add_argument("name", choices=["hash", "prefill", "store", "e2e"])
+    bench = sub.add_parser("bench", help="benchmarks: hash, prefill, store, e2e, decode "
+                           "(see `kvserve bench NAME --help`)", description="Benchmarks; see `kvserve bench NAME --help`.")
+    bench.add_argument("name", choices=["hash", "prefill", "store", "e2e", "decode"])
 
     up = sub.add_parser(
         "up", help="start the store, prefill and decode services locally",

@@ -203,6 +203,10 @@ class StackConfig:
     disk_capacity: str = "8GiB"
     block_size: int = 16
     extra_store_args: list[str] = field(default_factory=list)
+    # Appended to each service's flags; a flag given again wins (argparse keeps the last), so e.g.
+    # extra_prefill_args=["--kvstore", ADDR] points prefill at another store.
+    extra_prefill_args: list[str] = field(default_factory=list)
+    extra_decode_args: list[str] = field(default_factory=list)
 
 
 class Stack:
@@ -253,11 +257,12 @@ class Stack:
             self.services.append(store)
             common = ["--model", str(c.model_dir), "--kvstore", store.addr, "--block-size", str(c.block_size)]
             prefill = start_service("prefill", "prefill_service", [
-                *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1),
+                *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1), *c.extra_prefill_args,
             ], self._log("prefill"), host=host)
             self.services.append(prefill)
             decode = start_service("decode", "decode_service", [
                 *common, "--prefill", prefill.addr, "--listen", f"{c.host}:{c.decode_port}", *self._metrics(0),
+                *c.extra_decode_args,
             ], self._log("decode"), host=host)
             self.services.append(decode)
         except BaseException:

@@ -5,7 +5,9 @@ No serving at all: one process, the model loaded with ``from_pretrained``, greed
 left-padded batch (all prompts of the same length need no padding) and the wall time of the whole
 ``generate`` call is measured, prompt processing included, as the stack's time is. The prompts come
 as a JSON list of token-id lists (``--prompts FILE``, ``-`` for stdin), so that the caller's stack
-runs exactly the same ones. Prints one JSON object (``client.decode_bench`` reads it)::
+runs exactly the same ones. The same prompts then run through kvserve's engine alone, in this process
+(no services, no gRPC), so that a run shows how much of the gap to HF is the engine's and how much the
+serving around it. Prints one JSON object (``client.decode_bench`` reads it)::
 
     python -m engine.hf_batch_bench --model data/models/tiny-llama --prompts prompts.json --streams 1,4,16
 """
@@ -21,6 +23,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
+
+from engine.engine import Engine
+from engine.model import load_model
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import SchedulerConfig
+from engine.sequence import Sequence
 
 PAD_TOKEN_ID = 0  # any id: padded positions are masked out
 
@@ -55,6 +63,18 @@ def generate(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int) 
     return tokens, seconds
 
 
+def engine_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """The same, through kvserve's Engine in this process: (new tokens per prompt, seconds)."""
+    engine = Engine(load_model(model_dir), config=SchedulerConfig(max(2048, len(prompts)), max(64, len(prompts))))
+    seqs = [Sequence(p, Sampler(SamplingParams()), max_new_tokens=new_tokens) for p in prompts]
+    start = time.perf_counter()
+    for seq in seqs:
+        engine.add(seq)
+    engine.run_until_done()
+    seconds = time.perf_counter() - start
+    return [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts, strict=True)], seconds
+
+
 def read_prompts(path: str) -> list[list[int]]:
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     prompts = json.loads(text)
@@ -85,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     for n in levels:
         tokens, seconds = generate(model, prompts[:n], args.new_tokens)
         generated = sum(len(t) for t in tokens)
+        ours, engine_s = engine_generate(args.model, prompts[:n], args.new_tokens)
         runs.append({"streams": n, "generated_tokens": generated, "s": seconds, "tok_s": generated / seconds,
-                     "token_ids": tokens})
+                     "token_ids": tokens, "engine_s": engine_s, "engine_tok_s": sum(map(len, ours)) / engine_s,
+                     "engine_same_tokens": sum(a == b for a, b in zip(ours, tokens, strict=True))})
     print(json.dumps({"torch_threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "runs": runs}))
     return 0
 
