@@ -40,12 +40,13 @@ def test_throughput_report_reads_ratios_off_the_runs() -> None:
              {"streams": 16, "generated_tokens": 128, "s": 2.0, "tok_s": 64.0, "token_ids": [[1, 2]] * 15 + [[3, 4]],
               **timeline}]
     hf = {"torch_threads": 2, "runs": [
-        {"streams": 1, "generated_tokens": 8, "s": 0.4, "tok_s": 20.0, "token_ids": [[1, 2]]},
-        {"streams": 16, "generated_tokens": 128, "s": 1.0, "tok_s": 128.0, "token_ids": [[1, 2]] * 16}]}
+        {"streams": 1, "generated_tokens": 8, "s": 0.4, "tok_s": 20.0, "token_ids": [[1, 2]], "engine_tok_s": 18.0},
+        {"streams": 16, "generated_tokens": 128, "s": 1.0, "tok_s": 128.0, "token_ids": [[1, 2]] * 16,
+         "engine_tok_s": 96.0}]}
     report = throughput_report(stack, hf)
     row = report["rows"][1]
     assert row["stack_ratio"] == 4.0 and row["hf_ratio"] == 6.4 and row["stack_vs_hf"] == 0.5
-    assert row["same_tokens_as_hf"] == 15
+    assert row["same_tokens_as_hf"] == 15 and row["engine_vs_hf"] == 0.75
     assert report["goals"] == {"scaling": {"value": 4.0, "goal": 4.0, "met": True},
                                "vs_hf": {"value": 0.5, "goal": 0.7, "met": False}}
 
