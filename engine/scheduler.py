@@ -118,8 +118,8 @@ class Scheduler:
         """Room for ``seq``'s next token, preempting the newest unscheduled sequences; False if ``seq``
         itself was preempted."""
         need = self.blocks_needed(seq.num_computed_tokens + 1) - len(seq.block_table)
-        scheduled = {id(s) for s, _ in out.scheduled}
-        while need > self.pool.num_available:
+        while need > self.pool.num_available:  # rare: the scheduled set is built only here
+            scheduled = {id(s) for s, _ in out.scheduled}
             victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
             self.preempt(victim, out)
             if victim is seq:
