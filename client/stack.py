@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import select
@@ -12,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -59,25 +58,21 @@ def log_tail(log_path: Path | None, lines: int = 3) -> str:
     return "".join(f"\n    {line}" for line in tail)
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """Linux: a preexec function after which the child gets SIGTERM when the thread that started
-    it ends (its process killed, even by SIGKILL), so that a killed `kvserve up` leaves no orphan
-    servers holding its ports and data folder. None elsewhere, or off the main thread (a worker
-    thread's end would stop the child)."""
-    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
-    except (AttributeError, OSError):
-        return None
-    parent = os.getpid()
+PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by serving.cli.exit_with_parent in each service
 
-    def set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the call
-            os.kill(os.getpid(), signal.SIGTERM)
 
-    return set_pdeathsig
+def _child_env() -> dict[str, str]:
+    """The services' environment. From the main thread it names this process as their parent, so
+    that on Linux each asks to get SIGTERM when this process dies (even by SIGKILL) and a killed
+    `kvserve up` leaves no orphan servers holding its ports and data folder. Off the main thread
+    it does not: the signal follows the thread that started a child, and a worker thread's end
+    would stop it. The services set this up themselves, not a preexec function here: code run
+    between fork and exec in a process that already has gRPC threads can deadlock or crash."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(PARENT_PID_ENV, None)
+    if threading.current_thread() is threading.main_thread():
+        env[PARENT_PID_ENV] = str(os.getpid())
+    return env
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -114,8 +109,7 @@ def start_service(
         stdout=subprocess.PIPE,
         stderr=log if log is not None else None,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - only a prctl call
+        env=_child_env(),
     )
     try:
         return _wait_started(name, proc, log, log_path, timeout_s, host)

@@ -20,6 +20,7 @@ from serving.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
+    exit_with_parent,
     engine_token_budget,
     serve,
 )
@@ -42,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("decode", args.log_level)
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvstore.config import StoreConfig
 from kvstore.server import StoreServer
-from serving.cli import add_server_flags, configure_logging, parse_size, serve
+from serving.cli import add_server_flags, configure_logging, exit_with_parent, parse_size, serve
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,6 +29,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("kvstore", args.log_level)
     try:

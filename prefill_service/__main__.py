@@ -19,6 +19,7 @@ from serving.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
+    exit_with_parent,
     engine_token_budget,
     serve,
 )
@@ -40,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("prefill", args.log_level)
     try:

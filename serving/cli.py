@@ -4,7 +4,10 @@ size parsing, and serving until SIGTERM with one clear line when the start fails
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterable
 
@@ -69,6 +72,21 @@ def engine_token_budget(args: argparse.Namespace) -> int:
         return int(args.max_num_batched_tokens)
     cpu, cuda = args.token_budget_defaults
     return int(cuda if str(args.device).startswith("cuda") else cpu)
+
+
+def exit_with_parent() -> None:
+    """Linux: when started by `kvserve up` (or any client.stack launcher), which names itself in
+    KVSERVE_PARENT_PID, get SIGTERM as soon as that process dies, so no orphan keeps its ports;
+    exit at once if it is already gone. Does nothing for a service started any other way."""
+    parent = os.environ.pop("KVSERVE_PARENT_PID", "")
+    if not parent.isdigit() or sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        return
+    if os.getppid() != int(parent):  # it died before the call
+        sys.exit(f"the process that started this service ({parent}) has exited")
 
 
 def configure_logging(service: str, level: str) -> None:
