@@ -19,8 +19,8 @@ from serving.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
-    exit_with_parent,
     engine_token_budget,
+    exit_with_parent,
     serve,
 )
 from serving.server import Server
