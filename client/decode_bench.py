@@ -3,7 +3,8 @@
 Part 1, throughput. The three services run as real processes on loopback. For each concurrency N of
 `--streams`, N requests are streamed at once, each a distinct prompt of `--prompt-tokens` token ids
 (no tokenizer) generating exactly `--new-tokens` tokens (greedy, EOS ignored), under a cache salt of
-their own so that nothing is reused from an earlier level. Measured: the stack's tokens/s = the
+their own so that nothing is reused from an earlier level, after one untimed warm-up round at the
+largest N (as HF runs each batch once untimed first). Measured: the stack's tokens/s = the
 tokens the client received, summed over the N streams, / the wall time from just before the first
 request is sent to when the last stream's final result arrived (the prompts' prefill is inside it).
 Beside it, in the same run, the same prompts go through Hugging Face `generate` as one padded batch
@@ -60,6 +61,7 @@ VS_HF_GOAL = 0.7  # >= 0.7x HF's padded batch at 16 streams
 GOAL_STREAMS = 16
 ITL_GOAL = 3.0  # chunked: ITL p99 raised at most 3x
 ITL_CONTRAST = 20.0  # one forward: raised 20x or more
+WARM_UP_TOKENS = 8
 
 
 def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -132,6 +134,11 @@ class Streams:
             if f.done():
                 f.result()  # a failed stream raises here
 
+    def run(self) -> tuple[float, list[StreamTrace]]:
+        """``start`` then ``join``: (the time just before the first request was sent, the traces)."""
+        t0 = self.start()
+        return t0, self.join()
+
     def join(self) -> list[StreamTrace]:
         try:
             for f in self._futures:
@@ -167,13 +174,14 @@ def hf_baseline(model: Path, prompts: list[list[int]], levels: list[int], new_to
 def stack_throughput(client: Client, prompts: list[list[int]], levels: list[int], new_tokens: int
                      ) -> list[dict[str, Any]]:
     run = uuid.uuid4().hex[:8]
-    client.generate(token_ids=prompts[0], max_tokens=2, ignore_eos=True, cache_salt=f"warm-{run}")  # start-up costs
+    # Warm-up, untimed: the largest concurrency once (request threads, the first large forwards' memory).
+    Streams(client, [dict(token_ids=p, max_tokens=WARM_UP_TOKENS, ignore_eos=True, cache_salt=f"warm-{run}")
+                     for p in prompts[: max(levels)]]).run()
     rows = []
     for n in levels:
         streams = Streams(client, [dict(token_ids=p, max_tokens=new_tokens, ignore_eos=True,
                                         cache_salt=f"decode-bench-{run}-{n}") for p in prompts[:n]])
-        t0 = streams.start()
-        traces = streams.join()
+        t0, traces = streams.run()
         seconds = max(t.end for t in traces) - t0
         tokens = check_tokens(traces, new_tokens)
         rows.append({"streams": n, "generated_tokens": tokens, "s": seconds, "tok_s": tokens / seconds,

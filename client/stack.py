@@ -184,6 +184,10 @@ def stop_service(service: Service, timeout_s: float = 30.0) -> int:
     return service.process.wait()
 
 
+# The three services share this host's cores: prompts are computed first (see decode's --nice).
+DECODE_NICE = 10
+
+
 @dataclass
 class StackConfig:
     model_dir: Path
@@ -256,7 +260,7 @@ class Stack:
             self.services.append(prefill)
             decode = start_service("decode", "decode_service", [
                 *common, "--prefill", prefill.addr, "--listen", f"{c.host}:{c.decode_port}", *self._metrics(0),
-                *c.extra_decode_args,
+                "--nice", str(DECODE_NICE), *c.extra_decode_args,
             ], self._log("decode"), host=host)
             self.services.append(decode)
         except BaseException:

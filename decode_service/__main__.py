@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("decode", args.log_level)
+    os.nice(args.nice)  # before any thread starts: every thread inherits it
     try:
         model = load_model(args.model, device=args.device)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
@@ -59,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefill = PrefillClient(args.prefill, timeout_s=args.prefill_timeout_s)
     service = DecodeService(engine, store, prefill, metrics)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(service), SERVICE_NAME)
-    service.start()
-    return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close])
+    # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
+    return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,15 @@
 sequence it runs (DESIGN.md, "Engine").
 
 Request threads call ``add`` and ``abort`` (thread-safe; they land in an inbox) and read each
-sequence's events. One thread runs ``step`` in a loop (``start``/``stop``), or a test calls
-``step``/``run_until_done`` itself. KV sources load and save on a small pool of I/O threads, never
-on the step thread.
+sequence's events. One thread runs ``step`` in a loop (``run``, or ``start`` for a thread of its
+own; ``stop`` ends it), or a test calls ``step``/``run_until_done`` itself. KV sources load and save
+on a small pool of I/O threads, never on the step thread.
+
+On a CPU, only the step thread runs tensor kernels on several cores; the I/O threads run theirs on
+one. With OpenMP (torch's CPU backend), every thread that runs a parallel kernel keeps a team of
+worker threads, and once a process holds more such threads than it has cores, OpenMP stops
+spin-waiting between kernels: each of a step's few hundred small kernels then pays a wake-up, and a
+step took 40 % longer. So a service runs ``run`` on its main thread, the one that loaded the model.
 """
 
 from __future__ import annotations
@@ -119,10 +125,12 @@ class Engine:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-io")
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-io", initializer=torch.set_num_threads,
+                                      initargs=(1,))  # one core each: see the module's docstring
         self._io_in_flight = 0  # loads and saves submitted and not yet done
-        self._thread: threading.Thread | None = None
         self._stopping = False
+        self._running = threading.Event()  # run() has started
+        self._stopped = threading.Event()  # run() has returned
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         """The namespace whose root seeds the prefix hashes of this model, dtype and block size."""
@@ -162,18 +170,30 @@ class Engine:
     # ---- the step thread --------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
-        self._thread.start()
+        """Runs ``run`` on a thread of its own (tests and in-process use; a service runs it on its main thread)."""
+        self._running.set()
+        threading.Thread(target=self.run, name="engine-step", daemon=True).start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Ends ``run`` (on whichever thread it runs) and waits up to ``timeout_s`` for it to have finished
+        every sequence left."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        if self._running.is_set():
+            self._stopped.wait(timeout_s)
         self._io.shutdown(wait=False, cancel_futures=True)
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Steps until ``stop``, sleeping while there is nothing to do; then fails what is left with
+        "shutdown"."""
+        self._running.set()
+        try:
+            self._run_loop()
+        finally:
+            self._stopped.set()
+
+    def _run_loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._inbox and not self.scheduler.running:

@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--streams asks for {max(levels)} prompts; --prompts holds {len(prompts)}")
 
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
-    generate(model, prompts[:1], 2)  # warm-up: one-time start-up costs
     runs = []
     for n in levels:
+        generate(model, prompts[:n], 2)  # warm-up, untimed: the first forwards of this batch size
         tokens, seconds = generate(model, prompts[:n], args.new_tokens)
         generated = sum(len(t) for t in tokens)
         ours, engine_s = engine_generate(args.model, prompts[:n], args.new_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("prefill", args.log_level)
+    os.nice(args.nice)  # before any thread starts: every thread inherits it
     try:
         model = load_model(args.model, device=args.device)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
@@ -56,8 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
     service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
-    service.start()
-    return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close])
+    # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
+    return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
 
 
 if __name__ == "__main__":

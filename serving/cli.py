@@ -62,6 +62,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
                         f"chunks; {why} (default {budget_cpu} on CPU, {budget_cuda} on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="most sequences in the engine at once; more wait (default %(default)s)")
+    p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="0-19",
+                   help="lower this service's CPU priority by this much at start (Unix nice): where prefill "
+                        "and decode share a host's cores, decode at 10 lets prompts be computed first, "
+                        "shortening the time to first token at some cost to running streams (default 0)")
     p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
 
 
@@ -100,9 +104,11 @@ def serve(
     *,
     before_stop: Iterable[Callable[[], None]] = (),
     on_stop: Iterable[Callable[[], None]] = (),
+    main_loop: Callable[[], None] | None = None,
     grace_s: float = 5.0,
 ) -> int:
-    """Starts `server`, prints `LISTENING <port>` and serves until SIGTERM or SIGINT (exit code 0).
+    """Starts `server`, prints `LISTENING <port>` and serves until SIGTERM or SIGINT (exit code 0),
+    running `main_loop` on this thread meanwhile if given (`serving.server.run_until_signal`).
 
     A port that is taken or not valid is one line on stderr and exit code 2, after the `on_stop`
     callbacks have released what the service holds.
@@ -115,5 +121,5 @@ def serve(
             fn()
         return 2
     print(f"LISTENING {port}", flush=True)
-    run_until_signal(server, before_stop=before_stop, on_stop=on_stop, grace_s=grace_s)
+    run_until_signal(server, before_stop=before_stop, on_stop=on_stop, grace_s=grace_s, main_loop=main_loop)
     return 0

@@ -159,27 +159,45 @@ def run_until_signal(
     on_stop: Iterable[Callable[[], None]] = (),
     grace_s: float = 5.0,
     before_stop: Iterable[Callable[[], None]] = (),
+    main_loop: Callable[[], None] | None = None,
 ) -> None:
     """Blocks until SIGTERM or SIGINT, then drains and stops the server.
 
     Health turns NOT_SERVING first; `before_stop` callbacks then end in-flight work with their own
     status (while the server can still send it); then the server stops within `grace_s` and the
-    `on_stop` callbacks release what is left.
+    `on_stop` callbacks release what is left. With `main_loop` (an engine's step loop, which must
+    run on the main thread), the main thread runs it meanwhile and a `before_stop` callback ends it;
+    should it end by itself, the service shuts down as on a signal.
     """
     stopped = threading.Event()
+    loop_ended = False  # a plain flag: the main thread must not take the Event's lock, which a handler may need
 
     def handle(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)
         stopped.set()
 
+    def wait_and_stop() -> None:
+        # Poll: the signal may be delivered to another thread, which would not wake a bare wait().
+        while not stopped.wait(0.2) and not loop_ended:
+            pass
+        server.drain()
+        for fn in before_stop:
+            fn()
+        server.stop(grace_s)
+        for fn in on_stop:
+            fn()
+
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
-    # Poll: the signal may be delivered to another thread, which would not wake a bare wait().
-    while not stopped.wait(0.2):
-        pass
-    server.drain()
-    for fn in before_stop:
-        fn()
-    server.stop(grace_s)
-    for fn in on_stop:
-        fn()
+    if main_loop is None:
+        wait_and_stop()
+        return
+    waiter = threading.Thread(target=wait_and_stop, name="shutdown")
+    waiter.start()
+    try:
+        main_loop()
+    finally:
+        if not stopped.is_set():
+            log.error("the engine loop ended by itself: shutting down")
+        loop_ended = True
+        waiter.join()

@@ -118,6 +118,18 @@ def test_the_step_thread_serves_request_threads_and_stop_ends_what_is_left() -> 
         engine.add(make_seq(model, [1, 2, 3], 1))
 
 
+def test_kv_io_threads_run_their_kernels_on_one_core() -> None:
+    """Only the step thread may keep an OpenMP team (engine.engine's docstring); the step thread's own
+    thread count is left as it was."""
+    threads = torch.get_num_threads()
+    engine = Engine(tiny_model("llama"), BLOCK, kv_cache_memory=1 << 20)
+    try:
+        assert engine._io.submit(torch.get_num_threads).result(timeout=WAIT_S) == 1
+        assert torch.get_num_threads() == threads
+    finally:
+        engine.stop()
+
+
 def test_an_empty_sequence_is_refused() -> None:
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="empty"):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -15,7 +18,7 @@ from engine.model import ContextLengthError
 from kvstore.errors import InvalidRequest
 from serving.errors import FailedPrecondition, InvalidArgument, Unavailable, status_of
 from serving.metrics import outcome_of
-from serving.server import Server
+from serving.server import Server, run_until_signal
 
 
 def test_a_taken_port_is_refused_not_shared() -> None:
@@ -44,6 +47,48 @@ def test_a_missing_model_is_one_line_and_exit_2(module: str, tmp_path: Path) -> 
                            "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no model at" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def own_signal_handlers() -> Iterator[None]:
+    """run_until_signal installs SIGTERM/SIGINT handlers; pytest's come back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.usefixtures("own_signal_handlers")
+def test_a_signal_ends_the_main_loop_through_before_stop_then_stops_the_server() -> None:
+    server = Server("127.0.0.1:0")
+    server.start()
+    loop_done = threading.Event()
+    seen: list[str] = []
+
+    def main_loop() -> None:  # as an engine's step loop: runs on the main thread until stopped
+        seen.append(f"loop on main: {threading.current_thread() is threading.main_thread()}")
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert loop_done.wait(30)
+        seen.append("loop ended")
+
+    run_until_signal(server, before_stop=[lambda: (seen.append("before_stop"), loop_done.set())],
+                     on_stop=[lambda: seen.append("on_stop")], main_loop=main_loop)
+    assert seen[:2] == ["loop on main: True", "before_stop"]
+    assert sorted(seen[2:]) == ["loop ended", "on_stop"]
+
+
+@pytest.mark.usefixtures("own_signal_handlers")
+def test_a_main_loop_that_ends_by_itself_shuts_the_service_down() -> None:
+    server = Server("127.0.0.1:0")
+    port = server.start()
+    seen: list[str] = []
+    run_until_signal(server, before_stop=[lambda: seen.append("before_stop")],
+                     on_stop=[lambda: seen.append("on_stop")], main_loop=lambda: None)
+    assert seen == ["before_stop", "on_stop"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.FutureTimeoutError):
+        grpc.channel_ready_future(channel).result(timeout=1)
 
 
 class _NamesItsStatus(Exception):
