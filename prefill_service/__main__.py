@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ from serving.cli import (
     configure_logging,
     engine_token_budget,
     exit_with_parent,
+    prepare_engine_process,
     serve,
 )
 from serving.server import Server
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("prefill", args.log_level)
-    os.nice(args.nice)  # before any thread starts: every thread inherits it
+    prepare_engine_process(args.nice)
     try:
         model = load_model(args.model, device=args.device)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)

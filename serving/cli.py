@@ -93,6 +93,29 @@ def exit_with_parent() -> None:
         sys.exit(f"the process that started this service ({parent}) has exited")
 
 
+# glibc's mallopt parameters, and the largest mmap threshold it accepts on 64-bit.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_HEAP_BUFFER_MAX = 32 << 20
+
+
+def prepare_engine_process(nice: int) -> None:
+    """What a process that runs the engine sets before any thread starts (every thread inherits it).
+
+    Its CPU priority (--nice). And glibc's malloc: tensor buffers up to 32 MiB come from the heap and
+    freed ones stay there for the next step. By default a buffer over 128 KiB gets a fresh mmap until
+    glibc's adaptive threshold has seen that size freed, and every fresh mapping is faulted in page by
+    page: over a decode service's first 16 streams, half a million page faults made each step 40 %
+    slower. Other C libraries are left as they are."""
+    os.nice(nice)
+    if sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL(None)
+            libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_BUFFER_MAX)
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _HEAP_BUFFER_MAX)
+        except (AttributeError, OSError):
+            pass
+
+
 def configure_logging(service: str, level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")

@@ -198,6 +198,6 @@ def run_until_signal(
         main_loop()
     finally:
         if not stopped.is_set():
-            log.error("the engine loop ended by itself: shutting down")
+            log.error("the main loop ended before a stop signal: shutting down")
         loop_ended = True
         waiter.join()
