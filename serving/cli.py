@@ -96,17 +96,25 @@ def exit_with_parent() -> None:
 # glibc's mallopt parameters, and the largest mmap threshold it accepts on 64-bit.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_BUFFER_MAX = 32 << 20
+_GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def prepare_engine_process(nice: int) -> None:
     """What a process that runs the engine sets before any thread starts (every thread inherits it).
 
-    Its CPU priority (--nice). And glibc's malloc: tensor buffers up to 32 MiB come from the heap and
-    freed ones stay there for the next step. By default a buffer over 128 KiB gets a fresh mmap until
-    glibc's adaptive threshold has seen that size freed, and every fresh mapping is faulted in page by
-    page: over a decode service's first 16 streams, half a million page faults made each step 40 %
-    slower. Other C libraries are left as they are."""
+    - Its CPU priority (--nice).
+    - Python's GIL switch interval, 0.5 ms instead of 5. The step thread lets go of the GIL in each of
+      a step's few hundred kernels; while another thread runs Python (I/O threads encoding a finished
+      prompt's KV for the store), it waited up to the interval to get it back after each one, and one
+      such save stalled every running stream for 300-500 ms.
+    - glibc's malloc: tensor buffers up to 32 MiB come from the heap, and freed ones stay there for
+      the next step. By default a buffer over 128 KiB gets a fresh mmap until glibc's adaptive
+      threshold has seen that size freed, and each fresh mapping is faulted in page by page: over a
+      decode service's first 16 streams, half a million page faults made each step 40 % slower.
+      Other C libraries are left as they are.
+    """
     os.nice(nice)
+    sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         try:
             libc = ctypes.CDLL(None)
