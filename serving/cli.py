@@ -93,10 +93,10 @@ def exit_with_parent() -> None:
         sys.exit(f"the process that started this service ({parent}) has exited")
 
 
-# glibc's mallopt parameters, and the largest mmap threshold it accepts on 64-bit.
+_GIL_SWITCH_INTERVAL_S = 0.0005
+# glibc's mallopt parameters; 32 MiB is the ceiling of glibc's own adaptive threshold on 64-bit.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_BUFFER_MAX = 32 << 20
-_GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def prepare_engine_process(nice: int) -> None:
