@@ -55,7 +55,7 @@ class KVServeStack:
     data_dir: Path  # the store's disk tier and the logs
     logs: dict[str, Path]  # "kvstore", "prefill", "decode" -> that service's log file
     pids: dict[str, int]
-    shm_dir: Path | None  # the store's shared-memory host tier; None when kept in process memory
+    shm_dir: Path | None  # the store's shared-memory dir (its arena's socket); None when kept in process memory
 
     def log(self, name: str) -> str:
         """Everything service `name` has logged so far."""
@@ -164,8 +164,8 @@ def _shm_dir(store_addr: str) -> Path | None:
     from kvstore import KVStoreClient
 
     with KVStoreClient(store_addr) as store:
-        shm_dir = store.info().shm_dir
-    return Path(shm_dir) if shm_dir else None
+        socket = store.info().arena_socket
+    return Path(socket).parent if socket else None
 
 
 def _stop(stack: Stack, shm_dir: Path | None) -> None:

@@ -1,25 +1,23 @@
 """KVStoreClient: the one way other packages reach the store.
 
 Payloads are verified against their xxh3-64 checksums on receipt. A client on the same host as
-the server (same boot id, shm dir accessible) reads blocks of the host tier straight from shared
-memory and stages puts there, so no payload crosses gRPC; everything it cannot read that way
-falls back to the plain chunked gRPC path, which remote clients always use.
+the server maps the server's shared-memory arena (kvstore/arena.py) and moves each block with one
+copy: out of the slot a Get names, into a slot it reserved for a Put; no payload crosses gRPC.
+Whatever it cannot move that way goes as chunked gRPC bytes, which remote clients always use.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import grpc
 
+from kvstore.arena import ArenaMap, host_id
 from kvstore.block_format import checksum
-from kvstore.shm import ShmReader, host_id, stage_block_file, usable_dir
-from kvstore.types import LookupResult, StoreStats, Tier, TierStats
+from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
@@ -27,16 +25,13 @@ from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from serving.server import CHANNEL_OPTIONS
 
 _NO_LIMIT = 1 << 62
-_REPORT_INTERVAL_S = 0.05
-_REPORT_KEYS = 4096
-_STAGED_BATCH_BYTES = 4 << 20  # same-host put: staged blocks named per message
+_STAGED_BATCH_BYTES = 4 << 20  # same-host put: blocks named per message
 
 
 class StoreInfo(NamedTuple):
     host_id: str
-    shm_dir: str
+    arena_socket: str  # "" when the server shares no arena
     max_message_bytes: int
-    shm_token: str = ""
 
 
 class BlockEvent(NamedTuple):
@@ -56,25 +51,18 @@ class KVStoreClient:
     down or slow; INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED: see the message).
     """
 
-    def __init__(
-        self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True, shm_map_bytes: int = 1 << 30
-    ) -> None:
-        """`use_shm=False` forces plain gRPC bytes; `shm_map_bytes` bounds the shared-memory
-        mappings this client keeps open (they may outlive blocks the server evicted)."""
+    def __init__(self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True) -> None:
+        """`use_shm=False` forces plain gRPC bytes even on the server's host."""
         self.addr = addr
         self.timeout_s = timeout_s
         self.use_shm = use_shm
-        self.shm_map_bytes = shm_map_bytes
         self.checksum_failures = 0  # blocks received whose checksum did not match (reported as None)
         self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._reader: ShmReader | None = None
-        self._shm_checked = False
-        self._shm_lock = threading.Lock()
-        self._report: grpc.Future | None = None
-        self._unreported: list[BlockHash] = []
-        self._reported_at = 0.0
-        self._reports_lock = threading.Lock()
+        self._arena: ArenaMap | None = None
+        self._arena_path = ""
+        self._arena_checked = False
+        self._arena_lock = threading.Lock()
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -83,55 +71,29 @@ class KVStoreClient:
         self.close()
 
     def close(self) -> None:
-        self._report_reads([], now=True)
-        if self._reader is not None:
-            self._reader.close()
+        with self._arena_lock:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
         self._channel.close()
 
     # -- contract ------------------------------------------------------------------------------
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[BlockHash, Buffer]], ephemeral: bool = False) -> int:
         """Stores (hash, payload) pairs, in prefix order; returns how many were new. A hash
         already stored keeps its payload (blocks are immutable: the first write wins)."""
-        reader = self._shm()
-        shm = None if reader is None else Path(reader.dir)
-        staged: list[Path] = []
-
-        def requests() -> Iterator[pb.PutRequest]:
-            nonlocal shm
-            batch: list[pb.BlockChunk] = []
-            batch_bytes = 0
-            for key, payload in blocks:
-                csum = checksum(payload)
-                name = self._stage(shm, payload, csum) if shm is not None and payload else None
-                if name is not None:
-                    assert shm is not None
-                    staged.append(shm / name)
-                    batch.append(pb.BlockChunk(hash=key, total_size=len(payload), checksum=csum, shm_name=name))
-                    batch_bytes += len(payload)
-                    if batch_bytes >= _STAGED_BATCH_BYTES:  # the server verifies these while we stage more
-                        yield pb.PutRequest(staged=batch, ephemeral=ephemeral)
-                        batch, batch_bytes = [], 0
-                    continue
-                if batch:
-                    yield pb.PutRequest(staged=batch, ephemeral=ephemeral)
-                    batch, batch_bytes = [], 0
-                shm = None  # shared memory failed us: the rest goes as bytes
-                for chunk in split_block(key, payload, csum):
-                    yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
-            if batch:
-                yield pb.PutRequest(staged=batch, ephemeral=ephemeral)
-
-        try:
-            response = self._stub.Put(requests(), timeout=self.timeout_s)
-        finally:
-            for path in staged:  # the server consumed those it stored; drop any it did not reach
-                path.unlink(missing_ok=True)
-        return int(response.num_new)
+        items = list(blocks)
+        arena = self._shm()
+        if arena is not None and items:
+            try:
+                return self._put_arena(arena, items, ephemeral)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                    raise  # else no room for a reservation: send the bytes
+        return self._put_rpc(items, ephemeral)
 
     def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading hashes are present (and in which tier); pins them if lease_ttl_s."""
-        self._report_reads([], now=True)
         response = self._stub.Lookup(
             pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0), timeout=self.timeout_s
         )
@@ -142,45 +104,42 @@ class KVStoreClient:
         """Verified payloads in request order; None for a miss or a corrupt block."""
         keys = list(hashes)
         out: list[bytes | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        reader = self._shm()
-        if reader is not None:
-            todo = self._read_shm(reader, keys, out)
-        if todo:
-            self._get_rpc(keys, todo, out, reader)
+
+        def take(i: int, payload: Buffer) -> None:
+            out[i] = bytes(payload)
+
+        def take_shm(i: int, arena: ArenaMap, offset: int, size: int, csum: int) -> bool:
+            out[i] = arena.read(offset, size, csum)
+            return out[i] is not None
+
+        self._get_rpc(keys, list(range(len(keys))), self._shm(), take, take_shm)
         return out
 
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[memoryview]) -> list[int | None]:
         """Like get, into caller buffers (one per hash, big enough): sizes written, None for a miss.
 
         The one-copy read path (DESIGN.md, "Transfer"): on the same host each block is copied once,
-        from shared memory straight into the buffer, e.g. a slot of the engine's KV pool; `get`
-        instead returns a new bytes object per block."""
+        from its arena slot straight into the buffer, e.g. a slot of the engine's KV pool."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        reader = self._shm()
-        if reader is not None:
-            found_at: list[int] = []
-            todo = []
-            for i, key in enumerate(keys):
-                sizes[i] = reader.read_into(key.hex(), buffers[i]) if len(key) == 32 else None
-                (todo if sizes[i] is None else found_at).append(i)
-            found = [keys[i] for i in found_at]
-            self._report_reads(found)
-        if todo:
-            payloads = self.get([keys[i] for i in todo])
-            for i, payload in zip(todo, payloads, strict=True):
-                if payload is not None and len(payload) <= len(buffers[i]):
-                    buffers[i][: len(payload)] = payload
-                    sizes[i] = len(payload)
+
+        def take(i: int, payload: Buffer) -> None:
+            if len(payload) <= len(buffers[i]):
+                buffers[i][: len(payload)] = payload
+                sizes[i] = len(payload)
+
+        def take_shm(i: int, arena: ArenaMap, offset: int, size: int, csum: int) -> bool:
+            ok = arena.read_into(offset, size, csum, buffers[i])
+            sizes[i] = size if ok else None
+            return ok
+
+        self._get_rpc(keys, list(range(len(keys))), self._shm(), take, take_shm)
         return sizes
 
     def release(self, lease_id: str) -> None:
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout_s)
 
     def stats(self) -> StoreStats:
-        self._report_reads([], now=True)
         r = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         tiers = [
             TierStats(_tier_name(t.tier), t.blocks, t.bytes, t.capacity_bytes, t.hits, t.misses, t.evictions, t.demotions, t.promotions)
@@ -192,7 +151,7 @@ class KVStoreClient:
 
     def info(self) -> StoreInfo:
         r = self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
-        return StoreInfo(r.host_id, r.shm_dir, int(r.max_message_bytes), r.shm_token)
+        return StoreInfo(r.host_id, r.arena_socket, int(r.max_message_bytes))
 
     def events(self) -> Iterator[BlockEvent]:
         """Blocks stored and removed, as they happen (no deadline; cancel by closing the client)."""
@@ -200,87 +159,75 @@ class KVStoreClient:
             yield BlockEvent(ev.kind == pb.Event.KIND_STORED, list(ev.hashes), _tier_name(ev.tier) if ev.tier else None)
 
     def shm_dir(self) -> Path | None:
-        """The server's shared-memory dir when this client can use it, else None."""
-        reader = self._shm()
-        return None if reader is None else Path(reader.dir)
+        """The server's shared-memory dir when this client maps its arena, else None."""
+        return Path(self._arena_path).parent if self._shm() is not None else None
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _shm(self) -> ShmReader | None:
-        # Asks Info once, and again whenever the dir has gone (the server restarted elsewhere).
+    def _shm(self) -> ArenaMap | None:
+        # Asks Info once, and again whenever the socket has gone (the server restarted elsewhere).
         if not self.use_shm:
             return None
-        with self._shm_lock:
-            reader = self._reader
-            if self._shm_checked and (reader is None or os.path.isdir(reader.dir)):
-                return reader
-            if reader is not None:
-                reader.close()
+        with self._arena_lock:
+            if self._arena_checked and (self._arena is None or Path(self._arena_path).exists()):
+                return self._arena
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
             try:
                 info = self.info()
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
                     raise
                 info = StoreInfo("", "", 0)
-            shm = usable_dir(info.shm_dir, info.shm_token) if info.host_id == host_id() else None
-            self._reader = ShmReader(shm, self.shm_map_bytes) if shm else None
-            self._shm_checked = True
-            return self._reader
+            self._arena_path = info.arena_socket
+            if info.arena_socket and info.host_id == host_id():
+                try:
+                    self._arena = ArenaMap(info.arena_socket)
+                except OSError:  # another container, or not a kvserve arena: bytes it is
+                    self._arena = None
+            self._arena_checked = True
+            return self._arena
 
     def _forget_shm(self) -> None:
-        with self._shm_lock:
-            self._shm_checked = False
+        with self._arena_lock:
+            self._arena_checked = False
 
-    # -- internals -----------------------------------------------------------------------------
+    def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, Buffer]], ephemeral: bool) -> int:
+        reply = self._stub.Reserve(pb.ReserveRequest(sizes=[len(p) for _, p in items]), timeout=self.timeout_s)
+        if len(reply.offsets) != len(items):
+            raise ValueError(f"store reserved {len(reply.offsets)} slots for {len(items)} blocks")
+        rid = reply.reservation_id
 
-    def _stage(self, shm: Path, payload: bytes, csum: int) -> str | None:
-        try:
-            return stage_block_file(shm, payload, csum)
-        except OSError:  # the dir went away (server restarted) or shm is full
-            self._forget_shm()
-            return None
+        def requests() -> Iterator[pb.PutRequest]:
+            batch: list[pb.BlockChunk] = []
+            batch_bytes = 0
+            for (key, payload), offset in zip(items, reply.offsets, strict=True):
+                arena.write(offset, payload)
+                batch.append(pb.BlockChunk(hash=key, total_size=len(payload), checksum=checksum(payload), shm_offset=offset))
+                batch_bytes += len(payload)
+                if batch_bytes >= _STAGED_BATCH_BYTES:  # the server stores these while we copy more
+                    yield pb.PutRequest(staged=batch, ephemeral=ephemeral, reservation_id=rid)
+                    batch, batch_bytes = [], 0
+            if batch:
+                yield pb.PutRequest(staged=batch, ephemeral=ephemeral, reservation_id=rid)
 
-    def _read_shm(self, reader: ShmReader, keys: list[BlockHash], out: list[bytes | None]) -> list[int]:
-        """Reads what lies in the shm tier; reports the reads so the server's LRU and hit counts
-        stay exact; returns the positions still to fetch."""
-        todo: list[int] = []
-        found: list[BlockHash] = []
-        for i, key in enumerate(keys):
-            payload = reader.read(key.hex()) if len(key) == 32 else None
-            if payload is None:
-                todo.append(i)
-            else:
-                out[i] = payload
-                found.append(key)
-        self._report_reads(found)
-        return todo
+        return int(self._stub.Put(requests(), timeout=self.timeout_s).num_new)
 
-    def _report_reads(self, keys: list[BlockHash], *, now: bool = False) -> None:
-        # Best effort, off the critical path: a Lookup touches the blocks read in place (LRU
-        # order, hit counts). Reads are batched: one report in flight at a time, and at most one
-        # every _REPORT_INTERVAL_S unless many keys wait; lookup/stats/close send what is left.
-        with self._reports_lock:
-            self._unreported.extend(keys)
-            if not self._unreported:
-                return
-            in_flight = self._report is not None and not self._report.done()
-            due = now or len(self._unreported) >= _REPORT_KEYS or time.monotonic() - self._reported_at >= _REPORT_INTERVAL_S
-            if in_flight and now:
-                self._report.exception()  # type: ignore[union-attr]
-            elif in_flight or not due:
-                return
-            request = pb.LookupRequest(hashes=self._unreported)
-            self._unreported = []
-            self._reported_at = time.monotonic()
-            self._report = self._stub.Lookup.future(request, timeout=self.timeout_s)
-            if now:
-                self._report.exception()
+    def _put_rpc(self, items: list[tuple[BlockHash, Buffer]], ephemeral: bool) -> int:
+        def requests() -> Iterator[pb.PutRequest]:
+            for key, payload in items:
+                for chunk in split_block(key, payload, checksum(payload)):
+                    yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
 
-    def _get_rpc(self, keys: list[BlockHash], todo: list[int], out: list[bytes | None], reader: ShmReader | None) -> None:
+        return int(self._stub.Put(requests(), timeout=self.timeout_s).num_new)
+
+    def _get_rpc(self, keys: list[BlockHash], todo: list[int], arena: ArenaMap | None,
+                 take: Callable[[int, Buffer], None], take_shm: Callable[[int, ArenaMap, int, int, int], bool]) -> None:
         assembler = BlockAssembler(_NO_LIMIT)
         retry: list[int] = []
         pending = iter(todo)
-        request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=reader is not None)
+        request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=arena is not None)
         for response in self._stub.Get(request, timeout=self.timeout_s):
             if not response.found:
                 next(pending)
@@ -291,17 +238,13 @@ class KVStoreClient:
             i = next(pending)
             if block.key != keys[i]:
                 raise ValueError(f"store answered block {block.key.hex()[:16]} for {keys[i].hex()[:16]}")
-            if block.shm_name:
-                payload = reader.read(block.shm_name, block.checksum) if reader else None
-                if payload is None:
-                    retry.append(i)  # removed between the answer and the read
-                    continue
-                out[i] = payload
+            if block.shm_offset is not None:
+                if arena is None or not take_shm(i, arena, block.shm_offset, block.total_size, block.checksum):
+                    retry.append(i)  # its slot was reused between the answer and the copy: ask for bytes
             elif block.payload is not None and checksum(block.payload) == block.checksum:
-                out[i] = block.payload
+                take(i, block.payload)
             else:
                 self.checksum_failures += 1
         assembler.finish()
         if retry:
-            self._get_rpc(keys, retry, out, None)
-
+            self._get_rpc(keys, retry, None, take, take_shm)

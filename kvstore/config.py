@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.disk_tier import DiskTier
-from kvstore.host_tier import MemoryHostTier, ShmHostTier
+from kvstore.host_tier import ArenaHostTier, MemoryHostTier
 from kvstore.tier import TierStorage
-
-log = logging.getLogger(__name__)
 
 _GiB = 1024**3
 
@@ -46,26 +42,10 @@ def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
 
         tiers.append((DeviceTier(config.device), config.device_capacity))
     if config.host_capacity > 0:
-        host: TierStorage = MemoryHostTier()
-        if config.shm and free_bytes(config.shm_root) >= config.host_capacity:
-            host = ShmHostTier.create(config.shm_root)
-        elif config.shm:  # e.g. a container's 64 MiB /dev/shm: writes would fail with ENOSPC
-            log.warning(
-                "%s has %d bytes free, less than --host-capacity %d: host tier kept in process memory, "
-                "no same-host fast path (give the container a larger shm_size)",
-                config.shm_root, free_bytes(config.shm_root), config.host_capacity,
-            )
+        host = ArenaHostTier.create(config.host_capacity, config.shm_root) if config.shm else MemoryHostTier()
         tiers.append((host, config.host_capacity))
     if config.disk_capacity > 0 and config.disk_path is not None:
         tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
     if not tiers:
         raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
     return tiers
-
-
-def free_bytes(path: str) -> int:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize

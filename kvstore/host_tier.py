@@ -1,4 +1,4 @@
-"""Host (RAM) tiers: a plain dict, or files in shared memory that same-host clients read in place."""
+"""Host (RAM) tiers: a plain dict, or an arena in shared memory that same-host clients map."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from kvstore.block_format import HEADER_BYTES
-from kvstore.shm import SHM_TOKEN_FILE, map_block_file, stage_block_file
+from kvstore.arena import SOCKET_NAME, Arena, ArenaSocket
+from kvstore.block_format import CorruptBlock, checksum
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, Tier
 from protos.block_hash import BlockHash
@@ -36,64 +36,81 @@ class MemoryHostTier(TierStorage):
         return set(self._blocks)
 
 
-def block_file_name(key: BlockHash) -> str:
-    return key.hex()
+class ArenaHostTier(TierStorage):
+    """Blocks in slots of a shared-memory arena that same-host clients map (kvstore/arena.py).
 
-
-class ShmHostTier(TierStorage):
-    """One immutable file per block (header + payload) in a directory under /dev/shm.
-
-    Files appear by rename (a reader sees a whole block or none) and go by unlink (a reader that
-    already opened one keeps reading it whole). The directory is this server's alone and is
-    removed on close.
+    The arena is anonymous shared memory; this server's dir under /dev/shm holds only the socket
+    that hands it out, and is removed on close.
     """
 
     tier = Tier.HOST
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, capacity: int) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.token = uuid.uuid4().hex  # proves to a client that it sees this very dir
-        (self.dir / SHM_TOKEN_FILE).write_text(self.token)
-        self._keys: set[BlockHash] = set()
+        self.arena = Arena(capacity)
+        self.socket = ArenaSocket(self.arena, self.dir / SOCKET_NAME)
+        self._slots: dict[BlockHash, tuple[int, int, int]] = {}  # key -> (offset, size, checksum)
 
     @classmethod
-    def create(cls, root: str = "/dev/shm") -> ShmHostTier:
+    def create(cls, capacity: int, root: str = "/dev/shm") -> ArenaHostTier:
         remove_stale_dirs(Path(root))
-        return cls(Path(root) / f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        return cls(Path(root) / f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}", capacity)
 
-    def path(self, key: BlockHash) -> Path:
-        return self.dir / block_file_name(key)
+    def has_room(self, size: int) -> bool:
+        return self.arena.has_room(size)
 
     def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
-        self.adopt(key, self.stage(payload, checksum, ephemeral=ephemeral, seq=seq))
+        offset = self.arena.alloc(len(payload))
+        if offset is None:  # the store checks has_room first
+            raise MemoryError(f"no free arena slot for {len(payload)} bytes")
+        self.arena.view[offset : offset + len(payload)] = payload
+        self._slots[key] = (offset, len(payload), checksum)
 
-    def stage(self, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int = 0) -> Path:
-        """Writes a block file under a temporary name, for `adopt` (callers do this outside the
-        store's lock: it is the copy)."""
-        return self.dir / stage_block_file(self.dir, payload, checksum, ephemeral=ephemeral, seq=seq)
+    def reserve(self, size: int) -> int | None:
+        """A slot for a client to fill before `adopt`, or None."""
+        return self.arena.alloc(size)
 
-    def adopt(self, key: BlockHash, staged: Path) -> None:
-        """Publishes a verified staged file (header + payload) as block `key`."""
-        os.rename(staged, self.path(key))
-        self._keys.add(key)
+    def release(self, offset: int) -> None:
+        self.arena.free(offset)
 
-    def read(self, key: BlockHash) -> memoryview | None:
-        """A read-only mapping of the payload (no copy); it stays valid if the block goes."""
-        mapped = map_block_file(self.path(key))
-        return None if mapped is None else mapped[0][HEADER_BYTES:]
+    def adopt(self, key: BlockHash, offset: int, size: int, checksum: int) -> None:
+        """Makes a reserved slot, filled by a client, block `key` (no copy)."""
+        self._slots[key] = (offset, size, checksum)
+
+    def slot(self, key: BlockHash) -> tuple[int, int] | None:
+        """(offset, size) of the block's slot, for a same-host client to copy from."""
+        found = self._slots.get(key)
+        return None if found is None else found[:2]
+
+    def read(self, key: BlockHash) -> bytes | None:
+        """A verified copy (the slot may be reused once the block goes). Raises CorruptBlock when
+        the slot still holds the block but its bytes changed (another process wrote there)."""
+        found = self._slots.get(key)
+        if found is None:
+            return None
+        offset, size, csum = found
+        payload = bytes(self.arena.view[offset : offset + size])
+        if checksum(payload) == csum:
+            return payload
+        if self._slots.get(key) == found:
+            raise CorruptBlock(f"arena slot at {offset} no longer holds block {key.hex()[:16]}")
+        return None  # moved meanwhile
 
     def delete(self, key: BlockHash) -> None:
-        self._keys.discard(key)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(key))
+        found = self._slots.pop(key, None)
+        if found is not None:
+            self.arena.free(found[0])
 
     def keys(self) -> set[BlockHash]:
-        return set(self._keys)
+        return set(self._slots)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        self.socket.close()
+        self._slots.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
-        self._keys.clear()
+        with contextlib.suppress(BufferError):  # a reader still copying: the mapping goes at exit
+            self.arena.close()
 
 
 def remove_stale_dirs(root: Path) -> None:

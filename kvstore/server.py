@@ -6,17 +6,16 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import cast
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvstore.arena import host_id
 from kvstore.config import StoreConfig, build_tiers
 from kvstore.errors import InvalidRequest
 from kvstore.events import StoreEvent
 from kvstore.metrics import StoreCollector
-from kvstore.shm import STAGED_NAME, host_id
 from kvstore.store import BlockStore, FlushResult
 from kvstore.types import Tier
 from kvstore.wire import BlockAssembler, split_block
@@ -46,22 +45,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         keys: list[BlockHash] = []
         num_new = 0
         ephemeral = False
-        for request in request_iterator:
-            for chunk in _chunks_of(request):
-                if not assembler.in_block:
-                    ephemeral = request.ephemeral
-                block = assembler.feed(chunk)
-                if block is None:
-                    continue
-                if block.shm_name:
-                    staged = self._staged_path(block.shm_name)
-                    added = self.store.put_file(block.key, staged, block.checksum, ephemeral=ephemeral)
-                else:
-                    assert block.payload is not None
-                    added = self.store.put(block.key, block.payload, block.checksum, ephemeral=ephemeral)
-                num_new += added
-                keys.append(block.key)
-        assembler.finish()
+        reservations: set[str] = set()
+        try:
+            for request in request_iterator:
+                for chunk in _chunks_of(request):
+                    if not assembler.in_block:
+                        ephemeral = request.ephemeral
+                    block = assembler.feed(chunk)
+                    if block is None:
+                        continue
+                    if block.shm_offset is not None:
+                        reservations.add(request.reservation_id)
+                        added = self.store.put_reserved(block.key, request.reservation_id, block.shm_offset,
+                                                        block.total_size, block.checksum, ephemeral=ephemeral)
+                    else:
+                        assert block.payload is not None
+                        added = self.store.put(block.key, block.payload, block.checksum, ephemeral=ephemeral)
+                    num_new += added
+                    keys.append(block.key)
+            assembler.finish()
+        finally:
+            for rid in reservations:  # slots reserved and not put go back at once
+                self.store.end_reservation(rid)
         if not keys:
             raise InvalidRequest("empty put: the stream carried no blocks")
         self.store.touch(keys)
@@ -74,8 +79,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 return  # cancelled or past its deadline: stop reading
             if read is None:
                 yield pb.GetResponse(chunk=pb.BlockChunk(hash=key), found=False)
-            elif read.shm_path is not None:
-                chunk = pb.BlockChunk(hash=key, total_size=read.size, checksum=read.checksum, shm_name=read.shm_path.name)
+            elif read.shm_offset is not None:
+                chunk = pb.BlockChunk(hash=key, total_size=read.size, checksum=read.checksum, shm_offset=read.shm_offset)
                 yield pb.GetResponse(chunk=chunk, found=True, tier=_pb_tier(read.tier))
             else:
                 assert read.payload is not None
@@ -116,24 +121,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         shm = self.store.shm_tier
         return pb.InfoResponse(
-            host_id=self.host_id, shm_dir=str(shm.dir) if shm else "", shm_token=shm.token if shm else "",
-            max_message_bytes=MAX_MESSAGE_BYTES,
+            host_id=self.host_id, arena_socket=str(shm.socket.path) if shm else "", max_message_bytes=MAX_MESSAGE_BYTES,
         )
 
-    def _staged_path(self, name: str) -> Path:
-        shm = self.store.shm_tier
-        if shm is None:
-            raise InvalidRequest("this server has no shared-memory tier: send block data instead of shm_name")
-        if not STAGED_NAME.fullmatch(name):
-            raise InvalidRequest(f"bad staged block name {name!r}")
-        return shm.dir / name
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        reservation_id, offsets = self.store.reserve(list(request.sizes))
+        return pb.ReserveResponse(reservation_id=reservation_id, offsets=offsets)
 
 
 def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:
     if not request.staged:
         return [request.chunk]
-    if request.HasField("chunk") or any(not c.shm_name for c in request.staged):
-        raise InvalidRequest("a put request carries either one chunk or staged blocks (each with shm_name)")
+    if request.HasField("chunk") or any(not c.HasField("shm_offset") for c in request.staged):
+        raise InvalidRequest("a put request carries either one chunk or staged blocks (each with shm_offset)")
     return list(request.staged)
 
 

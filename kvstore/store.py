@@ -15,24 +15,26 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
-from kvstore.block_format import HEADER_BYTES, CorruptBlock, checksum, unpack_header, verify
+from kvstore.block_format import CorruptBlock, checksum
 from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
 from kvstore.events import EventHub, StoreEvent
 from kvstore.eviction import EvictionPolicy
-from kvstore.host_tier import ShmHostTier
+from kvstore.host_tier import ArenaHostTier
 from kvstore.leases import MAX_TTL_S, LeaseTable
-from kvstore.shm import map_block_file
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
 from protos.block_hash import HASH_BYTES, BlockHash
 
 _READ_RETRIES = 4
+_NO_ARENA = "this server has no shared-memory tier: send block data"
+MAX_RESERVATION_BLOCKS = 4096
+RESERVATION_TTL_S = 30.0  # a client that reserved slots and never put: they return after this
 
 
 @dataclass(slots=True)
@@ -66,8 +68,8 @@ class TierSlot:
 
 
 class BlockRead(NamedTuple):
-    payload: Buffer | None  # None when served by shm_path
-    shm_path: Path | None  # same-host path: the block's file in the shared-memory tier
+    payload: Buffer | None  # None when served by shm_offset
+    shm_offset: int | None  # same-host path: the block's slot in the shared-memory arena
     size: int
     checksum: int
     tier: Tier
@@ -77,6 +79,12 @@ class FlushResult(NamedTuple):
     moved: int  # blocks moved from memory tiers to disk
     left: int  # blocks still only in memory (deadline passed or disk too small)
     durable: bool  # disk writes all committed
+
+
+@dataclass(slots=True)
+class Reservation:
+    slots: dict[int, int]  # arena offset -> slot size, not yet put
+    expires: float
 
 
 Write = Callable[[TierSlot, int], None]  # writes one block into a tier slot, given its write sequence
@@ -109,6 +117,8 @@ class BlockStore:
         self._index: dict[BlockHash, Entry] = {}
         self._leases = LeaseTable(clock)
         self._lock = threading.Lock()
+        self._clock = clock
+        self._reservations: dict[str, Reservation] = {}
         self._seq = 0
         self._disk = next((s.storage for s in self.tiers if isinstance(s.storage, DiskTier)), None)
         if self._disk is not None:
@@ -119,8 +129,8 @@ class BlockStore:
         return max(slot.capacity for slot in self.tiers)
 
     @property
-    def shm_tier(self) -> ShmHostTier | None:
-        return next((s.storage for s in self.tiers if isinstance(s.storage, ShmHostTier)), None)
+    def shm_tier(self) -> ArenaHostTier | None:
+        return next((s.storage for s in self.tiers if isinstance(s.storage, ArenaHostTier)), None)
 
     # -- public operations ---------------------------------------------------------------------
 
@@ -134,37 +144,67 @@ class BlockStore:
         if checksum_ is not None and checksum_ != actual:
             raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
         self._check_size(len(payload))
-        shm = self.shm_tier
-        staged = None
-        if shm is not None and key not in self._index:  # a hint: _insert decides under the lock
-            staged = shm.stage(payload, actual, ephemeral=ephemeral)  # the copy, outside the lock
-        return self._insert_staged(key, payload, actual, ephemeral, staged)
+        return self._insert(key, len(payload), actual, ephemeral, self._writer(key, payload, actual, ephemeral))
 
-    def put_file(self, key: BlockHash, path: Path, checksum_: int, *, ephemeral: bool = False) -> bool:
-        """Stores a block staged by a same-host client as a file (header + payload) in the shm
-        tier's dir: verified in place, then renamed into the tier (or copied to another tier)."""
+    def reserve(self, sizes: Sequence[int]) -> tuple[str, list[int]]:
+        """Arena slots for a same-host client to fill and then name in `put_reserved`: (reservation
+        id, one offset per size). Room is made by demoting, as for a put."""
+        shm = self.shm_tier
+        if shm is None:
+            raise InvalidRequest(_NO_ARENA)
+        if not 0 < len(sizes) <= MAX_RESERVATION_BLOCKS:
+            raise InvalidRequest(f"reserve 1 to {MAX_RESERVATION_BLOCKS} slots at a time, not {len(sizes)}")
+        for size in sizes:
+            if size <= 0:
+                raise InvalidRequest("empty block payload")
+            self._check_size(size)
+        level = next(lv for lv, slot in enumerate(self.tiers) if slot.storage is shm)
+        offsets: list[int] = []
+        with self._lock:
+            self._expire_leases()
+            if sum(sizes) + self._reserved_bytes() > self.tiers[level].capacity // 2:
+                raise StoreFull("reservations would hold more than half the host tier: put in smaller batches")
+            for size in sizes:
+                offset = shm.reserve(size) if self._make_room(level, size) else None
+                if offset is None:
+                    for o in offsets:
+                        shm.release(o)
+                    raise StoreFull(f"no arena slot for a block of {size} bytes")
+                offsets.append(offset)
+            rid = uuid.uuid4().hex
+            slots = {o: size for o, size in zip(offsets, sizes, strict=True)}
+            self._reservations[rid] = Reservation(slots, self._clock() + RESERVATION_TTL_S)
+        return rid, offsets
+
+    def put_reserved(self, key: BlockHash, reservation_id: str, offset: int, size: int, checksum_: int, *,
+                     ephemeral: bool = False) -> bool:
+        """Stores the block a same-host client wrote into a reserved slot; the slot becomes the block
+        (no copy). Readers verify the checksum on every read, so a wrong one is a miss, never data."""
         check_key(key)
         shm = self.shm_tier
-        if shm is None or path.parent != shm.dir:
-            path.unlink(missing_ok=True)
-            raise InvalidRequest("shared-memory puts are off on this server")
+        if shm is None:
+            raise InvalidRequest(_NO_ARENA)
+        with self._lock:
+            reservation = self._reservations.get(reservation_id)
+            reserved = None if reservation is None else reservation.slots.get(offset)
+            if reservation is None or reserved is None or not 0 < size <= reserved:
+                raise InvalidRequest(f"no reserved slot at {offset} for {size} bytes under reservation {reservation_id!r}")
+            del reservation.slots[offset]
+        payload = shm.arena.view[offset : offset + size]
         try:
-            mapped = map_block_file(path, populate=True)
-            if mapped is None:
-                raise InvalidRequest(f"staged block file {path.name} is missing, a symlink or too short")
-            header = unpack_header(mapped[0])
-            payload = mapped[0][HEADER_BYTES:]
-            verify(header, payload)
-            if header.size == 0 or header.checksum != checksum_:
-                raise InvalidRequest(f"checksum mismatch for block {key.hex()[:16]}: nothing stored")
-            self._check_size(header.size)
-        except CorruptBlock as exc:
-            path.unlink(missing_ok=True)
-            raise InvalidRequest(f"staged block {key.hex()[:16]}: {exc}; nothing stored") from None
-        except Exception:
-            path.unlink(missing_ok=True)
+            write = self._writer(key, payload, checksum_, ephemeral, offset)
+            return self._insert(key, size, checksum_, ephemeral, write, reserved=offset)
+        except BaseException:  # nothing took the slot
+            with self._lock:
+                shm.release(offset)
             raise
-        return self._insert_staged(key, payload, checksum_, ephemeral, path)
+
+    def end_reservation(self, reservation_id: str) -> None:
+        """Returns the slots of a reservation that were not put."""
+        with self._lock:
+            reservation = self._reservations.pop(reservation_id, None)
+            if reservation is not None:
+                self._release_slots(reservation)
 
     def lookup(self, keys: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading keys are present and where; with a TTL, pins them under a lease."""
@@ -213,9 +253,11 @@ class BlockStore:
                     return None
                 level = entry.level
                 slot = self.tiers[level]
-                if via_shm and isinstance(slot.storage, ShmHostTier):
-                    self._count_hit(level)
-                    return BlockRead(None, slot.storage.path(key), entry.size, entry.checksum, slot.tier)
+                if via_shm and isinstance(slot.storage, ArenaHostTier):
+                    found = slot.storage.slot(key)
+                    if found is not None:
+                        self._count_hit(level)
+                        return BlockRead(None, found[0], entry.size, entry.checksum, slot.tier)
             try:
                 payload = slot.storage.read(key)
             except CorruptBlock:
@@ -294,11 +336,11 @@ class BlockStore:
                     if time.monotonic() > deadline or not self._make_room(disk_level, entry.size):
                         left += 1
                         continue
-                    payload = slot.storage.read(key)
+                    payload = self._read_locked(slot, key)
                     if payload is None:
                         left += 1
                         continue
-                    self._move(key, entry, disk_level, self._writer(key, payload, entry.checksum, entry.ephemeral, None))
+                    self._move(key, entry, disk_level, self._writer(key, payload, entry.checksum, entry.ephemeral))
                     moved += 1
         durable = self._disk.flush(max(0.0, deadline - time.monotonic()))
         return FlushResult(moved, left, durable)
@@ -321,35 +363,34 @@ class BlockStore:
         if size > self.max_block_bytes:
             raise BlockTooLarge(f"block of {size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)")
 
-    def _insert_staged(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> bool:
-        try:
-            return self._insert(key, len(payload), csum, ephemeral, self._writer(key, payload, csum, ephemeral, staged))
-        finally:
-            if staged is not None:
-                staged.unlink(missing_ok=True)  # no-op once adopted
-
-    def _writer(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, staged: Path | None) -> Write:
-        """Writes a block into the tier chosen under the lock: a staged file is renamed into the
-        shm tier (no copy under the lock); any other tier takes the payload."""
+    def _writer(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, reserved: int | None = None) -> Write:
+        """Writes a block into the tier chosen under the lock: a reserved arena slot (`payload` is
+        its view) becomes the block in the arena tier; any other tier copies the payload."""
         shm = self.shm_tier
 
         def write(slot: TierSlot, seq: int) -> None:
-            if staged is not None and slot.storage is shm:
-                shm.adopt(key, staged)
-            else:
-                slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
+            if reserved is not None and slot.storage is shm:
+                shm.adopt(key, reserved, len(payload), csum)
+                return
+            slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
+            if reserved is not None and shm is not None:
+                shm.release(reserved)
 
         return write
 
-    def _insert(self, key: BlockHash, size: int, csum: int, ephemeral: bool, write: Write) -> bool:
+    def _insert(self, key: BlockHash, size: int, csum: int, ephemeral: bool, write: Write,
+                reserved: int | None = None) -> bool:
+        shm = self.shm_tier
         with self._lock:
             self._expire_leases()
             existing = self._index.get(key)
             if existing is not None:
                 if existing.pins == 0:
                     self.tiers[existing.level].policy.touch(key)
+                if reserved is not None and shm is not None:
+                    shm.release(reserved)
                 return False
-            level = next((lv for lv in range(len(self.tiers)) if self._make_room(lv, size)), None)
+            level = next((lv for lv in range(len(self.tiers)) if self._make_room(lv, size, reserved is not None)), None)
             if level is None:
                 raise StoreFull(f"no tier can take a block of {size} bytes: every tier is full of pinned blocks")
             slot = self.tiers[level]
@@ -362,8 +403,9 @@ class BlockStore:
         self._backpressure()
         return True
 
-    def _make_room(self, level: int, size: int) -> bool:
-        """Frees `size` bytes in tier `level` by demoting its victims; False if it cannot."""
+    def _make_room(self, level: int, size: int, have_slot: bool = False) -> bool:
+        """Frees `size` bytes in tier `level` (and a slot, unless the block `have_slot` already) by
+        demoting its victims; False if it cannot."""
         slot = self.tiers[level]
         if size > slot.capacity - slot.pinned:
             return False
@@ -372,6 +414,11 @@ class BlockStore:
             if victim is None:  # unreachable while the accounting holds
                 raise IntegrityError(f"tier {slot.tier.label}: no victim but {slot.used} bytes used")
             self._demote(victim, level)
+        while not have_slot and not slot.storage.has_room(size):
+            victim = slot.policy.victim()
+            if victim is None:  # the rest is pinned or reserved
+                return False
+            self._demote(victim, level)
         return True
 
     def _demote(self, key: BlockHash, level: int) -> None:
@@ -379,36 +426,28 @@ class BlockStore:
         slot = self.tiers[level]
         below = level + 1
         if below < len(self.tiers) and self._make_room(below, entry.size):
-            payload = slot.storage.read(key)  # a view where the tier can: no copy under the lock
+            payload = self._read_locked(slot, key)
             if payload is not None:
-                self._move(key, entry, below, self._writer(key, payload, entry.checksum, entry.ephemeral, None))
+                self._move(key, entry, below, self._writer(key, payload, entry.checksum, entry.ephemeral))
                 slot.demotions += 1
                 return
         self._remove(key, entry)
         slot.evictions += 1
 
     def _promote(self, key: BlockHash, entry: Entry, payload: Buffer) -> None:
-        shm = self.shm_tier
-        staged = None
-        if shm is not None and any(s.storage is shm for s in self.tiers[: entry.level]):
-            staged = shm.stage(payload, entry.checksum, ephemeral=entry.ephemeral)  # outside the lock
-        try:
-            with self._lock:
-                if self._index.get(key) is not entry or entry.level == 0:
-                    return  # gone, or moved by a concurrent reader: blocks are immutable, nothing lost
-                src = entry.level
-                self._pin(key, entry)  # so making room above cannot demote it out from under us
-                try:
-                    target = next((lv for lv in range(src) if self._make_room(lv, entry.size)), None)
-                finally:
-                    self._unpin(key, entry)
-                if target is None:
-                    return
-                self._move(key, entry, target, self._writer(key, payload, entry.checksum, entry.ephemeral, staged))
-                self.tiers[src].promotions += 1
-        finally:
-            if staged is not None:
-                staged.unlink(missing_ok=True)
+        with self._lock:
+            if self._index.get(key) is not entry or entry.level == 0:
+                return  # gone, or moved by a concurrent reader: blocks are immutable, nothing lost
+            src = entry.level
+            self._pin(key, entry)  # so making room above cannot demote it out from under us
+            try:
+                target = next((lv for lv in range(src) if self._make_room(lv, entry.size)), None)
+            finally:
+                self._unpin(key, entry)
+            if target is None:
+                return
+            self._move(key, entry, target, self._writer(key, payload, entry.checksum, entry.ephemeral))
+            self.tiers[src].promotions += 1
         self._backpressure()
 
     def _move(self, key: BlockHash, entry: Entry, dst: int, write: Write) -> None:
@@ -472,6 +511,19 @@ class BlockStore:
     def _expire_leases(self) -> None:
         for lease in self._leases.expired():
             self._unpin_all(lease.entries)
+        now = self._clock()
+        for rid in [r for r, res in self._reservations.items() if res.expires < now]:
+            self._release_slots(self._reservations.pop(rid))
+
+    def _reserved_bytes(self) -> int:
+        return sum(sum(r.slots.values()) for r in self._reservations.values())
+
+    def _release_slots(self, reservation: Reservation) -> None:
+        shm = self.shm_tier
+        assert shm is not None
+        for offset in reservation.slots:
+            shm.release(offset)
+        reservation.slots.clear()
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -488,6 +540,14 @@ class BlockStore:
         with self._lock:
             if self._index.get(key) is entry and entry.level == level:
                 self._remove(key, entry)
+
+    def _read_locked(self, slot: TierSlot, key: BlockHash) -> Buffer | None:
+        # Under the lock, for demotion: a corrupt block is counted and not carried down.
+        try:
+            return slot.storage.read(key)
+        except CorruptBlock:
+            self.checksum_failures += 1
+            return None
 
     def _count_hit(self, level: int) -> None:
         for slot in self.tiers[:level]:

@@ -31,6 +31,11 @@ class TierStorage(ABC):
     @abstractmethod
     def keys(self) -> set[BlockHash]: ...
 
+    def has_room(self, size: int) -> bool:
+        """Whether a block of `size` bytes can be written now, beyond the store's byte count (a
+        slab arena can be out of slots of one size while bytes are free)."""
+        return True
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Makes written blocks durable; True when everything was flushed in time."""
         return True

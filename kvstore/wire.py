@@ -31,8 +31,8 @@ def split_block(key: BlockHash, payload: Buffer, checksum: int, chunk_bytes: int
 
 class Assembled(NamedTuple):
     key: BlockHash
-    payload: bytes | None  # None when the block lies in shared memory (shm_name)
-    shm_name: str
+    payload: bytes | None  # None when the block lies in the shared-memory arena
+    shm_offset: int | None
     total_size: int
     checksum: int
 
@@ -88,14 +88,14 @@ class BlockAssembler:
             raise BlockTooLarge(
                 f"block of {chunk.total_size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)"
             )
-        if chunk.shm_name:
+        if chunk.HasField("shm_offset"):
             if chunk.data:
-                raise InvalidRequest("a chunk carries either data or shm_name, not both")
-            return Assembled(BlockHash(chunk.hash), None, chunk.shm_name, chunk.total_size, chunk.checksum)
+                raise InvalidRequest("a chunk carries either data or shm_offset, not both")
+            return Assembled(BlockHash(chunk.hash), None, chunk.shm_offset, chunk.total_size, chunk.checksum)
         if len(chunk.data) > chunk.total_size:
             raise InvalidRequest(f"chunk of {len(chunk.data)} bytes exceeds its block's total size {chunk.total_size}")
         if len(chunk.data) == chunk.total_size:
-            return Assembled(BlockHash(chunk.hash), chunk.data, "", chunk.total_size, chunk.checksum)
+            return Assembled(BlockHash(chunk.hash), chunk.data, None, chunk.total_size, chunk.checksum)
         if not chunk.data:
             raise InvalidRequest(f"first chunk of block {chunk.hash.hex()[:16]} carries no data")
         self._head = chunk
@@ -109,6 +109,6 @@ class BlockAssembler:
         assert head is not None and self._buf is not None
         if self._received < head.total_size:
             return None
-        block = Assembled(BlockHash(head.hash), bytes(self._buf), "", head.total_size, head.checksum)
+        block = Assembled(BlockHash(head.hash), bytes(self._buf), None, head.total_size, head.checksum)
         self._head, self._buf, self._received = None, None, 0
         return block

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvstore.config import StoreConfig
 from kvstore.disk_tier import DiskTier
-from kvstore.host_tier import MemoryHostTier, ShmHostTier
+from kvstore.host_tier import ArenaHostTier, MemoryHostTier
 from kvstore.server import StoreServer
 from kvstore.store import BlockStore
 from kvstore.tier import TierStorage
@@ -59,7 +59,7 @@ def make_store(
         tiers.append((DeviceTier("cpu"), device))
     if host:
         assert not shm or tmp is not None
-        tiers.append((ShmHostTier(tmp / "shm") if shm and tmp else MemoryHostTier(), host))
+        tiers.append((ArenaHostTier(tmp / "shm", host) if shm and tmp else MemoryHostTier(), host))
     if disk:
         assert tmp is not None
         tiers.append((DiskTier(tmp / "lmdb", disk), disk))

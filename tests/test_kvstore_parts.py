@@ -51,7 +51,7 @@ def test_assembler_rejects_inconsistent_chunks() -> None:
         [head, pb.BlockChunk(hash=key(1), offset=3, data=b"defg")],
         [head, pb.BlockChunk(hash=key(1), offset=4, data=b"defgh")],
         [head, pb.BlockChunk(hash=key(2), offset=4, data=b"efgh")],
-        [pb.BlockChunk(hash=key(1), total_size=4, data=b"ab", shm_name="x")],
+        [pb.BlockChunk(hash=key(1), total_size=4, data=b"ab", shm_offset=0)],
     ]
     for chunks in cases:
         asm = BlockAssembler(max_block_bytes=100)

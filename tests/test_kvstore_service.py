@@ -19,7 +19,6 @@ from kvstore import KVStoreClient
 from kvstore.block_format import checksum
 from kvstore.config import StoreConfig
 from kvstore.server import StoreServer
-from kvstore.shm import SHM_TOKEN_FILE
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
@@ -106,6 +105,9 @@ class WireTap(pb_grpc.KVStoreServicer):
         self.on_info(reply)
         return reply
 
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        return self._unary(self._stub.Reserve, request, context)
+
 
 @pytest.mark.parametrize(("server_shm", "use_shm"), [(True, False), (True, True), (False, True)])
 def test_10_mib_block_round_trip(tmp_path: Path, server_shm: bool, use_shm: bool) -> None:
@@ -142,12 +144,12 @@ def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path) -> None:
         store = server.store
         assert c.shm_dir() is not None
         c.put([(key(i), payload(i, 1000)) for i in range(3)])
-        c.put([(key(i), payload(i, 1000)) for i in range(3, 6)])  # 0..2 demoted: their files are gone
+        c.put([(key(i), payload(i, 1000)) for i in range(3, 6)])  # 0..2 demoted: their slots are free
         assert c.get([key(0), key(4)]) == [payload(0, 1000), payload(4, 1000)]
 
-        # Block 1 is on disk, so this client's direct read misses and it asks the store. Meanwhile
-        # another reader promotes the block (the store answers with its shm file), and writers demote
-        # it again before this client reads that file: it asks once more, for plain bytes.
+        # Block 1 is on disk. While this client asks for it, another reader promotes it (the store
+        # answers with its arena slot), and writers demote it again and the slot is reused before
+        # this client copies it: the copy fails its checksum and it asks once more, for bytes.
         assert store.tier_of(key(1)) == Tier.DISK
         answers: list[str] = []
 
@@ -157,17 +159,19 @@ def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path) -> None:
                 assert store.tier_of(key(1)) == Tier.HOST
 
         def demote(response: pb.GetResponse) -> None:
-            answers.append("shm_name" if response.chunk.shm_name else "bytes")
-            if answers == ["shm_name"]:
+            answers.append("shm_offset" if response.chunk.HasField("shm_offset") else "bytes")
+            if answers == ["shm_offset"]:
                 for i in range(6, 9):
                     store.put(key(i), payload(i, 1000))
                 assert store.tier_of(key(1)) == Tier.DISK
+                offset = response.chunk.shm_offset
+                store.shm_tier.arena.view[offset : offset + 1000] = payload(9, 1000)  # type: ignore[union-attr]
 
         tap.get_requests.clear()
         tap.before_get, tap.on_get_response = promote, demote
         assert c.get([key(1)]) == [payload(1, 1000)]
         assert [(r.via_shm, list(r.hashes)) for r in tap.get_requests] == [(True, [key(1)]), (False, [key(1)])]
-        assert answers == ["shm_name", "bytes"]
+        assert answers == ["shm_offset", "bytes"]
         store.check_integrity()
 
 
@@ -216,8 +220,12 @@ def test_bad_inputs_get_precise_codes_and_server_stays_healthy(tmp_path: Path) -
             assert status_of(lambda: raw_put(first, pb.BlockChunk(hash=key(2), offset=5, data=data[4:]))) == invalid
             assert status_of(lambda: raw_put(first)) == invalid  # stream ends mid-block
             assert status_of(lambda: raw_put(first, pb.BlockChunk(hash=key(3), offset=4, data=data[4:]))) == invalid
-            shm_put = pb.BlockChunk(hash=key(2), total_size=8, checksum=good, shm_name="../../etc/passwd")
-            assert status_of(lambda: raw_put(shm_put)) == invalid
+            unreserved = pb.BlockChunk(hash=key(2), total_size=8, checksum=good, shm_offset=0)
+            assert status_of(lambda: stub.Put(iter([pb.PutRequest(staged=[unreserved])]), timeout=5)) == invalid
+            assert status_of(lambda: stub.Reserve(pb.ReserveRequest(sizes=[]), timeout=5)) == invalid
+            assert status_of(lambda: stub.Reserve(pb.ReserveRequest(sizes=[0]), timeout=5)) == invalid
+            too_much = pb.ReserveRequest(sizes=[MiB // 4] * 3)  # more than half the tier at once
+            assert status_of(lambda: stub.Reserve(too_much, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert c.get([key(1), key(2)]) == [None, None]  # nothing stored by any of it
         assert healthy(server)
         server.store.check_integrity()
@@ -341,17 +349,18 @@ def test_reflection_lists_the_store_and_health(tmp_path: Path) -> None:
         assert db.FindFileContainingSymbol("kvserve.v1.KVStore").name == "protos/kvserve/v1/kvstore.proto"
 
 
-@pytest.mark.parametrize("view", ["missing", "other-dir", "other-token"])
-def test_client_not_sharing_the_shm_dir_sends_bytes(tmp_path: Path, view: str) -> None:
-    # As in a compose stack where containers share the boot id but each has its own /dev/shm:
-    # the dir Info names is absent, or another dir stands at that path.
+@pytest.mark.parametrize("view", ["missing", "not-a-socket", "other-host"])
+def test_client_not_sharing_the_arena_sends_bytes(tmp_path: Path, view: str) -> None:
+    # As in a compose stack where containers share the boot id but not /dev/shm: the socket Info
+    # names is absent or is not the store's, or the store runs on another machine.
     other = tmp_path / "client-view"
-    other.mkdir()
-    if view == "other-token":
-        (other / SHM_TOKEN_FILE).write_text("someone-else")
+    other.write_text("")
 
     def seen_from_elsewhere(reply: pb.InfoResponse) -> None:
-        reply.shm_dir = str(tmp_path / "nowhere") if view == "missing" else str(other)
+        if view == "other-host":
+            reply.host_id = "another-machine"
+        else:
+            reply.arena_socket = str(tmp_path / "nowhere.sock") if view == "missing" else str(other)
 
     blocks = [(key(i), payload(i, 5000)) for i in range(4)]
     with running_server(tmp_path) as server, WireTap(server.address) as tap:
@@ -362,18 +371,26 @@ def test_client_not_sharing_the_shm_dir_sends_bytes(tmp_path: Path, view: str) -
             assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
     assert tap.put_requests and all(not r.staged and r.chunk.data for r in tap.put_requests)
     assert tap.get_requests and not any(r.via_shm for r in tap.get_requests)
-    assert list(other.iterdir()) == ([other / SHM_TOKEN_FILE] if view == "other-token" else [])
 
 
-def test_staged_requests_must_name_files_only(tmp_path: Path) -> None:
+def test_staged_requests_must_name_reserved_slots(tmp_path: Path) -> None:
     with running_server(tmp_path) as server, grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.KVStoreStub(channel)
+        reply = stub.Reserve(pb.ReserveRequest(sizes=[3]), timeout=5)
         with_data = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), data=b"abc")
-        named = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), shm_name="put-" + "0" * 32 + ".tmp")
-        for request in (pb.PutRequest(staged=[with_data]), pb.PutRequest(chunk=with_data, staged=[named])):
+        named = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), shm_offset=reply.offsets[0])
+        elsewhere = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), shm_offset=reply.offsets[0] + 64)
+        for request in (
+            pb.PutRequest(staged=[with_data], reservation_id=reply.reservation_id),
+            pb.PutRequest(chunk=with_data, staged=[named], reservation_id=reply.reservation_id),
+            pb.PutRequest(staged=[named], reservation_id="someone-else"),
+            pb.PutRequest(staged=[elsewhere], reservation_id=reply.reservation_id),
+        ):
             assert status_of(lambda r=request: stub.Put(iter([r]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
-        assert status_of(lambda: stub.Put(iter([pb.PutRequest(staged=[named])]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
         assert healthy(server) and len(server.store) == 0
+        server.store.check_integrity()
+        arena = server.store.shm_tier.arena  # type: ignore[union-attr]
+        assert arena.slot_size(reply.offsets[0]) is None  # a failed put returns its reservation
 
 
 def test_same_host_put_batches_staged_blocks(tmp_path: Path) -> None:
@@ -382,13 +399,5 @@ def test_same_host_put_batches_staged_blocks(tmp_path: Path) -> None:
           KVStoreClient(tap.address) as c):
         assert c.put(blocks) == 10
         assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
-        assert not [p for p in server.store.shm_tier.dir.iterdir() if p.name.startswith("put-")]  # type: ignore[union-attr]
     assert [len(r.staged) for r in tap.put_requests] == [4, 4, 2]  # 4 MiB of staged blocks per message
     assert not any(r.HasField("chunk") for r in tap.put_requests)
-
-
-def test_shm_smaller_than_the_host_tier_keeps_it_in_process_memory(tmp_path: Path) -> None:
-    with running_server(tmp_path, host_capacity=1 << 60) as server, KVStoreClient(server.address) as c:
-        assert server.store.shm_tier is None and c.shm_dir() is None
-        assert c.put([(key(1), payload(1))]) == 1
-        assert c.get([key(1)]) == [payload(1)]

@@ -13,7 +13,7 @@ import pytest
 from kvstore.block_format import HEADER_BYTES, checksum
 from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
-from kvstore.host_tier import ShmHostTier
+from kvstore.host_tier import ArenaHostTier
 from kvstore.store import BlockStore
 from kvstore.types import Tier
 from tests.kvstore_fixtures import FakeClock, key, make_store, payload, run_in_threads
@@ -248,28 +248,59 @@ def test_device_tier_over_cpu_tensors(tmp_path: Path) -> None:
     store.close()
 
 
-def test_shm_host_tier_files_and_staged_puts(tmp_path: Path) -> None:
+def test_arena_host_tier_slots_and_reserved_puts(tmp_path: Path) -> None:
+    store = make_store(host=400, disk=1000, tmp=tmp_path, shm=True)
+    shm = store.shm_tier
+    assert shm is not None
+    put(store, "a")
+    found = shm.slot(key("a"))
+    assert found is not None and bytes(shm.arena.view[found[0] : found[0] + 100]) == payload("a")
+    rid, (offset, spare) = store.reserve([100, 100])
+    shm.arena.view[offset : offset + 100] = payload("b")
+    assert store.put_reserved(key("b"), rid, offset, 100, checksum(payload("b")))
+    store.check_integrity()
+    assert shm.slot(key("b")) == (offset, 100)  # the reserved slot became the block: no copy
+    with pytest.raises(InvalidRequest):  # put once only
+        store.put_reserved(key("c"), rid, offset, 100, checksum(payload("c")))
+    with pytest.raises(InvalidRequest):  # larger than its slot
+        store.put_reserved(key("c"), rid, spare, 200, 0)
+    store.end_reservation(rid)
+    assert shm.arena.slot_size(spare) is None  # returned to the arena
+    for i in range(6):
+        put(store, i)
+    assert shm.slot(key("a")) is None and store.tier_of(key("a")) == DISK  # demoted: slot freed
+    store.close()
+    assert not shm.dir.exists()
+
+
+def test_garbage_in_an_arena_slot_is_a_counted_miss(tmp_path: Path) -> None:
     store = make_store(host=300, disk=1000, tmp=tmp_path, shm=True)
     shm = store.shm_tier
     assert shm is not None
     put(store, "a")
-    assert (shm.dir / key("a").hex()).stat().st_size == HEADER_BYTES + 100
-    from kvstore.shm import stage_block_file
-
-    name = stage_block_file(shm.dir, payload("b"), checksum(payload("b")))
-    assert store.put_file(key("b"), shm.dir / name, checksum(payload("b")))
+    found = shm.slot(key("a"))
+    assert found is not None
+    shm.arena.view[found[0] : found[0] + 100] = b"\xff" * 100  # another process scribbles on it
+    assert read(store, "a") is None and key("a") not in store
+    assert store.stats().checksum_failures == 1
     store.check_integrity()
-    assert shm.read(key("b")) == payload("b")
-    assert not (shm.dir / name).exists()
-    bad = stage_block_file(shm.dir, payload("c"), checksum(payload("c")) ^ 1)
-    with pytest.raises(InvalidRequest):
-        store.put_file(key("c"), shm.dir / bad, checksum(payload("c")))
-    assert not (shm.dir / bad).exists() and key("c") not in store
-    for i in range(5):
-        put(store, i)
-    assert not (shm.dir / key("a").hex()).exists()  # demoted to disk: file unlinked
     store.close()
-    assert not shm.dir.exists()
+
+
+def test_expired_reservations_return_their_slots(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = make_store(host=300, tmp=tmp_path, shm=True, clock=clock)
+    shm = store.shm_tier
+    assert shm is not None
+    rid, (offset,) = store.reserve([100])
+    with pytest.raises(StoreFull):  # at most half the tier reserved at once
+        store.reserve([100])
+    clock.advance(60)
+    store.sweep()
+    assert shm.arena.slot_size(offset) is None
+    with pytest.raises(InvalidRequest):
+        store.put_reserved(key("a"), rid, offset, 100, checksum(payload("a")))
+    store.close()
 
 
 def test_random_operations_keep_integrity(tmp_path: Path) -> None:
@@ -322,11 +353,10 @@ def test_a_hash_already_stored_keeps_its_first_payload(tmp_path: Path) -> None:
     assert shm is not None
     put(store, "a")
     assert not store.put(key("a"), payload("other"))  # blocks are immutable: ignored, not an error
-    from kvstore.shm import stage_block_file
-
-    name = stage_block_file(shm.dir, payload("other"), checksum(payload("other")))
-    assert not store.put_file(key("a"), shm.dir / name, checksum(payload("other")))
-    assert not (shm.dir / name).exists()
+    rid, (offset,) = store.reserve([100])
+    shm.arena.view[offset : offset + 100] = payload("other")
+    assert not store.put_reserved(key("a"), rid, offset, 100, checksum(payload("other")))
+    assert shm.arena.slot_size(offset) is None  # the unused slot went back
     store.check_integrity()
     assert read(store, "a") == payload("a")
     store.close()
@@ -336,7 +366,7 @@ def test_threads_racing_eviction_promotion_and_leases_read_exact_bytes(tmp_path:
     # Tiny shm host tier over a disk tier: every put demotes, every disk hit promotes, and leases
     # expire (real clock) while other threads read the same blocks.
     store = BlockStore(
-        [(ShmHostTier(tmp_path / "shm"), 2000), (DiskTier(tmp_path / "lmdb", 20_000), 20_000)]
+        [(ArenaHostTier(tmp_path / "shm", 2000), 2000), (DiskTier(tmp_path / "lmdb", 20_000), 20_000)]
     )
     def work(t: int) -> None:
         rng = random.Random(t)

@@ -31,8 +31,9 @@ from pathlib import Path
 
 
 def test_the_store_keeps_blocks_in_shared_memory(kvserve_stack, kvserve_store):
-    assert kvserve_stack.shm_dir is not None and len(list(kvserve_stack.shm_dir.iterdir())) > 1
-    assert kvserve_store.info().shm_dir == str(kvserve_stack.shm_dir)
+    assert kvserve_stack.shm_dir is not None and (kvserve_stack.shm_dir / "arena.sock").exists()
+    assert kvserve_store.info().arena_socket == str(kvserve_stack.shm_dir / "arena.sock")
+    assert kvserve_store.shm_dir() == kvserve_stack.shm_dir
     Path("stack.json").write_text(json.dumps({"pids": kvserve_stack.pids, "shm_dir": str(kvserve_stack.shm_dir)}))
 
 

@@ -172,7 +172,7 @@ def test_put_assembles_chunked_blocks_and_counts_new_and_existing(kvstore: grpc_
         (put_requests([(key(1), payload(1, 150))])[:2], INVALID, "stream ended inside block"),
         (put_requests([(key(1), payload(1, 2000))], chunk_bytes=4096), grpc.StatusCode.RESOURCE_EXHAUSTED,
          "exceeds the largest tier (1000 bytes)"),
-        ([kvstore_pb2.PutRequest(staged=[kvstore_pb2.BlockChunk(hash=key(1), total_size=100, checksum=1, shm_name="staged-1")])], INVALID,
+        ([kvstore_pb2.PutRequest(staged=[kvstore_pb2.BlockChunk(hash=key(1), total_size=100, checksum=1, shm_offset=0)])], INVALID,
          "this server has no shared-memory tier"),
     ],
     ids=["empty", "checksum", "cut-short", "too-large", "staged-without-shm"],
@@ -240,7 +240,7 @@ def test_stats_and_info_describe_the_store(kvstore: grpc_testing.Server, store: 
     assert [(t.tier, t.blocks, t.bytes, t.capacity_bytes) for t in stats.tiers] == [(kvstore_pb2.TIER_HOST, 1, 100, 1000)]
     info, _, code, _ = unary(kvstore, KVSTORE.methods_by_name["Info"], kvstore_pb2.InfoRequest())
     assert code == grpc.StatusCode.OK
-    assert (info.shm_dir, info.shm_token, info.max_message_bytes) == ("", "", 4 * 1024 * 1024)
+    assert (info.arena_socket, info.max_message_bytes) == ("", 4 * 1024 * 1024)
 
 
 # --- Prefill: a fake service ----------------------------------------------------------------------

@@ -37,30 +37,32 @@ class LookupResponse(_message.Message):
     def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("hash", "total_size", "checksum", "offset", "data", "shm_name")
+    __slots__ = ("hash", "total_size", "checksum", "offset", "data", "shm_offset")
     HASH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     hash: bytes
     total_size: int
     checksum: int
     offset: int
     data: bytes
-    shm_name: str
-    def __init__(self, hash: _Optional[bytes] = ..., total_size: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    shm_offset: int
+    def __init__(self, hash: _Optional[bytes] = ..., total_size: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("chunk", "ephemeral", "staged")
+    __slots__ = ("chunk", "ephemeral", "staged", "reservation_id")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     ephemeral: bool
     staged: _containers.RepeatedCompositeFieldContainer[BlockChunk]
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ..., staged: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ...) -> None: ...
+    reservation_id: str
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ..., staged: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ..., reservation_id: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_new", "num_existing")
@@ -163,13 +165,25 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("host_id", "shm_dir", "max_message_bytes", "shm_token")
+    __slots__ = ("host_id", "arena_socket", "max_message_bytes")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SHM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     host_id: str
-    shm_dir: str
+    arena_socket: str
     max_message_bytes: int
-    shm_token: str
-    def __init__(self, host_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., shm_token: _Optional[str] = ...) -> None: ...
+    def __init__(self, host_id: _Optional[str] = ..., arena_socket: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("sizes",)
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "offsets")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,131 @@
+"""The shared-memory arena: slab slots, the fd hand-out, and what other processes cannot break."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvstore import KVStoreClient
+from kvstore.arena import PAGE_BYTES, Arena, ArenaMap, ArenaSocket, slot_bytes
+from kvstore.block_format import checksum
+from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
+
+MiB = 1024 * 1024
+
+
+def test_slots_of_one_size_fill_the_arena_then_reuse_the_oldest_free_first() -> None:
+    arena = Arena(3 * PAGE_BYTES)
+    size = 256 * 1024 + 64  # a tiny-llama block: its slot is its size rounded to 64 bytes
+    assert slot_bytes(size) == size
+    offsets = []
+    while (offset := arena.alloc(size)) is not None:
+        offsets.append(offset)
+    assert len(set(offsets)) == 31  # one run of two pages (at least 16 slots a run), 3% unused
+    assert not arena.has_room(size) and arena.has_room(100)  # the third page is still free
+    arena.free(offsets[3])
+    arena.free(offsets[7])
+    assert arena.alloc(size) == offsets[3] and arena.alloc(size) == offsets[7]
+    arena.close()
+
+
+def test_an_empty_run_goes_back_to_the_arena_for_another_size() -> None:
+    arena = Arena(PAGE_BYTES)
+    small = [arena.alloc(1000) for _ in range(10)]
+    assert all(o is not None for o in small)
+    assert not arena.has_room(PAGE_BYTES)  # the only page holds the small slots
+    for o in small[:-1]:
+        arena.free(o)  # type: ignore[arg-type]
+    assert not arena.has_room(PAGE_BYTES)  # one slot still in use holds the run
+    arena.free(small[-1])  # type: ignore[arg-type]
+    big = arena.alloc(PAGE_BYTES)
+    assert big == 0 and arena.slot_size(big) == PAGE_BYTES
+    assert arena.alloc(1000) is None
+    arena.close()
+
+
+def test_a_block_larger_than_the_arena_has_no_room() -> None:
+    arena = Arena(PAGE_BYTES)
+    assert not arena.has_room(PAGE_BYTES + 1) and arena.alloc(PAGE_BYTES + 1) is None
+    arena.close()
+
+
+def test_the_segment_cannot_be_resized_by_anyone(tmp_path: Path) -> None:
+    # Truncating a mapped file is what turns a reader's next access into SIGBUS: the arena's
+    # seals refuse it, to the store itself and to a client holding the fd it was handed.
+    arena = Arena(PAGE_BYTES)
+    served = ArenaSocket(arena, tmp_path / "arena.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(served.path))
+        _, fds, _, _ = socket.recv_fds(s, 64, 1)
+    try:
+        for fd in (arena.fd, fds[0]):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 2 * PAGE_BYTES)
+    finally:
+        os.close(fds[0])
+        served.close()
+        arena.close()
+
+
+def test_a_socket_that_is_not_an_arena_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "impostor.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        with pytest.raises(OSError):
+            ArenaMap(path, timeout_s=0.5)  # accepts, says nothing: a timeout, then bytes over gRPC
+    with pytest.raises(OSError):
+        ArenaMap(tmp_path / "absent.sock")
+
+
+def test_garbage_written_into_a_slot_is_a_miss_and_counted(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        assert c.shm_dir() is not None
+        c.put([(key(1), payload(1, 5000)), (key(2), payload(2, 5000))])
+        shm = server.store.shm_tier
+        assert shm is not None
+        offset, size = shm.slot(key(1))  # type: ignore[misc]
+        shm.arena.view[offset : offset + size] = b"\0" * size  # another process scribbles on it
+        assert c.get([key(1), key(2)]) == [None, payload(2, 5000)]
+        assert c.stats().checksum_failures == 1 and c.lookup([key(1)]).num_hits == 0
+        c.put([(key(1), payload(1, 5000))])  # the real block can be stored again
+        assert c.get([key(1)]) == [payload(1, 5000)]
+        server.store.check_integrity()
+
+
+def test_same_host_readers_and_writers_in_threads_get_exact_bytes(tmp_path: Path) -> None:
+    # A small host tier: puts evict and slots are reused while other threads copy out of them.
+    config = dict(host_capacity=1 * MiB, disk_capacity=32 * MiB, disk_path=tmp_path / "db")
+    with running_server(tmp_path, **config) as server:
+
+        def work(t: int) -> None:
+            with KVStoreClient(server.address, timeout_s=30) as c:
+                for round_ in range(8):
+                    blocks = [(key(f"{t}-{round_}-{i}"), payload(f"{t}-{round_}-{i}", 30_000)) for i in range(6)]
+                    assert c.put(blocks) == 6
+                    got = c.get([k for k, _ in blocks] + [key(f"{(t + 1) % 4}-{round_}-0")])
+                    assert got[:6] == [p for _, p in blocks]
+                    assert got[6] in (None, payload(f"{(t + 1) % 4}-{round_}-0", 30_000))
+                    bufs = [memoryview(bytearray(30_000)) for _ in blocks]
+                    assert c.get_into([k for k, _ in blocks], bufs) == [30_000] * 6
+                    assert [bytes(b) for b in bufs] == [p for _, p in blocks]
+
+        run_in_threads(work, 4)
+        server.store.check_integrity()
+        assert server.store.stats().checksum_failures == 0
+
+
+def test_a_put_that_fails_midway_returns_its_slots(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        good = (key(1), payload(1, 5000))
+        with pytest.raises(Exception):  # noqa: B017  # the second block's hash is malformed
+            c.put([good, (b"short", payload(2, 5000))])
+        shm = server.store.shm_tier
+        assert shm is not None and shm.slot(key(1)) is not None  # what came before it is stored
+        assert not server.store._reservations  # and nothing stays reserved
+        assert checksum(c.get([key(1)])[0] or b"") == checksum(payload(1, 5000))
