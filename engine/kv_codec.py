@@ -47,27 +47,35 @@ def namespace_id(namespace: Namespace) -> bytes:
     return namespace.root()[:NAMESPACE_ID_BYTES]
 
 
-def encode_block(kv: torch.Tensor, namespace: Namespace) -> bytes:
-    """Serialise one block (or tail) ``kv`` of shape [layers, 2, n, kv_heads, head_dim]."""
+def encode_parts(kv: torch.Tensor, namespace: Namespace) -> tuple[bytes, memoryview]:
+    """One block (or tail) ``kv`` [layers, 2, n, kv_heads, head_dim] as (header, payload bytes): the
+    payload is a view of ``kv`` itself when it is contiguous on the CPU (a KV pool slot), so a
+    store can copy it once, straight to where it keeps it."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"expected [layers, 2, n, kv_heads, head_dim], got {list(kv.shape)}")
     if kv.dtype not in _DTYPE_CODES:
         raise ValueError(f"unsupported KV dtype {kv.dtype}")
-    payload = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    body = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
     header = HEADER.pack(
         BLOCK_MAGIC,
         BLOCK_FORMAT_VERSION,
         _DTYPE_CODES[kv.dtype],
         *kv.shape,
         namespace_id(namespace),
-        xxhash.xxh3_64_intdigest(payload),
-        len(payload),
+        xxhash.xxh3_64_intdigest(body),
+        len(body),
     )
-    return header.ljust(HEADER_BYTES, b"\x00") + payload
+    return header.ljust(HEADER_BYTES, b"\x00"), body
+
+
+def encode_block(kv: torch.Tensor, namespace: Namespace) -> bytes:
+    """Serialise one block (or tail) ``kv`` of shape [layers, 2, n, kv_heads, head_dim]."""
+    header, body = encode_parts(kv, namespace)
+    return header + body.tobytes()
 
 
 def verify_block(
-    payload: bytes,
+    payload: bytes | memoryview,
     namespace: Namespace,
     *,
     num_layers: int,
@@ -75,22 +83,46 @@ def verify_block(
     head_dim: int,
     dtype: torch.dtype,
     num_tokens: int | None = None,
+    checked: bool = False,
 ) -> tuple[memoryview, int]:
     """The checked payload of a block [layers, 2, n, kv_heads, head_dim] and its ``n``, without a copy.
 
     ``num_tokens`` pins ``n`` (pass ``block_size`` for full blocks); ``None`` accepts any
     ``1 <= n <= namespace.block_size`` (tails). Raises BlockError naming what is wrong; the
-    payload is checksummed before any byte of it is trusted.
+    payload is checksummed before any byte of it is trusted, unless ``checked``: its bytes are
+    already proven (the KV store's client verifies every block it hands over against the
+    store's own checksum), and a second pass over them would prove nothing more.
     """
     if len(payload) < HEADER_BYTES:
         raise BlockError("format", f"{len(payload)} bytes is shorter than the {HEADER_BYTES}-byte header")
-    magic, version, dtype_code, *fields = HEADER.unpack_from(payload)
+    body = memoryview(payload)[HEADER_BYTES:]
+    checksum, n = check_header(payload, len(body), namespace, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, dtype=dtype, num_tokens=num_tokens)
+    if not checked and xxhash.xxh3_64_intdigest(body) != checksum:
+        raise BlockError("checksum", "payload checksum mismatch (corrupt block)")
+    return body, n
+
+
+def check_header(
+    header: bytes | memoryview,
+    body_bytes: int,
+    namespace: Namespace,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_tokens: int | None = None,
+) -> tuple[int, int]:
+    """Checks a block's header against the model and a payload of ``body_bytes``: (the payload's
+    checksum, its number of tokens ``n``). Raises BlockError (see verify_block)."""
+    magic, version, dtype_code, *fields = HEADER.unpack_from(header)
     shape, ns_id, checksum, length = tuple(fields[:5]), fields[5], fields[6], fields[7]
     if magic != BLOCK_MAGIC or version != BLOCK_FORMAT_VERSION:
         raise BlockError("format", f"not a kvserve block of format {BLOCK_FORMAT_VERSION} (magic {magic!r}, "
                                    f"version {version})")
-    if length != len(payload) - HEADER_BYTES:
-        raise BlockError("format", f"payload is {len(payload) - HEADER_BYTES} bytes, header says {length}")
+    if length != body_bytes:
+        raise BlockError("format", f"payload is {body_bytes} bytes, header says {length}")
     if ns_id != namespace_id(namespace):
         raise BlockError("namespace", "block belongs to another namespace (model, dtype, block size or salt)")
     block_dtype = _CODE_DTYPES.get(dtype_code)
@@ -101,12 +133,9 @@ def verify_block(
     if shape[:2] + shape[3:] != (num_layers, 2, num_kv_heads, head_dim) or not ok_tokens:
         expected = [num_layers, 2, num_tokens if num_tokens is not None else "n", num_kv_heads, head_dim]
         raise BlockError("shape", f"block shape {list(shape)}, expected {expected}")
-    body = memoryview(payload)[HEADER_BYTES:]
     if length != n * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize:
         raise BlockError("format", f"payload of {length} bytes does not match shape {list(shape)}")
-    if xxhash.xxh3_64_intdigest(body) != checksum:
-        raise BlockError("checksum", "payload checksum mismatch (corrupt block)")
-    return body, n
+    return checksum, n
 
 
 def decode_block(

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from engine.hashing import Namespace
-from engine.kv_codec import BlockError, encode_block, verify_block
+from engine.kv_codec import HEADER_BYTES, BlockError, check_header, encode_parts, verify_block
 from engine.kv_pool import KVPool
 from protos.block_hash import BlockHash
+
+Payload = bytes | tuple[bytes, memoryview]  # a block, or its header and a view of its tensor
+
+
+def payload_bytes(payload: Payload) -> bytes:
+    """A payload as one bytes object (for stores that keep bytes)."""
+    return payload if isinstance(payload, bytes) else b"".join(payload)
 
 
 class BlockStore(Protocol):
@@ -21,7 +28,15 @@ class BlockStore(Protocol):
 
     def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]: ...
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int: ...
+    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int: ...
+
+
+@runtime_checkable
+class ScatterStore(BlockStore, Protocol):
+    """A store that copies blocks straight into caller buffers, verified against its own checksum
+    (the KV store's client): a block then lands in its pool slot in one copy and one hash pass."""
+
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +54,8 @@ def load_blocks(
     nothing after it is used, since a prefix must be contiguous."""
     keys = list(keys[: len(blocks)])
     with_tail = tail is not None and len(blocks) > len(keys)
+    if isinstance(store, ScatterStore):
+        return _load_in_place(store, keys, namespace, pool, blocks, tail if with_tail else None)
     payloads = store.get(keys + [tail[0]] if with_tail and tail else keys)
     _, layers, _, _, heads, dim = pool.kv.shape
     bs, done = pool.block_size, 0
@@ -56,18 +73,57 @@ def load_blocks(
     return Loaded(done)
 
 
+def _load_in_place(
+    store: ScatterStore, keys: list[BlockHash], namespace: Namespace, pool: KVPool, blocks: Sequence[int],
+    tail: tuple[BlockHash, int] | None,
+) -> Loaded:
+    # Full blocks: header into a scratch buffer, tensor straight into the pool slot; a slot that
+    # receives a bad block is not counted, and the engine computes over it. The tail (fewer tokens
+    # than a slot holds, so another layout) goes through a scratch buffer.
+    _, layers, _, _, heads, dim = pool.kv.shape
+    headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
+    buffers: list[Sequence[memoryview]] = [(h, _slot_view(pool, b)) for h, b in zip(headers, blocks, strict=False)]
+    scratch = memoryview(bytearray(HEADER_BYTES + pool.kv[0].numel() * pool.kv.element_size() if tail else 0))
+    if tail is not None:
+        buffers.append((scratch,))
+    sizes = store.get_into(keys + [tail[0]] if tail is not None else keys, buffers)
+    bs, done = pool.block_size, 0
+    for i, size in enumerate(sizes):
+        if size is None:
+            break
+        try:
+            if i < len(keys):
+                check_header(headers[i], size - HEADER_BYTES, namespace, num_layers=layers, num_kv_heads=heads,
+                             head_dim=dim, dtype=pool.kv.dtype, num_tokens=bs)
+                done += bs
+                continue
+            assert tail is not None
+            body, n = verify_block(scratch[:size], namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                                   dtype=pool.kv.dtype, num_tokens=tail[1], checked=True)
+        except BlockError as exc:
+            return Loaded(done, exc)
+        pool.write(blocks[i], body, n)
+        done += n
+    return Loaded(done)
+
+
+def _slot_view(pool: KVPool, block: int) -> memoryview:
+    return pool.kv[block].view(-1).view(torch.uint8).numpy().data
+
+
 def save_blocks(
     store: BlockStore, keys: Sequence[BlockHash], namespace: Namespace, kv: torch.Tensor, num_tokens: int,
     tail_key: BlockHash | None = None, ephemeral: bool = False,
 ) -> int:
     """Put the full blocks of ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim] (``num_tokens``
     tokens) under ``keys``, and a partial last block under ``tail_key`` if given (always ephemeral);
-    returns how many blocks the store took."""
+    returns how many blocks the store took. Each block goes as its header and a view of its tensor,
+    so a same-host store copies it once."""
     bs = kv.shape[3]
     num_full = num_tokens // bs
-    stored = store.put([(key, encode_block(kv[i], namespace)) for i, key in enumerate(keys[:num_full])],
+    stored = store.put([(key, encode_parts(kv[i], namespace)) for i, key in enumerate(keys[:num_full])],
                        ephemeral=ephemeral)
     if tail_key is not None and num_tokens % bs:
-        stored += store.put([(tail_key, encode_block(kv[num_full, :, :, : num_tokens % bs], namespace))],
+        stored += store.put([(tail_key, encode_parts(kv[num_full, :, :, : num_tokens % bs], namespace))],
                             ephemeral=True)
     return stored

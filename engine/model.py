@@ -260,9 +260,10 @@ def encode_prompt(
     else:
         assert token_ids is not None
         ids = [int(t) for t in token_ids]
-        bad = [t for t in ids if not 0 <= t < model.vocab_size]
+        vocab = model.vocab_size  # a property that walks the model: once, not per token
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {model.vocab_size}): {bad[:5]}")
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     if not ids:
         raise ValueError("the prompt is empty")
     return ids

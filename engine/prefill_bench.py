@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_pool import KVPool
-from engine.kv_transfer import load_blocks, save_blocks
+from engine.kv_transfer import Payload, load_blocks, payload_bytes, save_blocks
 from engine.model import Model, encode_prompt, load_model
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -60,8 +60,8 @@ class DictStore:
     def get(self, hashes: abc.Sequence[BlockHash]) -> list[bytes | None]:
         return [self.blocks.get(h) for h in hashes]
 
-    def put(self, blocks: abc.Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
-        items = list(blocks)
+    def put(self, blocks: abc.Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
+        items = [(key, payload_bytes(payload)) for key, payload in blocks]
         self.blocks.update(items)
         return len(items)
 

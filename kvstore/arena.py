@@ -22,10 +22,13 @@ import socket
 import struct
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
+
+from kvstore.types import Buffer
 
 PAGE_BYTES = 4 << 20
 SLOT_ALIGN = 64
@@ -206,7 +209,7 @@ class ArenaMap:
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
                 raise OSError("the store's arena is not sealed against resizing: not mapping it")
             self.size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no faults later
         finally:
             os.close(fd)
         self.view = memoryview(self._map)
@@ -218,18 +221,32 @@ class ArenaMap:
         payload = bytes(self.view[offset : offset + size])
         return payload if xxhash.xxh3_64_intdigest(payload) == checksum else None
 
-    def read_into(self, offset: int, size: int, checksum: int, out: memoryview) -> bool:
-        """Copies the slot's `size` bytes into `out[:size]`; True if they match `checksum`."""
-        if offset < 0 or offset + size > self.size or size > len(out):
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+        """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header
+        into one and its tensor straight into a KV pool slot); True if they match `checksum`."""
+        if offset < 0 or offset + size > self.size or size > sum(len(b) for b in out):
             return False
-        dest = out[:size]
-        dest[:] = self.view[offset : offset + size]
-        return xxhash.xxh3_64_intdigest(dest) == checksum
+        hasher = xxhash.xxh3_64()
+        for buf in out:
+            n = min(len(buf), size)
+            dest = buf[:n]
+            dest[:] = self.view[offset : offset + n]
+            hasher.update(dest)  # hashed while still in cache
+            offset, size = offset + n, size - n
+        return hasher.intdigest() == checksum
 
-    def write(self, offset: int, payload: bytes | memoryview) -> None:
-        if offset < 0 or offset + len(payload) > self.size:
-            raise ValueError(f"slot at {offset} for {len(payload)} bytes lies outside the arena")
-        self.view[offset : offset + len(payload)] = payload
+    def write(self, offset: int, parts: Sequence[Buffer]) -> int:
+        """Copies `parts` one after another into the slot at `offset`; the checksum of the whole,
+        taken from the copy while it is still in cache (a fraction of the cost of hashing apart)."""
+        if offset < 0 or offset + sum(len(p) for p in parts) > self.size:
+            raise ValueError(f"slot at {offset} lies outside the arena")
+        hasher = xxhash.xxh3_64()
+        for part in parts:
+            dest = self.view[offset : offset + len(part)]
+            dest[:] = part
+            hasher.update(dest)
+            offset += len(part)
+        return hasher.intdigest()
 
     def close(self) -> None:
         self.view.release()

@@ -17,7 +17,7 @@ import grpc
 
 from kvstore.arena import ArenaMap, host_id
 from kvstore.block_format import checksum
-from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
+from kvstore.types import Buffer, LookupResult, Payload, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
@@ -79,10 +79,12 @@ class KVStoreClient:
 
     # -- contract ------------------------------------------------------------------------------
 
-    def put(self, blocks: Iterable[tuple[BlockHash, Buffer]], ephemeral: bool = False) -> int:
-        """Stores (hash, payload) pairs, in prefix order; returns how many were new. A hash
-        already stored keeps its payload (blocks are immutable: the first write wins)."""
-        items = list(blocks)
+    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
+        """Stores (hash, payload) pairs, in prefix order; returns how many were new. A payload may
+        come in parts (a tuple of buffers, e.g. a header and a view of a KV pool slot): on the same
+        host they are copied once, straight into the store's arena. A hash already stored keeps
+        its payload (blocks are immutable: the first write wins)."""
+        items = [(key, payload if isinstance(payload, tuple) else (payload,)) for key, payload in blocks]
         arena = self._shm()
         if arena is not None and items:
             try:
@@ -115,21 +117,28 @@ class KVStoreClient:
         self._get_rpc(keys, list(range(len(keys))), self._shm(), take, take_shm)
         return out
 
-    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[memoryview]) -> list[int | None]:
-        """Like get, into caller buffers (one per hash, big enough): sizes written, None for a miss.
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[memoryview | Sequence[memoryview]]
+                 ) -> list[int | None]:
+        """Like get, into caller buffers (one per hash, big enough, or several filled in order, e.g. a
+        header and a KV pool slot): sizes written, None for a miss.
 
         The one-copy read path (DESIGN.md, "Transfer"): on the same host each block is copied once,
-        from its arena slot straight into the buffer, e.g. a slot of the engine's KV pool."""
+        from its arena slot straight into the buffers."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
+        parts = [[b] if isinstance(b, memoryview) else list(b) for b in buffers]
 
         def take(i: int, payload: Buffer) -> None:
-            if len(payload) <= len(buffers[i]):
-                buffers[i][: len(payload)] = payload
+            if len(payload) <= sum(len(b) for b in parts[i]):
+                view, start = memoryview(payload), 0
+                for buf in parts[i]:
+                    n = min(len(buf), len(view) - start)
+                    buf[:n] = view[start : start + n]
+                    start += n
                 sizes[i] = len(payload)
 
         def take_shm(i: int, arena: ArenaMap, offset: int, size: int, csum: int) -> bool:
-            ok = arena.read_into(offset, size, csum, buffers[i])
+            ok = arena.read_into(offset, size, csum, parts[i])
             sizes[i] = size if ok else None
             return ok
 
@@ -193,8 +202,9 @@ class KVStoreClient:
         with self._arena_lock:
             self._arena_checked = False
 
-    def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, Buffer]], ephemeral: bool) -> int:
-        reply = self._stub.Reserve(pb.ReserveRequest(sizes=[len(p) for _, p in items]), timeout=self.timeout_s)
+    def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
+        sizes = [sum(len(part) for part in parts) for _, parts in items]
+        reply = self._stub.Reserve(pb.ReserveRequest(sizes=sizes), timeout=self.timeout_s)
         if len(reply.offsets) != len(items):
             raise ValueError(f"store reserved {len(reply.offsets)} slots for {len(items)} blocks")
         rid = reply.reservation_id
@@ -202,10 +212,10 @@ class KVStoreClient:
         def requests() -> Iterator[pb.PutRequest]:
             batch: list[pb.BlockChunk] = []
             batch_bytes = 0
-            for (key, payload), offset in zip(items, reply.offsets, strict=True):
-                arena.write(offset, payload)
-                batch.append(pb.BlockChunk(hash=key, total_size=len(payload), checksum=checksum(payload), shm_offset=offset))
-                batch_bytes += len(payload)
+            for (key, parts), size, offset in zip(items, sizes, reply.offsets, strict=True):
+                csum = arena.write(offset, parts)
+                batch.append(pb.BlockChunk(hash=key, total_size=size, checksum=csum, shm_offset=offset))
+                batch_bytes += size
                 if batch_bytes >= _STAGED_BATCH_BYTES:  # the server stores these while we copy more
                     yield pb.PutRequest(staged=batch, ephemeral=ephemeral, reservation_id=rid)
                     batch, batch_bytes = [], 0
@@ -214,9 +224,10 @@ class KVStoreClient:
 
         return int(self._stub.Put(requests(), timeout=self.timeout_s).num_new)
 
-    def _put_rpc(self, items: list[tuple[BlockHash, Buffer]], ephemeral: bool) -> int:
+    def _put_rpc(self, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
         def requests() -> Iterator[pb.PutRequest]:
-            for key, payload in items:
+            for key, parts in items:
+                payload = parts[0] if len(parts) == 1 else b"".join(parts)
                 for chunk in split_block(key, payload, checksum(payload)):
                     yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
 
@@ -229,6 +240,15 @@ class KVStoreClient:
         pending = iter(todo)
         request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=arena is not None)
         for response in self._stub.Get(request, timeout=self.timeout_s):
+            for slot in response.slots:
+                i = next(pending)
+                if slot.hash != keys[i]:
+                    raise ValueError(f"store answered block {slot.hash.hex()[:16]} for {keys[i].hex()[:16]}")
+                if slot.HasField("shm_offset") and (
+                        arena is None or not take_shm(i, arena, slot.shm_offset, slot.total_size, slot.checksum)):
+                    retry.append(i)  # its slot was reused between the answer and the copy: ask for bytes
+            if response.slots:
+                continue
             if not response.found:
                 next(pending)
                 continue

@@ -74,18 +74,26 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
         keys = list(request.hashes)
+        slots: list[pb.BlockChunk] = []  # same-host answers, sent together
         for key, read in zip(keys, self.store.get(keys, via_shm=request.via_shm), strict=True):
             if not context.is_active():
                 return  # cancelled or past its deadline: stop reading
+            if request.via_shm and (read is None or read.shm_offset is not None):
+                offset = None if read is None else read.shm_offset
+                slots.append(pb.BlockChunk(hash=key, total_size=read.size, checksum=read.checksum, shm_offset=offset)
+                             if read is not None else pb.BlockChunk(hash=key))
+                continue
+            if slots:
+                yield pb.GetResponse(slots=slots)
+                slots = []
             if read is None:
                 yield pb.GetResponse(chunk=pb.BlockChunk(hash=key), found=False)
-            elif read.shm_offset is not None:
-                chunk = pb.BlockChunk(hash=key, total_size=read.size, checksum=read.checksum, shm_offset=read.shm_offset)
-                yield pb.GetResponse(chunk=chunk, found=True, tier=_pb_tier(read.tier))
             else:
                 assert read.payload is not None
                 for chunk in split_block(key, read.payload, read.checksum):
                     yield pb.GetResponse(chunk=chunk, found=True, tier=_pb_tier(read.tier))
+        if slots:
+            yield pb.GetResponse(slots=slots)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         self.store.release(request.lease_id)

@@ -176,10 +176,11 @@ class BlockStore:
             self._reservations[rid] = Reservation(slots, self._clock() + RESERVATION_TTL_S)
         return rid, offsets
 
-    def put_reserved(self, key: BlockHash, reservation_id: str, offset: int, size: int, checksum_: int, *,
+    def put_reserved(self, key: BlockHash, reservation_id: str, offset: int, size: int, checksum_: int = 0, *,
                      ephemeral: bool = False) -> bool:
         """Stores the block a same-host client wrote into a reserved slot; the slot becomes the block
-        (no copy). Readers verify the checksum on every read, so a wrong one is a miss, never data."""
+        (no copy). The client's checksum is taken as is (computed here when 0): every reader verifies
+        it, so bytes that do not match it, now or later, are a miss, never data."""
         check_key(key)
         shm = self.shm_tier
         if shm is None:
@@ -192,8 +193,9 @@ class BlockStore:
             del reservation.slots[offset]
         payload = shm.arena.view[offset : offset + size]
         try:
-            write = self._writer(key, payload, checksum_, ephemeral, offset)
-            return self._insert(key, size, checksum_, ephemeral, write, reserved=offset)
+            csum = checksum_ or checksum(payload)
+            write = self._writer(key, payload, csum, ephemeral, offset)
+            return self._insert(key, size, csum, ephemeral, write, reserved=offset)
         except BaseException:  # nothing took the slot
             with self._lock:
                 shm.release(offset)

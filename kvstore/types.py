@@ -6,7 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-Buffer: TypeAlias = bytes | memoryview  # a payload; a memoryview may map a block file read-only
+Buffer: TypeAlias = bytes | bytearray | memoryview  # a payload, or a view of one
+Payload: TypeAlias = Buffer | tuple[Buffer, ...]  # a payload in parts (e.g. a header and a tensor), stored as one
 
 
 class Tier(enum.IntEnum):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 import grpc
 
 from kvstore import KVStoreClient
+from kvstore.types import Payload
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,16 @@ class StoreSession:
             self._fail("get", exc)
             return [None] * len(hashes)
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        if self.failed or not hashes:
+            return [None] * len(hashes)
+        try:
+            return self._client.get_into(hashes, buffers)
+        except STORE_ERRORS as exc:
+            self._fail("get", exc)
+            return [None] * len(hashes)
+
+    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
         items = list(blocks)
         if self.failed or not items:
             return 0

@@ -19,7 +19,7 @@ import torch
 from engine.engine import Engine, StepStats
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_pool import KVPool
-from engine.kv_transfer import load_blocks, save_blocks
+from engine.kv_transfer import Payload, load_blocks, payload_bytes, save_blocks
 from engine.model import Model, load_model
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -173,11 +173,11 @@ class DictStore:
         with self._lock:
             return [self.blocks.get(h) for h in hashes]
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
         with self._lock:
             n = 0
             for key, payload in blocks:
-                self.blocks[key] = payload
+                self.blocks[key] = payload_bytes(payload)
                 n += 1
             return n
 

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.engine import Engine
+from engine.kv_transfer import Payload, payload_bytes
 from engine.model import Model, load_model
 from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
@@ -106,6 +107,8 @@ class FakeStore:
     ephemeral: set[bytes] = field(default_factory=set)
     leases: dict[str, list[bytes]] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
+    corrupted: set[bytes] = field(default_factory=set)  # blocks whose bytes fail their checksum
+    checksum_failures: int = 0
     down: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -114,14 +117,14 @@ class FakeStore:
         if self.down:
             raise FakeRpcError(grpc.StatusCode.UNAVAILABLE)
 
-    def put(self, blocks: Iterable[tuple[bytes, bytes]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[bytes, Payload]], ephemeral: bool = False) -> int:
         self._call("put")
         new = 0
         with self._lock:
             for key, payload in blocks:
                 assert len(key) == 32
                 new += key not in self.blocks
-                self.blocks[key] = payload
+                self.blocks[key] = payload_bytes(payload)
                 if ephemeral:
                     self.ephemeral.add(key)
         return new
@@ -139,9 +142,20 @@ class FakeStore:
         return FakeLookup(hits, [2] * hits, lease)
 
     def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        # As the real client: a block whose bytes no longer match what was put is a miss.
         self._call("get")
         with self._lock:
-            return [self.blocks.get(h) for h in hashes]
+            self.checksum_failures += sum(h in self.corrupted for h in hashes)
+            return [None if h in self.corrupted else self.blocks.get(h) for h in hashes]
+
+    def get_into(self, hashes: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        sizes: list[int | None] = []
+        for payload, parts in zip(self.get(hashes), buffers, strict=True):
+            sizes.append(None if payload is None else len(payload))
+            for buf in parts if payload is not None else ():
+                n = min(len(buf), len(payload))
+                buf[:n], payload = payload[:n], payload[n:]
+        return sizes
 
     def release(self, lease_id: str) -> None:
         self._call("release")
@@ -152,9 +166,7 @@ class FakeStore:
         pass
 
     def corrupt(self, key: bytes) -> None:
-        payload = bytearray(self.blocks[key])
-        payload[-1] ^= 0xFF
-        self.blocks[key] = bytes(payload)
+        self.corrupted.add(key)
 
     def persistent_keys(self) -> set[bytes]:
         return set(self.blocks) - self.ephemeral

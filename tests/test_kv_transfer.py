@@ -10,7 +10,7 @@ import torch
 from engine.hashing import Namespace
 from engine.kv_codec import decode_block, encode_block
 from engine.kv_pool import KVPool
-from engine.kv_transfer import Loaded, load_blocks, save_blocks
+from engine.kv_transfer import Loaded, Payload, load_blocks, payload_bytes, save_blocks
 from protos.block_hash import BlockHash
 
 NS = Namespace("cd" * 32, "float32", block_size=4)
@@ -29,11 +29,11 @@ class DictStore:
         self.gets.append(list(hashes))
         return [self.blocks.get(h) for h in hashes]
 
-    def put(self, blocks: Iterable[tuple[BlockHash, bytes]], ephemeral: bool = False) -> int:
-        blocks = list(blocks)
-        self.puts.append(([key for key, _ in blocks], ephemeral))
-        self.blocks.update(blocks)
-        return len(blocks)
+    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
+        items = [(key, payload_bytes(payload)) for key, payload in blocks]
+        self.puts.append(([key for key, _ in items], ephemeral))
+        self.blocks.update(items)
+        return len(items)
 
 
 def _key(name: str) -> BlockHash:
@@ -163,3 +163,48 @@ def test_a_tail_of_the_wrong_length_is_reported_after_the_full_blocks() -> None:
     assert loaded.num_tokens == 8 and loaded.error is not None and loaded.error.kind == "shape"
     assert torch.equal(_bits(pool.kv[[4, 5]]), _bits(kv[:2]))
     assert _untouched(pool, 6, 7)
+
+
+class ScatterDictStore(DictStore):
+    """A DictStore that copies into caller buffers, as the KV store's client does (which verifies
+    each block against the store's checksum first: here every block is as put)."""
+
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        sizes: list[int | None] = []
+        for payload, parts in zip(self.get(hashes), buffers, strict=True):
+            sizes.append(None if payload is None else len(payload))
+            view = memoryview(payload or b"")
+            for buf in parts:
+                n = min(len(buf), len(view))
+                buf[:n], view = view[:n], view[n:]
+        return sizes
+
+
+def test_a_scatter_store_lands_blocks_in_their_slots_and_the_tail_after_them() -> None:
+    plain, pool, kv = _saved(10, TAIL)
+    store = ScatterDictStore()
+    store.blocks = plain.blocks
+    assert load_blocks(store, KEYS[:2], NS, pool, [6, 4, 5], (TAIL, 2)) == Loaded(10)
+    assert torch.equal(_bits(pool.kv[[6, 4]]), _bits(kv[:2]))
+    assert torch.equal(_bits(pool.kv[5, :, :, :2]), _bits(kv[2, :, :, :2]))
+
+
+def test_a_scatter_store_block_of_another_namespace_ends_the_run() -> None:
+    plain, pool, kv = _saved()
+    store = ScatterDictStore()
+    store.blocks = plain.blocks
+    store.blocks[KEYS[1]] = encode_block(kv[1], Namespace("cd" * 32, "float32", block_size=4, cache_salt="other"))
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "namespace"
+    assert torch.equal(_bits(pool.kv[4]), _bits(kv[0]))  # slot 5 got bytes, but is not counted as loaded
+
+
+def test_saved_blocks_are_views_of_the_pool_not_copies() -> None:
+    store, pool = DictStore(), _pool()
+    seen: list[Payload] = []
+    store.put = lambda blocks, ephemeral=False: len([seen.append(p) for _, p in blocks])  # type: ignore[method-assign]
+    save_blocks(store, KEYS[:1], NS, pool.kv[0:1], 4)  # a view of slot 0
+    header, body = seen[0]  # type: ignore[misc]
+    assert len(header) == 64 and bytes(body) == pool.kv[0].numpy().tobytes()
+    pool.kv[0].fill_(7.0)
+    assert bytes(body) == pool.kv[0].numpy().tobytes()  # the store is handed the slot itself

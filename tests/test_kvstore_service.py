@@ -159,12 +159,12 @@ def test_block_removed_after_info_falls_back_to_grpc(tmp_path: Path) -> None:
                 assert store.tier_of(key(1)) == Tier.HOST
 
         def demote(response: pb.GetResponse) -> None:
-            answers.append("shm_offset" if response.chunk.HasField("shm_offset") else "bytes")
+            answers.append("shm_offset" if response.slots else "bytes")
             if answers == ["shm_offset"]:
                 for i in range(6, 9):
                     store.put(key(i), payload(i, 1000))
                 assert store.tier_of(key(1)) == Tier.DISK
-                offset = response.chunk.shm_offset
+                offset = response.slots[0].shm_offset
                 store.shm_tier.arena.view[offset : offset + 1000] = payload(9, 1000)  # type: ignore[union-attr]
 
         tap.get_requests.clear()

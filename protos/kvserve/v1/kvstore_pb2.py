@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/kvserve/v1/kvstore.proto\x12\nkvserve.v1\"4\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x02\"U\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvserve.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"\x8c\x01\n\nBlockChunk\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x17\n\nshm_offset\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shm_offsetJ\x04\x08\x06\x10\x07\"\x86\x01\n\nPutRequest\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x11\n\tephemeral\x18\x02 \x01(\x08\x12&\n\x06staged\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\"4\n\x0bPutResponse\x12\x0f\n\x07num_new\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\"-\n\nGetRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07via_shm\x18\x02 \x01(\x08\"c\n\x0bGetResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xba\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tdemotions\x18\x08 \x01(\x04\x12\x12\n\npromotions\x18\t \x01(\x04\"w\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvserve.v1.TierStats\x12\x0e\n\x06leases\x18\x02 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x03 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x04 \x01(\x04\"\x0f\n\rEventsRequest\"\x9e\x01\n\x05\x45vent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvserve.v1.Event.Kind\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\"?\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\"\r\n\x0bInfoRequest\"V\n\x0cInfoResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rena_socket\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05\"\x1f\n\x0eReserveRequest\x12\r\n\x05sizes\x18\x01 \x03(\x04\":\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xf9\x03\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvserve.v1.LookupRequest\x1a\x1a.kvserve.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvserve.v1.PutRequest\x1a\x17.kvserve.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvserve.v1.GetRequest\x1a\x17.kvserve.v1.GetResponse0\x01\x12\x42\n\x07Release\x12\x1a.kvserve.v1.ReleaseRequest\x1a\x1b.kvserve.v1.ReleaseResponse\x12<\n\x05Stats\x12\x18.kvserve.v1.StatsRequest\x1a\x19.kvserve.v1.StatsResponse\x12\x38\n\x06\x45vents\x12\x19.kvserve.v1.EventsRequest\x1a\x11.kvserve.v1.Event0\x01\x12\x39\n\x04Info\x12\x17.kvserve.v1.InfoRequest\x1a\x18.kvserve.v1.InfoResponse\x12\x42\n\x07Reserve\x12\x1a.kvserve.v1.ReserveRequest\x1a\x1b.kvserve.v1.ReserveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/kvserve/v1/kvstore.proto\x12\nkvserve.v1\"4\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x02\"U\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvserve.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\t\"\x8c\x01\n\nBlockChunk\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x17\n\nshm_offset\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shm_offsetJ\x04\x08\x06\x10\x07\"\x86\x01\n\nPutRequest\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x11\n\tephemeral\x18\x02 \x01(\x08\x12&\n\x06staged\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\"4\n\x0bPutResponse\x12\x0f\n\x07num_new\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\"-\n\nGetRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07via_shm\x18\x02 \x01(\x08\"\x8a\x01\n\x0bGetResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12%\n\x05slots\x18\x04 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xba\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tdemotions\x18\x08 \x01(\x04\x12\x12\n\npromotions\x18\t \x01(\x04\"w\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvserve.v1.TierStats\x12\x0e\n\x06leases\x18\x02 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x03 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x04 \x01(\x04\"\x0f\n\rEventsRequest\"\x9e\x01\n\x05\x45vent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvserve.v1.Event.Kind\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\"?\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\"\r\n\x0bInfoRequest\"V\n\x0cInfoResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rena_socket\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05\"\x1f\n\x0eReserveRequest\x12\r\n\x05sizes\x18\x01 \x03(\x04\":\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xf9\x03\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvserve.v1.LookupRequest\x1a\x1a.kvserve.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvserve.v1.PutRequest\x1a\x17.kvserve.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvserve.v1.GetRequest\x1a\x17.kvserve.v1.GetResponse0\x01\x12\x42\n\x07Release\x12\x1a.kvserve.v1.ReleaseRequest\x1a\x1b.kvserve.v1.ReleaseResponse\x12<\n\x05Stats\x12\x18.kvserve.v1.StatsRequest\x1a\x19.kvserve.v1.StatsResponse\x12\x38\n\x06\x45vents\x12\x19.kvserve.v1.EventsRequest\x1a\x11.kvserve.v1.Event0\x01\x12\x39\n\x04Info\x12\x17.kvserve.v1.InfoRequest\x1a\x18.kvserve.v1.InfoResponse\x12\x42\n\x07Reserve\x12\x1a.kvserve.v1.ReserveRequest\x1a\x1b.kvserve.v1.ReserveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvserve.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1425
-  _globals['_TIER']._serialized_end=1500
+  _globals['_TIER']._serialized_start=1465
+  _globals['_TIER']._serialized_end=1540
   _globals['_LOOKUPREQUEST']._serialized_start=47
   _globals['_LOOKUPREQUEST']._serialized_end=99
   _globals['_LOOKUPRESPONSE']._serialized_start=101
@@ -45,32 +45,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTRESPONSE']._serialized_end=520
   _globals['_GETREQUEST']._serialized_start=522
   _globals['_GETREQUEST']._serialized_end=567
-  _globals['_GETRESPONSE']._serialized_start=569
-  _globals['_GETRESPONSE']._serialized_end=668
-  _globals['_RELEASEREQUEST']._serialized_start=670
-  _globals['_RELEASEREQUEST']._serialized_end=704
-  _globals['_RELEASERESPONSE']._serialized_start=706
-  _globals['_RELEASERESPONSE']._serialized_end=723
-  _globals['_STATSREQUEST']._serialized_start=725
-  _globals['_STATSREQUEST']._serialized_end=739
-  _globals['_TIERSTATS']._serialized_start=742
-  _globals['_TIERSTATS']._serialized_end=928
-  _globals['_STATSRESPONSE']._serialized_start=930
-  _globals['_STATSRESPONSE']._serialized_end=1049
-  _globals['_EVENTSREQUEST']._serialized_start=1051
-  _globals['_EVENTSREQUEST']._serialized_end=1066
-  _globals['_EVENT']._serialized_start=1069
-  _globals['_EVENT']._serialized_end=1227
-  _globals['_EVENT_KIND']._serialized_start=1164
-  _globals['_EVENT_KIND']._serialized_end=1227
-  _globals['_INFOREQUEST']._serialized_start=1229
-  _globals['_INFOREQUEST']._serialized_end=1242
-  _globals['_INFORESPONSE']._serialized_start=1244
-  _globals['_INFORESPONSE']._serialized_end=1330
-  _globals['_RESERVEREQUEST']._serialized_start=1332
-  _globals['_RESERVEREQUEST']._serialized_end=1363
-  _globals['_RESERVERESPONSE']._serialized_start=1365
-  _globals['_RESERVERESPONSE']._serialized_end=1423
-  _globals['_KVSTORE']._serialized_start=1503
-  _globals['_KVSTORE']._serialized_end=2008
+  _globals['_GETRESPONSE']._serialized_start=570
+  _globals['_GETRESPONSE']._serialized_end=708
+  _globals['_RELEASEREQUEST']._serialized_start=710
+  _globals['_RELEASEREQUEST']._serialized_end=744
+  _globals['_RELEASERESPONSE']._serialized_start=746
+  _globals['_RELEASERESPONSE']._serialized_end=763
+  _globals['_STATSREQUEST']._serialized_start=765
+  _globals['_STATSREQUEST']._serialized_end=779
+  _globals['_TIERSTATS']._serialized_start=782
+  _globals['_TIERSTATS']._serialized_end=968
+  _globals['_STATSRESPONSE']._serialized_start=970
+  _globals['_STATSRESPONSE']._serialized_end=1089
+  _globals['_EVENTSREQUEST']._serialized_start=1091
+  _globals['_EVENTSREQUEST']._serialized_end=1106
+  _globals['_EVENT']._serialized_start=1109
+  _globals['_EVENT']._serialized_end=1267
+  _globals['_EVENT_KIND']._serialized_start=1204
+  _globals['_EVENT_KIND']._serialized_end=1267
+  _globals['_INFOREQUEST']._serialized_start=1269
+  _globals['_INFOREQUEST']._serialized_end=1282
+  _globals['_INFORESPONSE']._serialized_start=1284
+  _globals['_INFORESPONSE']._serialized_end=1370
+  _globals['_RESERVEREQUEST']._serialized_start=1372
+  _globals['_RESERVEREQUEST']._serialized_end=1403
+  _globals['_RESERVERESPONSE']._serialized_start=1405
+  _globals['_RESERVERESPONSE']._serialized_end=1463
+  _globals['_KVSTORE']._serialized_start=1543
+  _globals['_KVSTORE']._serialized_end=2048
 # @@protoc_insertion_point(module_scope)

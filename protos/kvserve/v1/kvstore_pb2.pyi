@@ -81,14 +81,16 @@ class GetRequest(_message.Message):
     def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., via_shm: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("chunk", "found", "tier")
+    __slots__ = ("chunk", "found", "tier", "slots")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     found: bool
     tier: Tier
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    slots: _containers.RepeatedCompositeFieldContainer[BlockChunk]
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., found: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
