@@ -4,7 +4,7 @@ Other packages reach it only through `KVStoreClient`.
 """
 
 from kvstore.client import BlockEvent, KVStoreClient, StoreInfo
-from kvstore.types import LookupResult, StoreStats, Tier, TierStats
+from kvstore.types import LookupResult, Payload, StoreStats, Tier, TierStats
 from protos.block_hash import BlockHash
 
-__all__ = ["BlockEvent", "BlockHash", "KVStoreClient", "LookupResult", "StoreInfo", "StoreStats", "Tier", "TierStats"]
+__all__ = ["BlockEvent", "BlockHash", "KVStoreClient", "LookupResult", "Payload", "StoreInfo", "StoreStats", "Tier", "TierStats"]

@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
-from kvstore import KVStoreClient
-from kvstore.types import Payload
+from kvstore import KVStoreClient, Payload
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
