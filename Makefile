@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $@
 
 $(MODEL_DIR)/config.json: | $(STAMP)
@@ -38,12 +38,17 @@ test-quick: $(STAMP)
 protos: $(STAMP)
 	$(PY) protos/build.py
 
+# The suite: each prints its table; its figures go to $(BENCH_DIR)/NAME.json, its plot to NAME.png.
+BENCH_DIR ?= data/bench
+BENCH_OUT = --json $(BENCH_DIR)/$(1).json --plot $(BENCH_DIR)/$(1).png
 bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench hash
 	$(VENV)/bin/kvserve bench prefill --model $(MODEL_DIR)
-	$(VENV)/bin/kvserve bench store
-	$(VENV)/bin/kvserve bench e2e
-	$(VENV)/bin/kvserve bench decode
+	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) $(call BENCH_OUT,multi-turn)
+	$(VENV)/bin/kvserve bench shared-prefix --model $(MODEL_DIR) $(call BENCH_OUT,shared-prefix)
+	$(VENV)/bin/kvserve bench decode --model $(MODEL_DIR) $(call BENCH_OUT,decode)
+	$(VENV)/bin/kvserve bench handoff --model $(MODEL_DIR) $(call BENCH_OUT,handoff)
+	$(VENV)/bin/kvserve bench store $(call BENCH_OUT,store)
 
 clean:
 	rm -rf $(VENV) data build *.egg-info

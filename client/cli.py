@@ -29,9 +29,12 @@ FORWARDED = {
     ("model", "init"): "engine.tiny",
     ("bench", "hash"): "engine.bench",
     ("bench", "prefill"): "engine.prefill_bench",
-    ("bench", "store"): "kvstore.bench",
-    ("bench", "e2e"): "client.bench",
+    ("bench", "multi-turn"): "client.bench_multi_turn",
+    ("bench", "e2e"): "client.bench_multi_turn",  # the old name of multi-turn
+    ("bench", "shared-prefix"): "client.bench_shared_prefix",
     ("bench", "decode"): "client.decode_bench",
+    ("bench", "handoff"): "client.bench_handoff",
+    ("bench", "store"): "client.bench_store",
     ("kvstore",): "kvstore.__main__",
     ("prefill",): "prefill_service.__main__",
     ("decode",): "decode_service.__main__",
@@ -97,9 +100,16 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
-    bench = sub.add_parser("bench", help="benchmarks: hash, prefill, store, e2e, decode "
-                           "(see `kvserve bench NAME --help`)", description="Benchmarks; see `kvserve bench NAME --help`.")
-    bench.add_argument("name", choices=["hash", "prefill", "store", "e2e", "decode"])
+    bench = sub.add_parser(
+        "bench", help="benchmarks: multi-turn, shared-prefix, decode, handoff, store; hash, prefill "
+                      "(see `kvserve bench NAME --help`)",
+        description="Benchmarks, each against a baseline measured in the same run. multi-turn (alias e2e), "
+                    "shared-prefix, decode and handoff start the three services on a temporary folder (or use "
+                    "--addr), store starts the store; each draws a progress bar on stderr, prints a table, "
+                    "writes every figure with --json PATH and a PNG with --plot PATH. hash and prefill run in "
+                    "this process. See `kvserve bench NAME --help`.")
+    bench.add_argument("name", choices=["multi-turn", "shared-prefix", "decode", "handoff", "store", "hash", "prefill",
+                                        "e2e"])
 
     up = sub.add_parser(
         "up", help="start the store, prefill and decode services locally",

@@ -38,24 +38,33 @@ import contextlib
 import json
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from client.client import Client, Result, build_request
-from client.stack import Stack, StackConfig
+from client.bench_report import (
+    Line,
+    Panel,
+    Progress,
+    add_output_flags,
+    bar_panel,
+    line_panel,
+    percentile,
+    save_plot,
+    write_json,
+)
+from client.bench_stack import DEFAULT_MODEL_DIR, ensure_model, local_stack
+from client.bench_streams import Streams, StreamTrace, stream_into
+from client.bench_subprocess import run_module
+from client.client import Client, build_request
 from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")
 SCALING_GOAL = 4.0  # 16 streams >= 4x one stream
 VS_HF_GOAL = 0.7  # >= 0.7x HF's padded batch at 16 streams
 GOAL_STREAMS = 16
@@ -68,84 +77,6 @@ def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     """`count` distinct prompts of `length` random byte token ids (valid ids in every byte-level vocabulary)."""
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile, linear between the closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-@dataclass(slots=True)
-class StreamTrace:
-    """What the client saw of one streamed request: each token and when it arrived (perf_counter)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)
-    result: Result | None = None
-    end: float = 0.0  # when the final result arrived
-
-    def gaps(self) -> list[tuple[float, float]]:
-        """(previous token's arrival, this token's arrival) for every token after the first."""
-        return list(zip(self.arrivals, self.arrivals[1:], strict=False))
-
-
-def stream_into(client: Client, trace: StreamTrace, **request: Any) -> None:
-    for item in client.stream(**request):
-        now = time.perf_counter()
-        if isinstance(item, Result):
-            trace.result, trace.end = item, now
-        else:
-            trace.token_ids.append(item.token_id)
-            trace.arrivals.append(now)
-
-
-class Streams:
-    """Requests streamed concurrently, a thread each, from `start()` on."""
-
-    def __init__(self, client: Client, requests: list[dict[str, Any]]) -> None:
-        self.client = client
-        self.requests = requests
-        self.traces = [StreamTrace() for _ in requests]
-        self._pool = ThreadPoolExecutor(len(requests), thread_name_prefix="bench-stream")
-        self._futures: list[Future[None]] = []
-
-    def start(self) -> float:
-        """Sends every request; returns the time just before the first was sent."""
-        t0 = time.perf_counter()
-        self._futures = [self._pool.submit(stream_into, self.client, t, **r)
-                         for t, r in zip(self.traces, self.requests, strict=True)]
-        return t0
-
-    def wait_for(self, num_tokens: int, timeout_s: float) -> None:
-        """Until every stream has received `num_tokens` tokens (or ended)."""
-        deadline = time.monotonic() + timeout_s
-        while any(len(t.arrivals) < num_tokens and not f.done() for t, f in zip(self.traces, self._futures,
-                                                                                  strict=True)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the streams did not reach {num_tokens} tokens in {timeout_s:.0f} s")
-            time.sleep(0.01)
-        for f in self._futures:
-            if f.done():
-                f.result()  # a failed stream raises here
-
-    def run(self) -> tuple[float, list[StreamTrace]]:
-        """``start`` then ``join``: (the time just before the first request was sent, the traces)."""
-        t0 = self.start()
-        return t0, self.join()
-
-    def join(self) -> list[StreamTrace]:
-        try:
-            for f in self._futures:
-                f.result()
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        return self.traces
 
 
 def check_tokens(traces: list[StreamTrace], new_tokens: int) -> int:
@@ -163,20 +94,18 @@ def check_tokens(traces: list[StreamTrace], new_tokens: int) -> int:
 
 def hf_baseline(model: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[str, Any]:
     """Runs `python -m engine.hf_batch_bench` on these prompts (client/ imports no torch)."""
-    cmd = [sys.executable, "-m", "engine.hf_batch_bench", "--model", str(model), "--prompts", "-",
-           "--streams", ",".join(map(str, levels)), "--new-tokens", str(new_tokens)]
-    done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the HF baseline failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return dict(json.loads(done.stdout))
+    return run_module("engine.hf_batch_bench", ["--model", str(model), "--prompts", "-", "--streams",
+                                                ",".join(map(str, levels)), "--new-tokens", str(new_tokens)],
+                      stdin=json.dumps(prompts))
 
 
-def stack_throughput(client: Client, prompts: list[list[int]], levels: list[int], new_tokens: int
-                     ) -> list[dict[str, Any]]:
+def stack_throughput(client: Client, prompts: list[list[int]], levels: list[int], new_tokens: int,
+                     progress: Progress) -> list[dict[str, Any]]:
     run = uuid.uuid4().hex[:8]
     # Warm-up, untimed: the largest concurrency once (request threads, the first large forwards' memory).
     Streams(client, [dict(token_ids=p, max_tokens=WARM_UP_TOKENS, ignore_eos=True, cache_salt=f"warm-{run}")
                      for p in prompts[: max(levels)]]).run()
+    progress.step()
     rows = []
     for n in levels:
         streams = Streams(client, [dict(token_ids=p, max_tokens=new_tokens, ignore_eos=True,
@@ -188,6 +117,7 @@ def stack_throughput(client: Client, prompts: list[list[int]], levels: list[int]
                      "last_first_token_s": max(t.arrivals[0] for t in traces) - t0,
                      "itl_median_s": percentile([b - a for t in traces for a, b in t.gaps()], 50),
                      "token_ids": [t.token_ids for t in traces]})
+        progress.step()
     return rows
 
 
@@ -318,44 +248,42 @@ def itl_report(chunked: dict[str, Any], unchunked: dict[str, Any], args: argpars
 # ---- the command ------------------------------------------------------------------------------
 
 
-def ensure_model(model: Path) -> None:
-    """Builds the default tiny llama when it is missing (any other folder must exist)."""
-    if model == DEFAULT_MODEL_DIR and not (model / "config.json").exists():
-        print(f"building the tiny model in {model} ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model), "--arch", "llama"],
-                       check=True)
-
-
-@contextlib.contextmanager
-def stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill_args: list[str] | None = None,
-          decode_args: list[str] | None = None) -> Iterator[Stack]:
-    """A stack whose data lives in tmp/name and whose logs go to log_dir/name (default tmp/name/logs)."""
-    config = StackConfig(model_dir=model, data_dir=tmp / name, decode_port=0, prefill_port=0, store_port=0,
-                         extra_prefill_args=prefill_args or [], extra_decode_args=decode_args or [])
-    with Stack(config, log_dir=log_dir / name if log_dir else tmp / name / "logs") as s:
-        yield s
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    levels = sorted({int(n) for n in args.streams.split(",")})
+def run(args: argparse.Namespace, levels: list[int], progress: Progress) -> dict[str, Any]:
     prompts = make_prompts(max(levels), args.prompt_tokens, args.seed)
     hf = hf_baseline(args.model, prompts, levels, args.new_tokens)
-    report: dict[str, Any] = {"model": str(args.model), "prompt_tokens": args.prompt_tokens,
-                              "new_tokens": args.new_tokens}
+    progress.step(label="decode: starting the stack")
+    report: dict[str, Any] = {"bench": "decode", "model": str(args.model), "prompt_tokens": args.prompt_tokens,
+                              "new_tokens": args.new_tokens,
+                              "settings": {k: getattr(args, k) for k in SETTINGS} | {"model": str(args.model)}}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-decode-") as tmp_name:
         tmp = Path(tmp_name)
-        with stack(args.model, tmp, "throughput", args.log_dir) as s, Client(s.addr, timeout_s=600) as client:
-            report["throughput"] = throughput_report(stack_throughput(client, prompts, levels, args.new_tokens), hf)
+        with local_stack(args.model, tmp, "throughput", args.log_dir) as s, Client(s.addr, timeout_s=600) as client:
+            progress.step(label="decode: throughput")
+            report["throughput"] = throughput_report(
+                stack_throughput(client, prompts, levels, args.new_tokens, progress), hf)
         if not args.skip_itl:
             results = {}
             for name, decode_args in (("chunked", []),
                                       ("unchunked", ["--max-num-batched-tokens", str(args.unchunked_budget)])):
-                with dead_address() as dead, stack(args.model, tmp, name, args.log_dir,
-                                                   prefill_args=["--kvstore", dead], decode_args=decode_args) as s:
+                progress.phase(f"decode: a long prompt among streams, {name}")
+                with dead_address() as dead, local_stack(args.model, tmp, name, args.log_dir,
+                                                         prefill_args=["--kvstore", dead],
+                                                         decode_args=decode_args) as s:
+                    progress.step()
                     results[name] = long_prompt_itl(s.addr, s.service("prefill").addr, s.service("kvstore").addr,
                                                     args)
+                progress.step()
             report["itl"] = itl_report(results["chunked"], results["unchunked"], args)
     return report
+
+
+SETTINGS = ("streams", "prompt_tokens", "new_tokens", "seed", "skip_itl", "itl_streams", "itl_new_tokens",
+            "baseline_tokens", "long_prompt_tokens", "unchunked_budget")
+
+
+def progress_steps(args: argparse.Namespace, levels: list[int]) -> int:
+    """HF's baseline, the stack's start, its warm-up, each level; each part-2 stack's start and run."""
+    return 3 + len(levels) + (0 if args.skip_itl else 4)
 
 
 def _met(goal: dict[str, Any]) -> str:
@@ -410,6 +338,23 @@ def print_report(r: dict[str, Any]) -> None:
           f"(x{g['unchunked_contrast']['value']:.1f})")
 
 
+def panels(r: dict[str, Any]) -> list[Panel]:
+    rows = r["throughput"]["rows"]
+    x = [row["streams"] for row in rows]
+    out = [line_panel("decode throughput", "concurrent streams", "tokens/s", [
+        Line("stack", x, [row["stack_tok_s"] for row in rows]),
+        Line("HF generate, padded batch", x, [row["hf_tok_s"] for row in rows], dashed=True),
+        Line("kvserve engine alone, in process", x, [row["engine_tok_s"] for row in rows], dashed=True),
+    ])]
+    if "itl" in r:
+        itl = r["itl"]
+        out.append(bar_panel("ITL p99 of decoding streams, a long prompt arriving", "ms", {
+            f"{label}, {when}": itl[name][f"itl_p99_{when}_s"] * 1000
+            for name, label in (("chunked", "chunks"), ("unchunked", "one forward")) for when in ("before", "during")
+        }))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -430,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode's --max-num-batched-tokens for the one-forward run (default %(default)s)")
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="keep the services' logs here, a folder per stack (default: removed with the run)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_output_flags(ap)
     args = ap.parse_args(argv)
     if not args.skip_itl and args.itl_new_tokens <= args.baseline_tokens + 2:
         ap.error("--itl-new-tokens must exceed --baseline-tokens + 2: the streams must still decode when the long "
@@ -438,12 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_itl and args.unchunked_budget < args.long_prompt_tokens + args.itl_streams:
         ap.error(f"--unchunked-budget {args.unchunked_budget} cannot hold the long prompt and the streams' tokens "
                  f"in one forward (needs {args.long_prompt_tokens + args.itl_streams})")
+    levels = sorted({int(n) for n in args.streams.split(",")})
     ensure_model(args.model)
-    report = run(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
+    with Progress(progress_steps(args, levels), "decode: HF baseline", quiet=args.quiet) as progress:
+        report = run(args, levels, progress)
+    if args.json != "-":
         print_report(report)
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        save_plot(args.plot, "kvserve bench decode", panels(report))
     return 0
 
 

@@ -4,24 +4,32 @@ Both run through the serving engine (chunks under its token budget, as the servi
 blocks go through the wire codec into a dict keyed by prefix hash, as the KV store would hold them,
 and come back from it into the engine's pool. The cold prefill's arithmetic rate is set against the machine's matmul rate measured in the
 same run (how close the engine's compute is to what the hardware allows).
+
+``python -m engine.prefill_bench baselines`` measures the serving benchmarks' time-to-first-token
+baselines (``kvserve bench multi-turn`` and ``handoff`` run it in a subprocess): see ``ttft_baselines``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
+import sys
 import time
 from collections import abc
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_pool import KVPool
 from engine.kv_transfer import Payload, load_blocks, payload_bytes, save_blocks
-from engine.model import Model, encode_prompt, load_model
+from engine.model import Model, encode_prompt, load_model, probe_cache
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
@@ -93,7 +101,71 @@ def matmul_flops_per_s(n: int = 2048, repeat: int = 5) -> float:
     return 2.0 * n**3 / best
 
 
+# ---- time-to-first-token baselines of the serving benchmarks ------------------------------------
+
+
+def first_token(hf_model: PreTrainedModel, input_ids: torch.Tensor, cache: dict[str, Any]) -> tuple[int, float]:
+    """One forward of ``input_ids`` [1, tokens] over ``cache`` (keyword -> DynamicCache) and the greedy next
+    token: (token, seconds)."""
+    start = time.perf_counter()
+    logits = hf_model(input_ids, use_cache=True, logits_to_keep=1, **cache).logits
+    return int(logits[0, -1].argmax()), time.perf_counter() - start
+
+
+def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: int, repeats: int, full: bool,
+                   untimed: int = 0, seed: int = 0) -> dict[str, Any]:
+    """Time to first token of a prompt of ``cached`` + ``new`` random byte token ids, without a serving
+    system, ``repeats`` times after ``untimed`` rounds:
+
+    - ``full_s``: Hugging Face over the whole prompt in one forward and a fresh DynamicCache, what
+      ``generate`` does before its first token (when ``full``);
+    - ``reuse_s``: the same model in this process over a DynamicCache of the first ``cached`` tokens
+      computed before (the limit of reuse: only the ``new`` tokens and the first token are computed);
+    - ``decode_step_s``: the step after that, one token over the whole prompt's cache.
+    """
+    ids = torch.randint(0, 256, (1, cached + new), generator=torch.Generator().manual_seed(seed))
+    prefix = DynamicCache(config=hf_model.config)
+    times: dict[str, list[float]] = {"full_s": [], "reuse_s": [], "decode_step_s": []}
+    with torch.inference_mode():
+        if cached:
+            hf_model(ids[:, :cached], use_cache=True, **{keyword: prefix})
+        for _ in range(untimed + repeats):
+            if full:
+                times["full_s"].append(first_token(hf_model, ids, {keyword: DynamicCache(config=hf_model.config)})[1])
+            cache = {keyword: copy.deepcopy(prefix)}
+            token, reuse_s = first_token(hf_model, ids[:, cached:], cache)
+            times["reuse_s"].append(reuse_s)
+            times["decode_step_s"].append(first_token(hf_model, torch.tensor([[token]]), cache)[1])
+    timed = {name: values[untimed:] for name, values in times.items()}
+    return {"cached_tokens": cached, "new_tokens": new, **timed,
+            **{name.removesuffix("_s") + "_median_s": statistics.median(v) if v else None for name, v in timed.items()}}
+
+
+def baselines_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.prefill_bench baselines", description=ttft_baselines.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
+    ap.add_argument("--turns", required=True, help="CACHED:NEW token counts, comma-separated, e.g. 0:1088,1120:64")
+    ap.add_argument("--repeats", type=int, default=1, help="timed rounds of each turn (default %(default)s)")
+    ap.add_argument("--untimed", type=int, default=0, help="untimed rounds before them (default %(default)s)")
+    ap.add_argument("--no-full", dest="full", action="store_false", help="skip the whole-prompt forward")
+    args = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    turns = [(int(cached), int(new)) for cached, new in (turn.split(":") for turn in args.turns.split(","))]
+    hf_model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
+    keyword = probe_cache(hf_model, torch.device("cpu")).keyword
+    ttft_baselines(hf_model, keyword, 32, 32, 1, full=True)  # warm-up: one-time start-up costs
+    runs = [ttft_baselines(hf_model, keyword, cached, new, args.repeats, args.full, args.untimed, seed=i)
+            for i, (cached, new) in enumerate(turns)]
+    print(json.dumps({"torch_threads": torch.get_num_threads(), "turns": runs}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["baselines"]:
+        return baselines_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvserve bench prefill", description=__doc__)
     parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
     parser.add_argument("--prompt-tokens", type=int, default=1500)

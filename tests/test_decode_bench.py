@@ -4,6 +4,7 @@ one of the figures it reports."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import decode_bench
+from client.bench_report import percentile
+from client.bench_streams import StreamTrace
 from client.client import Result, Timings, Usage
-from client.decode_bench import StreamTrace, gaps_overlapping, gaps_within, percentile, throughput_report
+from client.decode_bench import gaps_overlapping, gaps_within, throughput_report
 from engine import hf_batch_bench
 from tests.engine_fixtures import random_tokens, tiny_model_path
 from tests.stack_fixtures import model_dir
@@ -73,13 +76,16 @@ def test_hf_baseline_is_greedy_past_eos() -> None:
 
 
 @pytest.mark.slow
-def test_bench_decode_reports_measured_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_decode_reports_measured_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     new_tokens, long_tokens = 6, 300
     argv = ["--model", str(model_dir("llama")), "--streams", "1,2", "--prompt-tokens", "32", "--new-tokens",
             str(new_tokens), "--itl-streams", "2", "--itl-new-tokens", "80", "--baseline-tokens", "5",
-            "--long-prompt-tokens", str(long_tokens), "--unchunked-budget", "512", "--json"]
+            "--long-prompt-tokens", str(long_tokens), "--unchunked-budget", "512",
+            "--json", str(tmp_path / "decode.json"), "--plot", str(tmp_path / "decode.png")]
     assert decode_bench.main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    assert "stack tok/s" in capsys.readouterr().out  # the table
+    assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((tmp_path / "decode.json").read_text())
 
     rows = report["throughput"]["rows"]
     assert [r["streams"] for r in rows] == [1, 2]

@@ -1,0 +1,259 @@
+"""`kvserve bench multi-turn` (alias `e2e`): users chatting in rounds over a shared system prompt, in the
+style of LMCache's multi-round QA benchmark, with the prefix cache and without it.
+
+`--users` users start `1/--rate` seconds apart (0: all at once). Each sends `--rounds` questions, one
+after the other: round r's prompt is the shared system prompt (`--system-tokens`), then the user's
+questions (`--question-tokens` random byte token ids each, distinct per user) and the answers so far
+(`--answer-tokens` each, greedy, EOS ignored); the next question goes as soon as the answer is in.
+Prompts are token ids, so lengths are exact and an answer's KV is reused by the next round.
+After one untimed request (a fresh stack's one-time costs), the whole session runs twice on the same
+stack: with the cache (under a fresh cache salt, so the system prompt is cold in round 1) and without
+it (prefix_cache=False: every round recomputes the whole history). Per round, over the users: TTFT, inter-token latency and end-to-end latency
+p50/p90/p99 as the client sees them, throughput (tokens generated in the round / the round's span,
+first request sent to last result), the cache hit rate (cached / prompt tokens) and the prompt
+tokens computed (prompt - cached, summed).
+
+Baselines, one user, measured in the same run before the stack starts (`python -m engine.prefill_bench
+baselines` in a subprocess): "HF full", Hugging Face over the whole history of each round, what a
+user without a serving system has; "reuse", the same model in one process over a DynamicCache of the
+previous rounds (answers included), computing only the new question and the first token: the limit.
+
+Goals printed as met or not: TTFT p50 of the last round <= 1.5x round 1 with the cache; last-round
+speed-up (TTFT p50 without the cache / with it) >= 5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from client.bench_report import (
+    Column,
+    Line,
+    Panel,
+    Progress,
+    add_output_flags,
+    emit,
+    format_table,
+    goal,
+    goal_line,
+    line_panel,
+    percentiles_s,
+    ratio,
+)
+from client.bench_stack import add_target_flags, ensure_model, open_target
+from client.bench_streams import StreamTrace, timed_stream
+from client.bench_subprocess import ttft_baselines
+from client.client import Client
+
+GROWTH_GOAL = 1.5  # TTFT(last round) <= 1.5x TTFT(round 1), with the cache
+SPEEDUP_GOAL = 5.0  # last round: >= 5x faster than without the cache
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    users: int
+    rounds: int
+    system_tokens: int
+    question_tokens: int
+    answer_tokens: int
+    rate: float
+    seed: int
+
+    def prompt_tokens(self, round_: int) -> int:
+        """Prompt length of round `round_` (from 1): the system prompt, the questions, the answers before."""
+        return self.system_tokens + round_ * self.question_tokens + (round_ - 1) * self.answer_tokens
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def user_session(client: Client, s: Settings, user: int, system: list[int], start_at: float | None,
+                 progress: Progress, **cache: Any) -> list[StreamTrace]:
+    """One user's rounds, each sent when the answer before it is in; a trace per round."""
+    rng = random.Random(s.seed * 100_003 + user + 1)  # the same questions with and without the cache
+    history, traces = list(system), []
+    for _ in range(s.rounds):
+        prompt = history + random_tokens(rng, s.question_tokens)
+        trace = timed_stream(client, start_at, token_ids=prompt, max_tokens=s.answer_tokens, ignore_eos=True, **cache)
+        traces.append(trace)
+        progress.step()
+        history, start_at = prompt + trace.token_ids, None
+    return traces
+
+
+def run_session(client: Client, s: Settings, progress: Progress, **cache: Any) -> list[list[StreamTrace]]:
+    """Every user's session, the users staggered by 1/rate: traces[user][round]."""
+    system = random_tokens(random.Random(s.seed), s.system_tokens)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(s.users, thread_name_prefix="bench-user") as pool:
+        futures = [pool.submit(user_session, client, s, u, system, t0 + (u / s.rate if s.rate else 0.0), progress,
+                               **cache) for u in range(s.users)]
+        return [f.result() for f in futures]
+
+
+def round_row(round_: int, cached: list[StreamTrace], uncached: list[StreamTrace], base: dict[str, Any]
+              ) -> dict[str, Any]:
+    prompt = sum(t.usage.prompt_tokens for t in cached)
+    hits = sum(t.usage.cached_tokens for t in cached)
+    generated = sum(len(t.token_ids) for t in cached)
+    span = max(t.end for t in cached) - min(t.sent for t in cached)
+    return {
+        "round": round_,
+        "prompt_tokens": prompt / len(cached),
+        "hit_rate": hits / prompt,
+        "computed_tokens": prompt - hits,
+        "computed_tokens_no_cache": sum(t.usage.prompt_tokens - t.usage.cached_tokens for t in uncached),
+        **percentiles_s("ttft_cache", [t.ttft_s for t in cached]),
+        **percentiles_s("ttft_no_cache", [t.ttft_s for t in uncached]),
+        **percentiles_s("itl", [gap for t in cached for gap in t.itl_s()]),
+        **percentiles_s("e2e", [t.e2e_s for t in cached]),
+        "throughput_tok_s": generated / span,
+        "hf_full_ttft_s": base["full_median_s"],
+        "reuse_ttft_s": base["reuse_median_s"],
+        "same_answers": all(a.token_ids == b.token_ids for a, b in zip(cached, uncached, strict=True)),
+    }
+
+
+TTFT_COLUMNS = [
+    Column("round", "round", "{:d}"),
+    Column("prompt_tokens", "prompt", "{:.0f}"),
+    Column("hit_rate", "hit %", "{:.0f}", 100),
+    Column("computed_tokens", "computed", "{:d}"),
+    Column("ttft_cache_p50_s", "TTFT p50", "{:.1f}", 1000),
+    Column("ttft_cache_p90_s", "p90", "{:.1f}", 1000),
+    Column("ttft_cache_p99_s", "p99", "{:.1f}", 1000),
+    Column("ttft_no_cache_p50_s", "no cache p50", "{:.1f}", 1000),
+    Column("ttft_no_cache_p90_s", "p90", "{:.1f}", 1000),
+    Column("ttft_no_cache_p99_s", "p99", "{:.1f}", 1000),
+    Column("hf_full_ttft_s", "HF full", "{:.1f}", 1000),
+    Column("reuse_ttft_s", "reuse", "{:.1f}", 1000),
+]
+STREAM_COLUMNS = [
+    Column("round", "round", "{:d}"),
+    Column("itl_p50_s", "ITL p50", "{:.1f}", 1000),
+    Column("itl_p90_s", "p90", "{:.1f}", 1000),
+    Column("itl_p99_s", "p99", "{:.1f}", 1000),
+    Column("e2e_p50_s", "e2e p50", "{:.1f}", 1000),
+    Column("e2e_p90_s", "p90", "{:.1f}", 1000),
+    Column("e2e_p99_s", "p99", "{:.1f}", 1000),
+    Column("throughput_tok_s", "tok/s", "{:.1f}"),
+]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    first, second, last = rows[0], rows[min(1, len(rows) - 1)], rows[-1]
+    growth = last["ttft_cache_p50_s"] / first["ttft_cache_p50_s"]
+    speedup = last["ttft_no_cache_p50_s"] / last["ttft_cache_p50_s"]
+    return {
+        "summary": {"ttft_growth": growth, "last_round_speedup": speedup,
+                    # from round 2, the first with a cached history of its own (round 1 computes the system
+                    # prompt cold for the first user)
+                    "ttft_growth_from_round_2": last["ttft_cache_p50_s"] / second["ttft_cache_p50_s"],
+                    "last_round_vs_reuse": ratio(last["ttft_cache_p50_s"], last["reuse_ttft_s"]),
+                    "last_round_hf_full_vs_stack": ratio(last["hf_full_ttft_s"], last["ttft_cache_p50_s"])},
+        "goals": {"ttft_growth": goal(growth, GROWTH_GOAL, at_most=True),
+                  "last_round_speedup": goal(speedup, SPEEDUP_GOAL, at_most=False)},
+    }
+
+
+def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
+    with Progress(3 + 2 * s.users * s.rounds, "multi-turn: baselines", quiet=args.quiet) as progress:
+        turns = [(0, s.prompt_tokens(1))] + [(s.prompt_tokens(r - 1) + s.answer_tokens, s.question_tokens)
+                                             for r in range(2, s.rounds + 1)]
+        base = ttft_baselines(args.model, turns, args.baseline_repeats)
+        progress.step(label="multi-turn: starting the stack")
+        with open_target(args, "multi-turn") as target, Client(target.addr, timeout_s=600) as client:
+            progress.step(label="multi-turn: warm-up")
+            # Untimed: a fresh stack's one-time costs (first forwards, memory) on a prompt of the longest length.
+            timed_stream(client, token_ids=random_tokens(random.Random(-1), s.prompt_tokens(s.rounds)),
+                         max_tokens=s.answer_tokens, ignore_eos=True, cache_salt=f"warm-up-{uuid.uuid4().hex}")
+            progress.step(label="multi-turn: with the cache")
+            cached = run_session(client, s, progress, cache_salt=f"multi-turn-{uuid.uuid4().hex}")
+            progress.phase("multi-turn: without the cache")
+            uncached = run_session(client, s, progress, prefix_cache=False)
+    rows = [round_row(r + 1, [u[r] for u in cached], [u[r] for u in uncached], base["turns"][r])
+            for r in range(s.rounds)]
+    total = sum(len(t.token_ids) for u in cached for t in u)
+    span = max(t.end for u in cached for t in u) - min(t.sent for u in cached for t in u)
+    return {"bench": "multi-turn", "settings": {**asdict(s), "model": str(args.model),
+                                                "baseline_repeats": args.baseline_repeats},
+            "baseline_torch_threads": base["torch_threads"], "rounds": rows,
+            "throughput_tok_s": total / span, **summarize(rows)}
+
+
+def report_text(r: dict[str, Any]) -> str:
+    s, rows, goals = r["settings"], r["rounds"], r["goals"]
+    rate = f"{s['rate']:g} users/s" if s["rate"] else "all at once"
+    lines = [
+        f"multi-turn: {s['users']} users ({rate}), {s['rounds']} rounds, system prompt {s['system_tokens']} tokens, "
+        f"questions {s['question_tokens']}, answers {s['answer_tokens']} tokens; model {s['model']}",
+        "TTFT in ms as the client sees it, with the cache and without it (same run, same stack); "
+        "HF full / reuse: one user, no serving system, whole history / over a cache of the history",
+        format_table(TTFT_COLUMNS, rows),
+        "",
+        "with the cache: inter-token and end-to-end latency in ms, throughput of each round",
+        format_table(STREAM_COLUMNS, rows),
+        f"throughput over the session: {r['throughput_tok_s']:.1f} tok/s; TTFT p50 with the cache from round "
+        f"{min(2, len(rows))} (the first with a cached history) to round {rows[-1]['round']}: "
+        f"x{r['summary']['ttft_growth_from_round_2']:.2f}",
+        goal_line(f"TTFT p50 round {rows[-1]['round']} <= {GROWTH_GOAL:g}x round 1 with the cache",
+                  goals["ttft_growth"]),
+        goal_line(f"round {rows[-1]['round']} speed-up >= {SPEEDUP_GOAL:g}x against no cache",
+                  goals["last_round_speedup"]),
+    ]
+    differ = [row["round"] for row in rows if not row["same_answers"]]
+    if differ:
+        lines.append(f"! answers with and without the cache differed in round(s) {', '.join(map(str, differ))}")
+    return "\n".join(lines)
+
+
+def panels(r: dict[str, Any]) -> list[Panel]:
+    rows = r["rounds"]
+    x = [row["round"] for row in rows]
+
+    def ms(key: str) -> list[float | None]:
+        return [None if row[key] is None else row[key] * 1000 for row in rows]
+
+    return [line_panel("TTFT p50 per round", "round", "ms", [
+        Line("stack, with the cache", x, ms("ttft_cache_p50_s")),
+        Line("stack, without the cache", x, ms("ttft_no_cache_p50_s")),
+        Line("HF over the whole history (1 user)", x, ms("hf_full_ttft_s"), dashed=True),
+        Line("in-process cache reuse (1 user)", x, ms("reuse_ttft_s"), dashed=True),
+    ])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvserve bench multi-turn", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_flags(ap)
+    ap.add_argument("--users", type=int, default=4, help="(default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=10, help="questions per user (default %(default)s)")
+    ap.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt (default %(default)s)")
+    ap.add_argument("--question-tokens", type=int, default=64, help="(default %(default)s)")
+    ap.add_argument("--answer-tokens", type=int, default=32, help="max tokens of each answer (default %(default)s)")
+    ap.add_argument("--rate", type=float, default=1.0,
+                    help="users start 1/RATE seconds apart; 0 starts them all at once (default %(default)s)")
+    ap.add_argument("--baseline-repeats", type=int, default=3, help="median of this many (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="of the random prompts (default %(default)s)")
+    add_output_flags(ap)
+    args = ap.parse_args(argv)
+    if min(args.users, args.rounds, args.question_tokens, args.answer_tokens) < 1 or args.rate < 0:
+        ap.error("--users, --rounds, --question-tokens and --answer-tokens must be >= 1, --rate >= 0")
+    ensure_model(args.model)
+    s = Settings(args.users, args.rounds, args.system_tokens, args.question_tokens, args.answer_tokens, args.rate,
+                 args.seed)
+    report = run(args, s)
+    emit(args, report, report_text(report), lambda: panels(report), "kvserve bench multi-turn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

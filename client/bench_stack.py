@@ -1,0 +1,117 @@
+"""The stack a benchmark measures: the three services as local processes on a temporary folder (ports 0,
+Prometheus pages on free ports), or a running stack given by --addr; and its services' counters."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from client.cli import parse_metrics
+from client.stack import Stack, StackConfig
+
+DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")
+
+
+def ensure_model(model: Path) -> None:
+    """Builds the default tiny llama when it is missing (any other folder must exist)."""
+    if model == DEFAULT_MODEL_DIR and not (model / "config.json").exists():
+        print(f"building the tiny model in {model} ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model), "--arch", "llama"],
+                       check=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def local_stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill_args: Sequence[str] = (),
+                decode_args: Sequence[str] = (), metrics_ports: Mapping[str, int] | None = None) -> Iterator[Stack]:
+    """A stack whose data lives in tmp/name and whose logs go to log_dir/name (default tmp/name/logs);
+    `metrics_ports` maps kvstore, prefill and decode to the port of their Prometheus page."""
+    ports = metrics_ports or {}
+
+    def flags(service: str) -> list[str]:
+        return ["--metrics-port", str(ports[service])] if service in ports else []
+
+    config = StackConfig(model_dir=model, data_dir=tmp / name, decode_port=0, prefill_port=0, store_port=0,
+                         extra_store_args=flags("kvstore"), extra_prefill_args=[*flags("prefill"), *prefill_args],
+                         extra_decode_args=[*flags("decode"), *decode_args])
+    with Stack(config, log_dir=log_dir / name if log_dir else tmp / name / "logs") as s:
+        yield s
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a benchmark sends its requests: the front door, the store (when known), the services'
+    metrics pages (none when not known), and the model the services run."""
+
+    addr: str
+    store_addr: str | None
+    metrics_urls: tuple[str, ...]
+    model: Path
+    block_size: int = 16
+
+
+def add_target_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                    help="model folder (default %(default)s, built if missing); with --addr, the stack's model")
+    ap.add_argument("--addr", default=None,
+                    help="a running stack's front door (default: start the three services on a temporary folder)")
+    ap.add_argument("--kvstore", default=None, help="with --addr: that stack's store address")
+    ap.add_argument("--metrics", action="append", default=[], metavar="URL",
+                    help="with --addr: a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable)")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="keep the services' logs here (default: removed with the run)")
+
+
+@contextlib.contextmanager
+def open_target(args: argparse.Namespace, name: str) -> Iterator[Target]:
+    """args.addr as it is, or a local stack with its metrics pages, stopped on exit."""
+    if args.addr:
+        yield Target(args.addr, args.kvstore, tuple(args.metrics), args.model)
+        return
+    ensure_model(args.model)
+    ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
+    with tempfile.TemporaryDirectory(prefix=f"kvserve-bench-{name}-") as tmp, \
+            local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports) as s:
+        yield Target(s.addr, s.service("kvstore").addr,
+                     tuple(f"http://127.0.0.1:{p}/metrics" for p in ports.values()), args.model,
+                     s.config.block_size)
+
+
+def scrape(urls: Sequence[str]) -> dict[str, float]:
+    """Every sample of every page (the services' names keep them apart); {} without pages."""
+    samples: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            samples.update(parse_metrics(resp.read().decode()))
+    return samples
+
+
+def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """How much each sample grew between two scrapes (counters, histogram sums and counts)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def histogram_means(d: Mapping[str, float], prefixes: Sequence[str]) -> dict[str, dict[str, float]]:
+    """{histogram: {count, mean_s}} of every `*_seconds` histogram of the services named by `prefixes`
+    that observed something in the window `d` (a `delta`)."""
+    out = {}
+    for name, total in d.items():
+        if name.endswith("_seconds_sum") and name.startswith(tuple(prefixes)):
+            base = name.removesuffix("_sum")
+            count = d.get(base + "_count", 0.0)
+            if count > 0:
+                out[base] = {"count": count, "mean_s": total / count}
+    return out

@@ -1,0 +1,106 @@
+"""Streamed requests as a benchmark client sees them: when each was sent, when each token arrived
+(`time.perf_counter`), and its final result; one request or many at once, a thread each."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from client.client import Client, Result, Usage
+
+
+@dataclass(slots=True)
+class StreamTrace:
+    """What the client saw of one streamed request: each token and when it arrived (perf_counter)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    result: Result | None = None
+    end: float = 0.0  # when the final result arrived
+    sent: float = 0.0  # just before the request was sent
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(previous token's arrival, this token's arrival) for every token after the first."""
+        return list(zip(self.arrivals, self.arrivals[1:], strict=False))
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end - self.sent
+
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in self.gaps()]
+
+    @property
+    def usage(self) -> Usage:
+        assert self.result is not None, "the stream has not finished"
+        return self.result.usage
+
+
+def stream_into(client: Client, trace: StreamTrace, **request: Any) -> None:
+    for item in client.stream(**request):
+        now = time.perf_counter()
+        if isinstance(item, Result):
+            trace.result, trace.end = item, now
+        else:
+            trace.token_ids.append(item.token_id)
+            trace.arrivals.append(now)
+
+
+def timed_stream(client: Client, start_at: float | None = None, **request: Any) -> StreamTrace:
+    """Streams one request, sent at `start_at` (perf_counter; now if None or past), to its end."""
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+    trace = StreamTrace(sent=time.perf_counter())
+    stream_into(client, trace, **request)
+    return trace
+
+
+class Streams:
+    """Requests streamed concurrently, a thread each, from `start()` on."""
+
+    def __init__(self, client: Client, requests: list[dict[str, Any]]) -> None:
+        self.client = client
+        self.requests = requests
+        self.traces = [StreamTrace() for _ in requests]
+        self._pool = ThreadPoolExecutor(len(requests), thread_name_prefix="bench-stream")
+        self._futures: list[Future[None]] = []
+
+    def start(self) -> float:
+        """Sends every request; returns the time just before the first was sent."""
+        t0 = time.perf_counter()
+        for t in self.traces:
+            t.sent = t0
+        self._futures = [self._pool.submit(stream_into, self.client, t, **r)
+                         for t, r in zip(self.traces, self.requests, strict=True)]
+        return t0
+
+    def wait_for(self, num_tokens: int, timeout_s: float) -> None:
+        """Until every stream has received `num_tokens` tokens (or ended)."""
+        deadline = time.monotonic() + timeout_s
+        while any(len(t.arrivals) < num_tokens and not f.done() for t, f in zip(self.traces, self._futures,
+                                                                                  strict=True)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the streams did not reach {num_tokens} tokens in {timeout_s:.0f} s")
+            time.sleep(0.01)
+        for f in self._futures:
+            if f.done():
+                f.result()  # a failed stream raises here
+
+    def run(self) -> tuple[float, list[StreamTrace]]:
+        """``start`` then ``join``: (the time just before the first request was sent, the traces)."""
+        t0 = self.start()
+        return t0, self.join()
+
+    def join(self) -> list[StreamTrace]:
+        try:
+            for f in self._futures:
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        return self.traces

@@ -1,0 +1,201 @@
+"""`kvserve bench multi-turn | shared-prefix | handoff | store` in short forms on a tiny model: each runs,
+writes a valid PNG and a JSON holding every figure its table names, and its figures add up. The report
+helpers they share are tested without a stack. No wall-clock thresholds: timings are only read."""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from matplotlib import image
+
+from client import bench_handoff, bench_multi_turn, bench_shared_prefix, bench_store, cli
+from client.bench_report import (
+    Column,
+    Line,
+    Progress,
+    bar_panel,
+    format_table,
+    goal,
+    line_panel,
+    percentiles_s,
+    save_plot,
+)
+from client.bench_stack import free_port, local_stack
+from tests.stack_fixtures import BLOCK_SIZE, model_dir
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def assert_has_columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column]) -> None:
+    assert rows
+    for row in rows:
+        missing = [c.key for c in columns if c.key not in row]
+        assert not missing, f"figures of the table missing from the JSON: {missing}"
+
+
+# ---- the shared report helpers ----------------------------------------------------------------
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_steps_on_a_terminal_only() -> None:
+    tty, pipe = Terminal(), io.StringIO()
+    with Progress(4, "bench", stream=tty) as bar, Progress(4, "bench", stream=pipe) as silent:
+        bar.step()
+        bar.step(2, label="phase two")
+        silent.step()
+        assert bar.line().startswith("phase two [##################------] 3/4 ")
+    assert "\rbench [######------------------] 1/4 " in tty.getvalue()
+    assert tty.getvalue().endswith("\r\x1b[K")  # the line is cleared at the end
+    assert pipe.getvalue() == ""
+    with Progress(1, stream=Terminal(), quiet=True) as quiet:
+        quiet.step()
+        assert not quiet.enabled
+
+
+def test_table_shows_each_column_of_each_row() -> None:
+    columns = [Column("mode", "mode", "{}", left=True), Column("n", "users", "{:d}"),
+               Column("ttft_s", "TTFT ms", "{:.1f}", 1000)]
+    table = format_table(columns, [{"mode": "at once", "n": 16, "ttft_s": 0.0125}, {"mode": "x", "n": 1, "ttft_s": None}])
+    assert table.splitlines() == ["mode     users  TTFT ms",
+                                  "at once     16     12.5",
+                                  "x            1        -"]
+
+
+def test_percentiles_and_goals() -> None:
+    assert percentiles_s("ttft", [0.1 * i for i in range(1, 11)]) == pytest.approx(
+        {"ttft_p50_s": 0.55, "ttft_p90_s": 0.91, "ttft_p99_s": 0.991})
+    assert percentiles_s("itl", []) == {"itl_p50_s": None, "itl_p90_s": None, "itl_p99_s": None}
+    assert goal(1.5, 1.5, at_most=True)["met"] and not goal(1.6, 1.5, at_most=True)["met"]
+    assert goal(5.0, 5.0, at_most=False) == {"value": 5.0, "goal": 5.0, "met": True}
+
+
+def test_plot_is_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "plots" / "two.png"
+    save_plot(path, "two panels", [
+        line_panel("lines", "users", "ms", [Line("a", [1, 4], [2.0, None]), Line("b", [1, 4], [1.0, 1.0], dashed=True)]),
+        bar_panel("bars", "ms", {"stack": 3.0, "baseline": 2.0}, spread={"stack": (2.5, 4.0), "baseline": (2.0, 2.0)},
+                  ref=("memcpy", 5.0)),
+    ])
+    assert_png(path)
+
+
+def test_bench_commands_are_dispatched() -> None:
+    names = {key[1]: module for key, module in cli.FORWARDED.items() if key[0] == "bench"}
+    assert names == {"hash": "engine.bench", "prefill": "engine.prefill_bench", "multi-turn": "client.bench_multi_turn",
+                     "e2e": "client.bench_multi_turn", "shared-prefix": "client.bench_shared_prefix",
+                     "decode": "client.decode_bench", "handoff": "client.bench_handoff", "store": "client.bench_store"}
+
+
+# ---- the scenarios, short forms -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[list[str]]:
+    """A stack with metrics pages, shared by the scenarios run with --addr: the flags that name it."""
+    ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-suite-") as tmp, \
+            local_stack(model_dir("llama"), Path(tmp), "stack", None, metrics_ports=ports) as s:
+        yield ["--model", str(model_dir("llama")), "--addr", s.addr, "--kvstore", s.service("kvstore").addr,
+               *(f"--metrics=http://127.0.0.1:{p}/metrics" for p in ports.values())]
+
+
+def run_bench(main: Any, argv: list[str], tmp_path: Path) -> dict[str, Any]:
+    assert main([*argv, "--json", str(tmp_path / "figures.json"), "--plot", str(tmp_path / "plot.png")]) == 0
+    assert_png(tmp_path / "plot.png")
+    return dict(json.loads((tmp_path / "figures.json").read_text()))
+
+
+@pytest.mark.slow
+def test_multi_turn_starts_its_stack_and_reuses_each_round(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    system, question, answer = 64, 16, 4
+    r = run_bench(bench_multi_turn.main, ["--model", str(model_dir("llama")), "--users", "2", "--rounds", "2",
+                                          "--system-tokens", str(system), "--question-tokens", str(question),
+                                          "--answer-tokens", str(answer), "--rate", "0"], tmp_path)
+    assert "round" in capsys.readouterr().out
+    rows = r["rounds"]
+    assert_has_columns(rows, [*bench_multi_turn.TTFT_COLUMNS, *bench_multi_turn.STREAM_COLUMNS])
+    assert [row["round"] for row in rows] == [1, 2]
+    assert [row["prompt_tokens"] for row in rows] == [system + question, system + 2 * question + answer]
+    # Round 2 reuses round 1's whole prompt and its answer up to the last full block; without the cache,
+    # every prompt token of both users is computed.
+    reused = (system + question + answer) // BLOCK_SIZE * BLOCK_SIZE
+    assert rows[1]["computed_tokens"] == 2 * (rows[1]["prompt_tokens"] - reused)
+    assert rows[1]["hit_rate"] == pytest.approx(reused / rows[1]["prompt_tokens"])
+    assert all(row["computed_tokens_no_cache"] == 2 * row["prompt_tokens"] for row in rows)
+    assert all(row["same_answers"] for row in rows)
+    for row in rows:
+        for key in ("ttft_cache", "ttft_no_cache", "itl", "e2e"):
+            assert row[f"{key}_p50_s"] <= row[f"{key}_p90_s"] <= row[f"{key}_p99_s"]
+        assert row["hf_full_ttft_s"] > 0 and row["reuse_ttft_s"] > 0
+    first, last = rows[0], rows[-1]
+    assert r["goals"]["ttft_growth"]["value"] == pytest.approx(last["ttft_cache_p50_s"] / first["ttft_cache_p50_s"])
+    assert r["goals"]["last_round_speedup"]["value"] == pytest.approx(
+        last["ttft_no_cache_p50_s"] / last["ttft_cache_p50_s"])
+
+
+@pytest.mark.slow
+def test_shared_prefix_counts_computed_tokens_against_the_ideal(stack: list[str], tmp_path: Path) -> None:
+    prefix, question = 64, 16
+    r = run_bench(bench_shared_prefix.main, [*stack, "--users", "1,2", "--prefix-tokens", str(prefix),
+                                             "--question-tokens", str(question), "--answer-tokens", "2",
+                                             "--stagger-ms", "20", "--cold-repeats", "1"], tmp_path)
+    rows = r["runs"]
+    assert_has_columns(rows, bench_shared_prefix.COLUMNS)
+    assert [(row["mode"], row["users"]) for row in rows] == [("at once", 1), ("at once", 2), ("staggered", 1),
+                                                             ("staggered", 2)]
+    assert r["settings"]["metrics_read"]
+    for row in rows:
+        assert row["ideal_tokens"] == prefix + row["users"] * question
+        assert row["computed_tokens_usage"] >= row["ideal_tokens"]
+        assert row["computed_tokens_engine"] >= row["ideal_tokens"]  # prefill's engine computed at least that
+        assert row["computed_vs_ideal"] == pytest.approx(row["computed_tokens_engine"] / row["ideal_tokens"])
+        assert row["ttft_p50_vs_cold"] == pytest.approx(row["ttft_p50_s"] / r["cold_ttft_s"])
+    # One user alone computes exactly its prompt.
+    assert [row["computed_tokens_usage"] for row in rows if row["users"] == 1] == [prefix + question] * 2
+    assert set(r["goals"]) == {"computed_at_once", "ttft_at_once", "computed_staggered", "ttft_staggered"}
+
+
+@pytest.mark.slow
+def test_handoff_takes_the_prefix_from_the_store(stack: list[str], tmp_path: Path) -> None:
+    prefix, new = 64, 8
+    r = run_bench(bench_handoff.main, [*stack, "--prefix-tokens", str(prefix), "--new-tokens", str(new),
+                                       "--repeats", "2"], tmp_path)
+    assert_has_columns(r["rows"], bench_handoff.COLUMNS)
+    assert_has_columns(r["service_timings"], bench_handoff.TIMING_COLUMNS)
+    assert [row["path"] for row in r["rows"]] == ["stack", "in-process reuse"]
+    # Every block of the prefix came from the store, none from prefill's pool.
+    assert r["cached_tokens_per_request"] == r["store_tokens_per_request"] == prefix
+    assert r["pool_hit_tokens_per_request"] == 0
+    assert all(run["stored_blocks"] == prefix // BLOCK_SIZE for run in r["runs"])
+    stack_row, reuse = r["rows"]
+    for row in r["rows"]:
+        assert row["ttft_min_s"] <= row["ttft_p50_s"] <= row["ttft_max_s"]
+    assert r["stack_vs_in_process"] == pytest.approx(stack_row["ttft_p50_s"] / reuse["ttft_p50_s"])
+    assert r["goals"]["stack_vs_in_process"]["value"] == r["stack_vs_in_process"]
+
+
+@pytest.mark.slow
+def test_store_reports_every_path_against_memcpy(tmp_path: Path) -> None:
+    r = run_bench(bench_store.main, ["--total", "4MiB", "--repeat", "1", "--batch", "8"], tmp_path)
+    assert_has_columns(r["rows"], bench_store.COLUMNS)
+    assert r["rows"][0]["path"] == "memcpy" and r["rows"][0]["vs_memcpy"] == 1.0
+    assert {row["path"] for row in r["rows"][1:]} == set(r["measured"]["gbps"])
+    for row in r["rows"]:
+        assert row["vs_memcpy"] == pytest.approx(row["gbps"] / r["measured"]["memcpy_gbps"])
+    assert r["goals"] and all(set(g) >= {"value", "goal", "met"} for g in r["goals"].values())
