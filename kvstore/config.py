@@ -40,7 +40,7 @@ def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
     if config.device != "off" and config.device_capacity > 0:
         from kvstore.device_tier import DeviceTier  # torch only when the device tier is on
 
-        tiers.append((DeviceTier(config.device), config.device_capacity))
+        tiers.append((DeviceTier(config.device_capacity, config.device), config.device_capacity))
     if config.host_capacity > 0:
         host = ArenaHostTier.create(config.host_capacity, config.shm_root) if config.shm else MemoryHostTier()
         tiers.append((host, config.host_capacity))

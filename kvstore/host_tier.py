@@ -58,10 +58,10 @@ class ArenaHostTier(TierStorage):
         return cls(Path(root) / f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}", capacity)
 
     def has_room(self, size: int) -> bool:
-        return self.arena.has_room(size)
+        return self.arena.slots.has_room(size)
 
     def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
-        offset = self.arena.alloc(len(payload))
+        offset = self.arena.slots.alloc(len(payload))
         if offset is None:  # the store checks has_room first
             raise MemoryError(f"no free arena slot for {len(payload)} bytes")
         self.arena.view[offset : offset + len(payload)] = payload
@@ -69,10 +69,10 @@ class ArenaHostTier(TierStorage):
 
     def reserve(self, size: int) -> int | None:
         """A slot for a client to fill before `adopt`, or None."""
-        return self.arena.alloc(size)
+        return self.arena.slots.alloc(size)
 
     def release(self, offset: int) -> None:
-        self.arena.free(offset)
+        self.arena.slots.free(offset)
 
     def adopt(self, key: BlockHash, offset: int, size: int, checksum: int) -> None:
         """Makes a reserved slot, filled by a client, block `key` (no copy)."""
@@ -100,7 +100,7 @@ class ArenaHostTier(TierStorage):
     def delete(self, key: BlockHash) -> None:
         found = self._slots.pop(key, None)
         if found is not None:
-            self.arena.free(found[0])
+            self.arena.slots.free(found[0])
 
     def keys(self) -> set[BlockHash]:
         return set(self._slots)

@@ -56,7 +56,7 @@ def make_store(
     if device:
         from kvstore.device_tier import DeviceTier
 
-        tiers.append((DeviceTier("cpu"), device))
+        tiers.append((DeviceTier(device, "cpu"), device))
     if host:
         assert not shm or tmp is not None
         tiers.append((ArenaHostTier(tmp / "shm", host) if shm and tmp else MemoryHostTier(), host))

@@ -9,47 +9,45 @@ from pathlib import Path
 import pytest
 
 from kvstore import KVStoreClient
-from kvstore.arena import PAGE_BYTES, Arena, ArenaMap, ArenaSocket, slot_bytes
+from kvstore.arena import Arena, ArenaMap, ArenaSocket
 from kvstore.block_format import checksum
+from kvstore.slab import PAGE_BYTES, SlabAllocator, slot_bytes
 from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
 
 MiB = 1024 * 1024
 
 
-def test_slots_of_one_size_fill_the_arena_then_reuse_the_oldest_free_first() -> None:
-    arena = Arena(3 * PAGE_BYTES)
+def test_slots_of_one_size_fill_the_buffer_then_reuse_the_oldest_free_first() -> None:
+    slots = SlabAllocator(3 * PAGE_BYTES)
     size = 256 * 1024 + 64  # a tiny-llama block: its slot is its size rounded to 64 bytes
     assert slot_bytes(size) == size
     offsets = []
-    while (offset := arena.alloc(size)) is not None:
+    while (offset := slots.alloc(size)) is not None:
         offsets.append(offset)
     assert len(set(offsets)) == 31  # one run of two pages (at least 16 slots a run), 3% unused
-    assert not arena.has_room(size) and arena.has_room(100)  # the third page is still free
-    arena.free(offsets[3])
-    arena.free(offsets[7])
-    assert arena.alloc(size) == offsets[3] and arena.alloc(size) == offsets[7]
-    arena.close()
+    assert not slots.has_room(size) and slots.has_room(100)  # the third page is still free
+    slots.free(offsets[3])
+    slots.free(offsets[7])
+    assert slots.alloc(size) == offsets[3] and slots.alloc(size) == offsets[7]
 
 
-def test_an_empty_run_goes_back_to_the_arena_for_another_size() -> None:
-    arena = Arena(PAGE_BYTES)
-    small = [arena.alloc(1000) for _ in range(10)]
+def test_an_empty_run_goes_back_for_another_size() -> None:
+    slots = SlabAllocator(PAGE_BYTES)
+    small = [slots.alloc(1000) for _ in range(10)]
     assert all(o is not None for o in small)
-    assert not arena.has_room(PAGE_BYTES)  # the only page holds the small slots
+    assert not slots.has_room(PAGE_BYTES)  # the only page holds the small slots
     for o in small[:-1]:
-        arena.free(o)  # type: ignore[arg-type]
-    assert not arena.has_room(PAGE_BYTES)  # one slot still in use holds the run
-    arena.free(small[-1])  # type: ignore[arg-type]
-    big = arena.alloc(PAGE_BYTES)
-    assert big == 0 and arena.slot_size(big) == PAGE_BYTES
-    assert arena.alloc(1000) is None
-    arena.close()
+        slots.free(o)  # type: ignore[arg-type]
+    assert not slots.has_room(PAGE_BYTES)  # one slot still in use holds the run
+    slots.free(small[-1])  # type: ignore[arg-type]
+    big = slots.alloc(PAGE_BYTES)
+    assert big == 0 and slots.slot_size(big) == PAGE_BYTES
+    assert slots.alloc(1000) is None
 
 
-def test_a_block_larger_than_the_arena_has_no_room() -> None:
-    arena = Arena(PAGE_BYTES)
-    assert not arena.has_room(PAGE_BYTES + 1) and arena.alloc(PAGE_BYTES + 1) is None
-    arena.close()
+def test_a_block_larger_than_the_buffer_has_no_room() -> None:
+    slots = SlabAllocator(PAGE_BYTES)
+    assert not slots.has_room(PAGE_BYTES + 1) and slots.alloc(PAGE_BYTES + 1) is None
 
 
 def test_the_segment_cannot_be_resized_by_anyone(tmp_path: Path) -> None:

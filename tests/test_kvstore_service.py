@@ -390,7 +390,7 @@ def test_staged_requests_must_name_reserved_slots(tmp_path: Path) -> None:
         assert healthy(server) and len(server.store) == 0
         server.store.check_integrity()
         arena = server.store.shm_tier.arena  # type: ignore[union-attr]
-        assert arena.slot_size(reply.offsets[0]) is None  # a failed put returns its reservation
+        assert arena.slots.slot_size(reply.offsets[0]) is None  # a failed put returns its reservation
 
 
 def test_same_host_put_batches_staged_blocks(tmp_path: Path) -> None:

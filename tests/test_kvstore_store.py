@@ -265,7 +265,7 @@ def test_arena_host_tier_slots_and_reserved_puts(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest):  # larger than its slot
         store.put_reserved(key("c"), rid, spare, 200, 0)
     store.end_reservation(rid)
-    assert shm.arena.slot_size(spare) is None  # returned to the arena
+    assert shm.arena.slots.slot_size(spare) is None  # returned to the arena
     for i in range(6):
         put(store, i)
     assert shm.slot(key("a")) is None and store.tier_of(key("a")) == DISK  # demoted: slot freed
@@ -297,7 +297,7 @@ def test_expired_reservations_return_their_slots(tmp_path: Path) -> None:
         store.reserve([100])
     clock.advance(60)
     store.sweep()
-    assert shm.arena.slot_size(offset) is None
+    assert shm.arena.slots.slot_size(offset) is None
     with pytest.raises(InvalidRequest):
         store.put_reserved(key("a"), rid, offset, 100, checksum(payload("a")))
     store.close()
@@ -339,7 +339,7 @@ def test_device_tier_on_cuda(tmp_path: Path) -> None:
         pytest.skip("needs CUDA")
     from kvstore.device_tier import DeviceTier
 
-    store = BlockStore([(DeviceTier("cuda"), 300), (make_store(host=300).tiers[0].storage, 300)], clock=FakeClock())
+    store = BlockStore([(DeviceTier(300, "cuda"), 300), (make_store(host=300).tiers[0].storage, 300)], clock=FakeClock())
     for i in "abcd":
         put(store, i)
     assert store.tier_of(key("d")) == Tier.DEVICE and store.tier_of(key("a")) == Tier.HOST
@@ -356,7 +356,7 @@ def test_a_hash_already_stored_keeps_its_first_payload(tmp_path: Path) -> None:
     rid, (offset,) = store.reserve([100])
     shm.arena.view[offset : offset + 100] = payload("other")
     assert not store.put_reserved(key("a"), rid, offset, 100, checksum(payload("other")))
-    assert shm.arena.slot_size(offset) is None  # the unused slot went back
+    assert shm.arena.slots.slot_size(offset) is None  # the unused slot went back
     store.check_integrity()
     assert read(store, "a") == payload("a")
     store.close()
