@@ -53,12 +53,14 @@ class StepStats:
 
     num_seqs: int  # in the forward
     num_tokens: int  # in the forward
+    num_prompt_tokens: int  # of those, prompt tokens (the prompts' KV computed by this step)
     num_admitted: int
     num_preempted: int
     num_running: int  # sequences admitted (running or loading their KV) after the step
     num_waiting: int  # sequences waiting for admission after the step
     queue_wait_s: tuple[float, ...]  # of the sequences admitted in this step
-    num_pool_hit_tokens: int  # prompt tokens the admitted sequences found in the pool
+    num_pool_hit_tokens: int  # prompt tokens taken from the pool: by the admitted sequences, and by coalescing
+    num_coalesced_tokens: int  # prompt tokens taken from the pool once another running sequence computed them
     pool_used: int
     pool_free: int
     pool_cached: int
@@ -254,7 +256,8 @@ class Engine:
             num_preempted=plan.num_preempted, num_running=len(self.scheduler.running) + len(self.scheduler.loading),
             num_waiting=len(self.scheduler.waiting),
             queue_wait_s=tuple(now - s.arrival for s in plan.admitted if not s.num_preemptions),
-            num_pool_hit_tokens=sum(s.num_pool_hit_tokens for s in plan.admitted),
+            num_prompt_tokens=plan.num_prompt_tokens, num_pool_hit_tokens=plan.num_pool_hit_tokens,
+            num_coalesced_tokens=plan.num_coalesced_tokens,
             pool_used=self.pool.num_used, pool_free=self.pool.num_free, pool_cached=self.pool.num_cached,
         )
 
@@ -345,7 +348,7 @@ class Engine:
         before = seq.num_computed_tokens
         seq.num_computed_tokens += n
         seq.num_engine_computed_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
-        self._register(seq)
+        self.scheduler.register(seq)
         if token is None:
             return
         seq.token_ids.append(token)
@@ -357,16 +360,6 @@ class Engine:
         seq.events.put(TokenEvent(token, reason))
         if reason is not None:
             self._finish(seq, reason)
-
-    def _register(self, seq: Sequence) -> None:
-        """Name the sequence's newly full blocks in the pool, for other sequences to reuse."""
-        if seq.hash_root is None:
-            return
-        full = seq.num_computed_tokens // self.block_size
-        hashes = seq.full_block_hashes(self.block_size, full)
-        for i in range(seq.num_registered_blocks, full):
-            self.pool.register(seq.block_table[i], hashes[i])
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def _finish(self, seq: Sequence, reason: str, error: str = "", save: bool = True) -> None:
         spill = self.scheduler.spill(seq, seq.num_computed_tokens) if save else None
@@ -426,7 +419,7 @@ class Engine:
         # Blocks the source did not have are computed here, and saved there when the sequence leaves.
         seq.num_saved_blocks = min(seq.num_saved_blocks, first_block + num_tokens // self.block_size)
         self.scheduler.loaded(seq, num_tokens)
-        self._register(seq)
+        self.scheduler.register(seq)
         if seq.aborting is not None:
             self._finish(seq, "aborted", save=seq.aborting == "save")
 

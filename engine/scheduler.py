@@ -7,6 +7,15 @@ admitted only when the pool can hold all its current tokens; when decoding seque
 and none is left, the newest running sequence is preempted: its blocks are freed (those past what
 its KV source already holds are first copied out to be saved there) and it waits to be admitted
 again, from the pool's cached blocks, its source, and recomputation, in that order.
+
+Sequences that share a prefix nobody has computed yet compute it once (in-flight prefix coalescing). A
+sequence about to compute prompt tokens first claims its next full blocks in ``in_flight``, by prefix
+hash; another sequence whose next blocks are claimed computes no token of them: it stays admitted and
+spends none of the budget until the owner has computed and registered them, then takes them from the
+pool by hash, like any prefix hit. A claim ends when its block is registered or its owner leaves
+(finished, aborted, failed or preempted); a waiter then computes what is left itself. An owner was
+running before its waiters (it claimed first), so it gets the budget first: a waiter waits only while
+its owner is running and computing, or while the budget would have run out before reaching it anyway.
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ class Schedule:
     to_load: list[Sequence] = field(default_factory=list)  # admitted, for their source to fill
     spills: list[Spill] = field(default_factory=list)  # from preemptions
     num_preempted: int = 0
+    num_prompt_tokens: int = 0  # of the scheduled tokens, those of prompts
+    num_pool_hit_tokens: int = 0  # prompt tokens taken from the pool: at admission, or by coalescing
+    num_coalesced_tokens: int = 0  # prompt tokens taken from the pool once another sequence computed them
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +84,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.loading: list[Sequence] = []  # admitted; their source is filling their blocks
+        self.in_flight: dict[BlockHash, Sequence] = {}  # full blocks claimed by the running sequence computing them
 
     @property
     def has_work(self) -> bool:
@@ -95,24 +108,80 @@ class Scheduler:
                 out.scheduled.append((seq, 1))
                 budget -= 1
         for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]:
-            if budget == 0:
-                break
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            out.scheduled.append((seq, n))
-            budget -= n
+            self._coalesce(seq, out)  # spends no budget, and frees the blocks it had reserved for them
+            if budget:
+                budget -= self._schedule_prompt(seq, budget, out)
         while budget and self.waiting and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.saving or not self._admit(seq):
                 break
             self.waiting.popleft()
             out.admitted.append(seq)
+            out.num_pool_hit_tokens += seq.num_pool_hit_tokens
             if seq.status is Status.LOADING:
                 out.to_load.append(seq)
             else:
-                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-                out.scheduled.append((seq, n))
-                budget -= n
+                budget -= self._schedule_prompt(seq, budget, out)
+        out.num_prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
+                                    for s, n in out.scheduled)
         return out
+
+    def _schedule_prompt(self, seq: Sequence, budget: int, out: Schedule) -> int:
+        """Schedule up to ``budget`` of ``seq``'s next tokens, stopping before blocks another sequence is
+        computing; how many (0: it waits for them)."""
+        end = min(len(seq.token_ids), seq.num_computed_tokens + budget)
+        if seq.hash_root is not None:
+            end = min(end, self._claim(seq))
+        n = end - seq.num_computed_tokens
+        if n:
+            out.scheduled.append((seq, n))
+        return n
+
+    def _coalesce(self, seq: Sequence, out: Schedule) -> None:
+        """Swap ``seq``'s next blocks for the pool's, where they were computed since its admission."""
+        bs, first = self.block_size, seq.num_computed_tokens // self.block_size
+        if seq.hash_root is None or seq.num_computed_tokens % bs:
+            return
+        hits = self.pool.take_hits(seq.full_block_hashes(bs, (len(seq.token_ids) - 1) // bs)[first:])
+        if not hits:
+            return
+        end = first + len(hits)
+        self.pool.free(seq.block_table[first:end])  # reserved at admission, never written
+        seq.block_table[first:end] = hits
+        seq.num_computed_tokens = end * bs
+        seq.num_registered_blocks = end
+        seq.num_pool_hit_tokens += len(hits) * bs
+        seq.num_coalesced_tokens += len(hits) * bs
+        out.num_pool_hit_tokens += len(hits) * bs
+        out.num_coalesced_tokens += len(hits) * bs
+
+    def _claim(self, seq: Sequence) -> int:
+        """Claim ``seq``'s uncomputed full blocks that nobody has claimed; where it must stop: at the first block
+        another sequence claimed, unless that block holds ``seq``'s last token (always computed here)."""
+        bs = self.block_size
+        hashes = seq.full_block_hashes(bs, len(seq.token_ids) // bs)
+        shareable = (len(seq.token_ids) - 1) // bs
+        for i in range(-(-seq.num_computed_tokens // bs), len(hashes)):
+            if self.in_flight.setdefault(hashes[i], seq) is not seq and i < shareable:
+                return i * bs
+        return len(seq.token_ids)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s claims: sequences waiting for those blocks compute them themselves."""
+        for h in seq.block_hashes:
+            if self.in_flight.get(h) is seq:
+                del self.in_flight[h]
+
+    def register(self, seq: Sequence) -> None:
+        """Name ``seq``'s newly full blocks in the pool, for other sequences to reuse, and end their claims."""
+        if seq.hash_root is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        hashes = seq.full_block_hashes(self.block_size, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], hashes[i])
+            self.in_flight.pop(hashes[i], None)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def _grow(self, seq: Sequence, out: Schedule) -> bool:
         """Room for ``seq``'s next token, preempting the newest unscheduled sequences; False if ``seq``
@@ -144,6 +213,7 @@ class Scheduler:
     def _take(self, seq: Sequence, hashes: list[BlockHash], hits: int, need: int) -> None:
         seq.block_table = self.pool.take_hits(hashes[:hits]) + self.pool.allocate(need)
         seq.num_computed_tokens = seq.num_pool_hit_tokens = hits * self.block_size
+        seq.num_coalesced_tokens = 0
         seq.num_registered_blocks = hits
         seq.num_loaded_tokens = 0
         if seq.source is not None and seq.num_computed_tokens < len(seq.token_ids) - 1:
@@ -163,6 +233,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, out: Schedule) -> None:
         self.running.remove(seq)
+        self._release(seq)
         spill = self.spill(seq, seq.num_computed_tokens // self.block_size * self.block_size)
         if spill is not None:
             out.spills.append(spill)
@@ -193,6 +264,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is Status.LOADING:
             self.loading.remove(seq)
+        self._release(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.status = Status.FINISHED

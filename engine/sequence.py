@@ -90,7 +90,8 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks registered in the pool under their hash
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    num_pool_hit_tokens: int = 0  # at the latest admission
+    num_pool_hit_tokens: int = 0  # prompt tokens taken from the pool since the latest admission
+    num_coalesced_tokens: int = 0  # of those, the ones taken after admission, computed by another sequence
     num_loaded_tokens: int = 0  # from the source, at the latest admission
     num_engine_computed_tokens: int = 0  # prompt tokens this engine computed (not generated ones)
     num_preemptions: int = 0

@@ -46,7 +46,7 @@ BATCH_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 class EngineMetrics:
     """Per forward: sequences and tokens; sequences running and waiting; the pool's blocks; preemptions,
-    pool prefix hits, queue wait."""
+    prompt tokens computed, pool prefix hits (coalesced ones among them), queue wait."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
         p = prefix + "engine_"
@@ -60,6 +60,12 @@ class EngineMetrics:
                                    registry=registry)
         self.pool_hit_tokens = Counter(p + "pool_hit_tokens", "Prompt tokens whose KV was reused from the pool",
                                        registry=registry)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens whose KV the engine computed",
+                                     registry=registry)
+        self.coalesced_tokens = Counter(
+            p + "coalesced_tokens", "Prompt tokens taken from the pool once another running sequence computed "
+            "them (in-flight prefix coalescing; also counted in pool_hit_tokens)", registry=registry,
+        )
         self.running = Gauge(p + "running_sequences", "Sequences admitted: computing, decoding or loading KV",
                              registry=registry)
         self.waiting = Gauge(p + "waiting_sequences", "Sequences waiting for admission (KV blocks or a slot)",
@@ -78,5 +84,7 @@ class EngineMetrics:
         self.blocks.labels(state="free").set(stats.pool_free)
         self.preemptions.inc(stats.num_preempted)
         self.pool_hit_tokens.inc(stats.num_pool_hit_tokens)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.coalesced_tokens.inc(stats.num_coalesced_tokens)
         for wait in stats.queue_wait_s:
             self.queue_wait.observe(wait)
