@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections import abc
 
 import torch
 
@@ -72,7 +73,7 @@ class DecodeKV:
         self.error = loaded.error or self.error
         return loaded.num_tokens
 
-    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+    def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
         if not self.cacheable and seq.status is Status.FINISHED:
             return
         num_full = first_block + num_tokens // self.namespace.block_size

@@ -130,6 +130,7 @@ class Engine:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-io", initializer=torch.set_num_threads,
                                       initargs=(1,))  # one core each: see the module's docstring
         self._io_in_flight = 0  # loads and saves submitted and not yet done
+        self._retained: dict[int, list[int]] = {}  # blocks of finished sequences being saved (step thread only)
         self._stopping = False
         self._running = threading.Event()  # run() has started
         self._stopped = threading.Event()  # run() has returned
@@ -215,6 +216,9 @@ class Engine:
         for seq in [*self.scheduler.running, *self.scheduler.loading, *self.scheduler.waiting]:
             self.scheduler.finish(seq)
             seq.events.put(Finished("shutdown", "the engine is shutting down"))
+        for blocks in self._retained.values():  # saves still reading them get no more forwards
+            self.pool.free(blocks)
+        self._retained.clear()
 
     def run_until_done(self, timeout_s: float = 600.0) -> None:
         """Step until every added sequence has finished (tests and benchmarks, without ``start``)."""
@@ -363,16 +367,26 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, error: str = "", save: bool = True) -> None:
         spill = self.scheduler.spill(seq, seq.num_computed_tokens) if save else None
-        self.scheduler.finish(seq)  # the spilled blocks keep their contents until the next forward
+        if spill is not None:  # saved straight out of the pool: its blocks stay in use until then
+            self.pool.retain(spill.blocks)
+            self._retained[id(spill)] = spill.blocks
+        self.scheduler.finish(seq)
         if spill is None:
             seq.events.put(Finished(reason, error))
         else:
-            self._save(spill, lambda s: s.events.put(Finished(reason, error)))
+            self._save(spill, lambda s: s.events.put(Finished(reason, error)), retained=True)
 
-    def _save(self, spill: Spill, then: Callable[[Sequence], None]) -> None:
-        kv = self.pool.kv[spill.blocks]  # a copy: [blocks, layers, 2, block_size, kv_heads, head_dim]
+    def _save(self, spill: Spill, then: Callable[[Sequence], None], *, retained: bool = False) -> None:
+        # A preempted sequence's blocks go to others at once, so a copy of them is saved; a finished
+        # one's stay in use (retained) until the save has read the pool's slots themselves.
+        kv = [self.pool.kv[b] for b in spill.blocks] if retained else list(self.pool.kv[spill.blocks])
         source = spill.seq.source
         assert source is not None
+
+        def done() -> None:
+            if retained:
+                self._post(lambda: self._release(spill), internal=True)
+            then(spill.seq)
 
         def save() -> None:
             try:
@@ -380,9 +394,13 @@ class Engine:
                 spill.seq.num_saved_blocks = spill.first_block + spill.num_tokens // self.block_size
             except Exception:
                 log.exception("saving the KV of request %s failed", spill.seq.request_id)
-            then(spill.seq)
+            done()
 
-        self._submit_io(save, on_cancel=lambda: then(spill.seq))
+        self._submit_io(save, on_cancel=done)
+
+    def _release(self, spill: Spill) -> None:
+        if self._retained.pop(id(spill), None) is not None:
+            self.pool.free(spill.blocks)
 
     def _submit_io(self, fn: Callable[[], None], on_cancel: Callable[[], None] | None = None) -> None:
         """Run ``fn`` on an I/O thread; ``on_cancel`` instead if the engine stops before it starts."""

@@ -126,6 +126,12 @@ class KVPool:
             blocks.append(block)
         return blocks
 
+    def retain(self, blocks: Iterable[int]) -> None:
+        """One more reference to each block in use (e.g. until its KV has been copied out)."""
+        for block in blocks:
+            assert self._refs[block] > 0, f"block {block} is not in use"
+            self._refs[block] += 1
+
     def register(self, block: int, block_hash: BlockHash) -> None:
         """``block`` (used, now full) holds the KV of ``block_hash``. A hash already held by another block
         keeps that one; this block then stays unnamed and is freed plainly."""

@@ -112,18 +112,18 @@ def _slot_view(pool: KVPool, block: int) -> memoryview:
 
 
 def save_blocks(
-    store: BlockStore, keys: Sequence[BlockHash], namespace: Namespace, kv: torch.Tensor, num_tokens: int,
+    store: BlockStore, keys: Sequence[BlockHash], namespace: Namespace, kv: Sequence[torch.Tensor], num_tokens: int,
     tail_key: BlockHash | None = None, ephemeral: bool = False,
 ) -> int:
-    """Put the full blocks of ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim] (``num_tokens``
+    """Put the full blocks of ``kv`` (each [layers, 2, block_size, kv_heads, head_dim]; ``num_tokens``
     tokens) under ``keys``, and a partial last block under ``tail_key`` if given (always ephemeral);
     returns how many blocks the store took. Each block goes as its header and a view of its tensor,
-    so a same-host store copies it once."""
-    bs = kv.shape[3]
+    so a same-host store copies it once, straight out of a pool slot."""
+    bs = namespace.block_size
     num_full = num_tokens // bs
     stored = store.put([(key, encode_parts(kv[i], namespace)) for i, key in enumerate(keys[:num_full])],
                        ephemeral=ephemeral)
     if tail_key is not None and num_tokens % bs:
-        stored += store.put([(tail_key, encode_parts(kv[num_full, :, :, : num_tokens % bs], namespace))],
+        stored += store.put([(tail_key, encode_parts(kv[num_full][:, :, : num_tokens % bs], namespace))],
                             ephemeral=True)
     return stored

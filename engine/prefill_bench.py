@@ -76,7 +76,7 @@ class DictStore:
     def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
         return load_blocks(self, self.hashes[first_block : seq.num_saved_blocks], self.namespace, pool, blocks).num_tokens
 
-    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+    def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
         save_blocks(self, self.hashes[first_block:], self.namespace, kv, num_tokens)
 
 

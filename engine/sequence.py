@@ -7,6 +7,7 @@ import enum
 import itertools
 import queue
 import time
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,9 +38,10 @@ class KVSource(Protocol):
         now there, leading and contiguous; 0 on any failure. Never more than ``len(token_ids) - 1``."""
         ...
 
-    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
-        """Keep ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim], a copy of the sequence's blocks
-        from ``first_block`` on, holding ``num_tokens`` tokens (the last block may be partial). Best effort."""
+    def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
+        """Keep ``kv``, the sequence's blocks from ``first_block`` on (each [layers, 2, block_size, kv_heads,
+        head_dim], the pool's slots themselves, valid only during the call), holding ``num_tokens`` tokens
+        (the last block may be partial). Best effort."""
         ...
 
 

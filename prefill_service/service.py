@@ -7,6 +7,7 @@ import hashlib
 import os
 import queue
 import time
+from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,12 +101,12 @@ class PrefillKV:
         self.fetch_s += time.perf_counter() - t
         return loaded.num_tokens
 
-    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+    def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
         t = time.perf_counter()
         finished = seq.status is Status.FINISHED  # else preempted: its tail is recomputed, not stored
         self.num_stored += save_blocks(self.store, self.keys[first_block:], self.namespace, kv, num_tokens,
                                        self.tail_key if finished else None, ephemeral=self.ephemeral)
-        self.tail_stored = finished and num_tokens % kv.shape[3] != 0 and not self.store.failed
+        self.tail_stored = finished and num_tokens % self.namespace.block_size != 0 and not self.store.failed
         self.put_s += time.perf_counter() - t
 
 

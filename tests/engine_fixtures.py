@@ -219,8 +219,8 @@ class PrefixSource:
             self.loads.append(Load(seq.seq_id, first_block, loaded.num_tokens))
         return loaded.num_tokens
 
-    def save(self, seq: KVSequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+    def save(self, seq: KVSequence, first_block: int, kv: Sequence[torch.Tensor], num_tokens: int) -> None:
         keys = self.keys(seq.token_ids[: first_block * self.namespace.block_size + num_tokens])[first_block:]
         save_blocks(self.store, keys, self.namespace, kv, num_tokens)
-        with self._lock:
-            self.saves.append(Save(seq.seq_id, first_block, kv, num_tokens))
+        with self._lock:  # a copy: the pool's slots are valid only during the call
+            self.saves.append(Save(seq.seq_id, first_block, torch.stack(list(kv)), num_tokens))

@@ -4,11 +4,17 @@ stops the sequence (length, stop token), a client aborts it, or the engine shuts
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import abc
+
 import pytest
 import torch
 
 from engine.engine import Engine
+from engine.hashing import Namespace
 from engine.sequence import Event, Finished, Sequence, TokenEvent
+from engine.sequence import Sequence as KVSequence
 from tests.engine_fixtures import (
     ARCHS,
     DictStore,
@@ -144,3 +150,56 @@ def test_near_tie_helper() -> None:
         assert_greedy_matches([0], [1], [clear])
     with pytest.raises(AssertionError):
         assert_greedy_matches([1], [1, 2], [clear, clear])
+
+
+class GatedSource(PrefixSource):
+    """A PrefixSource whose saves wait for ``gate``: the KV of a finished sequence is read out of the
+    pool while the engine goes on."""
+
+    def __init__(self, store: DictStore, namespace: Namespace) -> None:
+        super().__init__(store, namespace)
+        self.gate = threading.Event()
+
+    def save(self, seq: KVSequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
+        assert self.gate.wait(WAIT_S)
+        super().save(seq, first_block, kv, num_tokens)
+
+
+def test_a_finished_sequence_is_saved_straight_from_its_pool_slots_which_stay_in_use_until_then() -> None:
+    model = tiny_model("llama")
+    engine = make_engine(model, BLOCK, 16)
+    source = GatedSource(DictStore(), engine.namespace())
+    prompt = random_tokens(4 * BLOCK + 3, seed=41)
+    first = make_seq(model, prompt, 1, source=source)
+    engine.add(first)
+    while first.num_computed_tokens < len(prompt):
+        engine.step()
+    assert engine.pool.num_used == 5  # retained for the save: no other sequence can be given them
+    other = make_seq(model, random_tokens(10 * BLOCK, seed=42), 2)
+    engine.add(other)
+    engine.step()
+    assert engine.pool.num_used == 5 + 10
+    source.gate.set()
+    (outcome,) = finish(engine, [other])
+    assert collect(first).finished.reason == "length" and engine.pool.num_used == 0
+    fresh = make_engine(model, BLOCK, 16)
+    alone = PrefixSource(DictStore(), fresh.namespace())
+    run(fresh, [make_seq(model, prompt, 1, source=alone)])
+    assert torch.equal(source.saves[0].kv, alone.saves[0].kv)  # the slots were not given to `other` meanwhile
+
+
+def test_saves_in_flight_at_shutdown_leave_no_block_in_use() -> None:
+    model = tiny_model("llama")
+    engine = make_engine(model, BLOCK, 16)
+    source = GatedSource(DictStore(), engine.namespace())
+    seq = make_seq(model, random_tokens(2 * BLOCK, seed=43), 1, source=source)
+    engine.start()
+    engine.add(seq)
+    deadline = time.monotonic() + WAIT_S
+    while not engine._retained and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._retained
+    engine.stop()
+    source.gate.set()
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0

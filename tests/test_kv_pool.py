@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import abc
 
 import pytest
 import torch
@@ -208,7 +209,7 @@ class _Source:
     def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
         return 0
 
-    def save(self, seq: Sequence, first_block: int, kv: torch.Tensor, num_tokens: int) -> None:
+    def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
         pass
 
 
