@@ -204,15 +204,20 @@ class KVStoreClient:
 
     def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
         sizes = [sum(len(part) for part in parts) for _, parts in items]
-        reply = self._stub.Reserve(pb.ReserveRequest(sizes=sizes), timeout=self.timeout_s)
-        if len(reply.offsets) != len(items):
+        request = pb.ReserveRequest(sizes=sizes, hashes=[key for key, _ in items])
+        reply = self._stub.Reserve(request, timeout=self.timeout_s)
+        if not len(reply.offsets) == len(reply.stored) == len(items):
             raise ValueError(f"store reserved {len(reply.offsets)} slots for {len(items)} blocks")
         rid = reply.reservation_id
+        if all(reply.stored):
+            return 0  # every block is stored already: nothing to copy
 
         def requests() -> Iterator[pb.PutRequest]:
             batch: list[pb.BlockChunk] = []
             batch_bytes = 0
-            for (key, parts), size, offset in zip(items, sizes, reply.offsets, strict=True):
+            for (key, parts), size, offset, stored in zip(items, sizes, reply.offsets, reply.stored, strict=True):
+                if stored:
+                    continue
                 csum = arena.write(offset, parts)
                 batch.append(pb.BlockChunk(hash=key, total_size=size, checksum=csum, shm_offset=offset))
                 batch_bytes += size

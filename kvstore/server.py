@@ -133,8 +133,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         )
 
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        reservation_id, offsets = self.store.reserve(list(request.sizes))
-        return pb.ReserveResponse(reservation_id=reservation_id, offsets=offsets)
+        reservation_id, offsets = self.store.reserve(list(request.sizes), list(request.hashes))
+        return pb.ReserveResponse(reservation_id=reservation_id, offsets=[o or 0 for o in offsets],
+                                  stored=[o is None for o in offsets] if request.hashes else [])
 
 
 def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:

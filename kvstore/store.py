@@ -146,33 +146,47 @@ class BlockStore:
         self._check_size(len(payload))
         return self._insert(key, len(payload), actual, ephemeral, self._writer(key, payload, actual, ephemeral))
 
-    def reserve(self, sizes: Sequence[int]) -> tuple[str, list[int]]:
+    def reserve(self, sizes: Sequence[int], keys: Sequence[BlockHash] = ()) -> tuple[str, list[int | None]]:
         """Arena slots for a same-host client to fill and then name in `put_reserved`: (reservation
-        id, one offset per size). Room is made by demoting, as for a put."""
+        id, one offset per size). Room is made by demoting, as for a put. With `keys` (one per size),
+        a block already stored gets None instead of a slot, and is touched as a put would."""
         shm = self.shm_tier
         if shm is None:
             raise InvalidRequest(_NO_ARENA)
         if not 0 < len(sizes) <= MAX_RESERVATION_BLOCKS:
             raise InvalidRequest(f"reserve 1 to {MAX_RESERVATION_BLOCKS} slots at a time, not {len(sizes)}")
+        if keys and len(keys) != len(sizes):
+            raise InvalidRequest(f"{len(keys)} hashes for {len(sizes)} sizes: give one per size, or none")
+        for key in keys:
+            check_key(key)
         for size in sizes:
             if size <= 0:
                 raise InvalidRequest("empty block payload")
             self._check_size(size)
         level = next(lv for lv, slot in enumerate(self.tiers) if slot.storage is shm)
-        offsets: list[int] = []
+        offsets: list[int | None] = []
+        slots: dict[int, int] = {}
         with self._lock:
             self._expire_leases()
-            if sum(sizes) + self._reserved_bytes() > self.tiers[level].capacity // 2:
+            stored = [key in self._index for key in keys] if keys else [False] * len(sizes)
+            self._touch_chain([key for key in keys if key in self._index])
+            wanted = sum(size for size, s in zip(sizes, stored, strict=True) if not s)
+            if wanted + self._reserved_bytes() > self.tiers[level].capacity // 2:
                 raise StoreFull("reservations would hold more than half the host tier: put in smaller batches")
-            for size in sizes:
+            for size, is_stored in zip(sizes, stored, strict=True):
+                if is_stored:
+                    offsets.append(None)
+                    continue
                 offset = shm.reserve(size) if self._make_room(level, size) else None
                 if offset is None:
-                    for o in offsets:
+                    for o in slots:
                         shm.release(o)
                     raise StoreFull(f"no arena slot for a block of {size} bytes")
+                slots[offset] = size
                 offsets.append(offset)
+            if not slots:
+                return "", offsets
             rid = uuid.uuid4().hex
-            slots = {o: size for o, size in zip(offsets, sizes, strict=True)}
             self._reservations[rid] = Reservation(slots, self._clock() + RESERVATION_TTL_S)
         return rid, offsets
 

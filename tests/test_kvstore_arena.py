@@ -6,12 +6,14 @@ import os
 import socket
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvstore import KVStoreClient
 from kvstore.arena import Arena, ArenaMap, ArenaSocket
 from kvstore.block_format import checksum
 from kvstore.slab import PAGE_BYTES, SlabAllocator, slot_bytes
+from protos.kvserve.v1 import kvstore_pb2 as pb
 from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
 
 MiB = 1024 * 1024
@@ -118,12 +120,26 @@ def test_same_host_readers_and_writers_in_threads_get_exact_bytes(tmp_path: Path
         assert server.store.stats().checksum_failures == 0
 
 
-def test_a_put_that_fails_midway_returns_its_slots(tmp_path: Path) -> None:
+def test_a_put_with_a_bad_hash_is_refused_whole_and_reserves_nothing(tmp_path: Path) -> None:
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
         good = (key(1), payload(1, 5000))
-        with pytest.raises(Exception):  # noqa: B017  # the second block's hash is malformed
+        with pytest.raises(grpc.RpcError) as info:  # the second block's hash is malformed
             c.put([good, (b"short", payload(2, 5000))])
-        shm = server.store.shm_tier
-        assert shm is not None and shm.slot(key(1)) is not None  # what came before it is stored
-        assert not server.store._reservations  # and nothing stays reserved
-        assert checksum(c.get([key(1)])[0] or b"") == checksum(payload(1, 5000))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(server.store) == 0 and not server.store._reservations
+        assert c.put([good]) == 1 and checksum(c.get([key(1)])[0] or b"") == checksum(payload(1, 5000))
+
+
+def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
+    blocks = [(key(i), payload(i, 5000)) for i in range(4)]
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        assert c.put(blocks[:2]) == 2
+        reply = c._stub.Reserve(pb.ReserveRequest(sizes=[5000] * 4, hashes=[k for k, _ in blocks]))
+        assert list(reply.stored) == [True, True, False, False]
+        c._stub.Put(iter([pb.PutRequest(staged=[pb.BlockChunk(hash=key(2), total_size=5000, shm_offset=reply.offsets[2])],
+                                        reservation_id=reply.reservation_id)]))
+        assert not server.store._reservations  # the unused slot went back when the put ended
+        assert c.put(blocks) == 1  # only block 3 is new: copied and put
+        assert c.put(blocks[:2]) == 0  # nothing new: no put at all
+        assert c.get([k for k, _ in blocks])[3] == payload(3, 5000)
+        server.store.check_integrity()

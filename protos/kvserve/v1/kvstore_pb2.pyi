@@ -177,15 +177,19 @@ class InfoResponse(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., arena_socket: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("sizes",)
+    __slots__ = ("sizes", "hashes")
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "offsets")
+    __slots__ = ("reservation_id", "offsets", "stored")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    stored: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, reservation_id: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., stored: _Optional[_Iterable[bool]] = ...) -> None: ...
