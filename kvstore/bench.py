@@ -47,6 +47,7 @@ class BenchResult:
     block_bytes: int
     blocks: int
     memcpy_gbps: float
+    block_memcpy_gbps: float  # the same blocks copied one by one: the bound of any one-copy transfer
     gbps: dict[str, float]  # put_shm, put_grpc, get_shm, get_grpc, get_*_tuned, get_into_shm
     lookups_per_s: float
     lookup_hashes: int
@@ -69,6 +70,21 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
     dst = np.zeros(nbytes, dtype=np.uint8)
     np.copyto(dst, src)  # touch both
     return nbytes / best_of(repeat, lambda: np.copyto(dst, src)) / 1e9
+
+
+def block_memcpy_gbps(count: int, block: int, repeat: int) -> float:
+    """Copying `count` blocks of `block` bytes one by one between two large buffers, with the copy a
+    same-host client does (a memoryview slice assignment): a whole-buffer memcpy streams past the
+    caches (non-temporal stores), a block-sized copy cannot."""
+    src = memoryview(np.ones(count * block, dtype=np.uint8))
+    dst = memoryview(np.zeros(count * block, dtype=np.uint8))
+
+    def copy() -> None:
+        for i in range(0, count * block, block):
+            dst[i : i + block] = src[i : i + block]
+
+    copy()
+    return count * block / best_of(repeat, copy) / 1e9
 
 
 def start_server(host_capacity: int) -> tuple[subprocess.Popen[str], str]:
@@ -105,6 +121,7 @@ def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
     count = max(1, total // block)
     nbytes = count * block
     memcpy = memcpy_gbps(nbytes, repeat)
+    block_memcpy = block_memcpy_gbps(count, block, repeat)
     proc, addr = start_server(host_capacity=(2 * repeat + 1) * nbytes + (64 << 20))
     gbps: dict[str, float] = {}
     try:
@@ -146,7 +163,7 @@ def run(total: int, block: int, batch: int, repeat: int) -> BenchResult:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return BenchResult(nbytes, block, count, memcpy, gbps, lookups, len(chain))
+    return BenchResult(nbytes, block, count, memcpy, block_memcpy, gbps, lookups, len(chain))
 
 
 ROWS = {
@@ -165,19 +182,26 @@ def report(r: BenchResult) -> str:
         f"kvstore bench: {r.total_bytes / 2**20:.0f} MiB in {r.blocks} blocks of {r.block_bytes / 2**10:.0f} KiB "
         "through a kvstore server process over loopback (host tier in a shared-memory arena)",
         f"  {'memcpy (warm buffers, best)':<36} {r.memcpy_gbps:7.2f} GB/s",
+        f"  {'memcpy of the same blocks, one by one':<36} {r.block_memcpy_gbps:7.2f} GB/s   "
+        f"{r.block_memcpy_gbps / r.memcpy_gbps:5.2f} x memcpy",
     ]
     lines += [f"  {label:<36} {r.gbps[k]:7.2f} GB/s   {r.ratio(k):5.2f} x memcpy" for k, label in ROWS.items()]
     lines.append(f"  {'lookups (' + str(r.lookup_hashes) + ' hashes each)':<36} {r.lookups_per_s:7.0f} /s")
-    lines += [f"  goal: {g['text']}: {'met' if g['met'] else 'NOT met'} ({g['value']:.2f})" for g in goals(r).values()]
+    lines += [f"  goal: {g['text']}: {'met' if g['met'] else 'NOT met'} ({g['value']:.2f}; "
+              f"{g['vs_block_memcpy']:.2f} x memcpy of the same blocks)" for g in goals(r).values()]
     return "\n".join(lines)
 
 
 def goals(r: BenchResult) -> dict[str, dict[str, object]]:
+    """The goals against memcpy of the whole buffer, and (for reference) against the same blocks copied one
+    by one."""
     get, put = r.ratio("get_into_shm"), r.ratio("put_shm")
+    by_block = r.memcpy_gbps / r.block_memcpy_gbps
     return {
         "same_host_get": {"text": "same-host get (get_into) >= 0.7 x memcpy", "value": get, "goal": 0.7,
-                          "met": get >= 0.7},
-        "same_host_put": {"text": "same-host put >= 0.5 x memcpy", "value": put, "goal": 0.5, "met": put >= 0.5},
+                          "met": get >= 0.7, "vs_block_memcpy": get * by_block},
+        "same_host_put": {"text": "same-host put >= 0.5 x memcpy", "value": put, "goal": 0.5, "met": put >= 0.5,
+                          "vs_block_memcpy": put * by_block},
     }
 
 
