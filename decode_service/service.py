@@ -23,7 +23,7 @@ from engine.model import max_new_tokens
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Finished, Sequence
 from kvstore import KVStoreClient
-from prefill_service.client import PrefillCancelled, PrefillClient
+from prefill_service.client import PrefillCall, PrefillCancelled, PrefillClient
 from serving.cache_session import StoreSession
 from serving.errors import FailedPrecondition, ServiceError, Unavailable
 from serving.metrics import outcome_of
@@ -125,7 +125,7 @@ class DecodeService:
         call = self.prefill.start(job.request_id, job.prompt, opts, time_left_s=job.time_left_s)
         cancel.on_cancel(call.cancel)
         try:
-            handle = call.result()
+            handle = call.first()
         except PrefillCancelled:
             state.outcome = "cancelled"
             return
@@ -144,6 +144,11 @@ class DecodeService:
         m.cached_tokens.inc(handle.num_cached_tokens)
         m.computed_tokens.inc(handle.num_computed_tokens)
         yield first
+        try:
+            handle = self._kv_handle(call, handle)
+        except PrefillCancelled:
+            state.outcome = "cancelled"
+            return
 
         namespace = engine.namespace(opts.cache_salt)
         kv = DecodeKV(StoreSession(self.store, self._store_failed), namespace, handle, opts.prefix_cache)
@@ -176,6 +181,18 @@ class DecodeService:
                 total_s=done - job.arrival,
             ),
         )
+
+    def _kv_handle(self, call: PrefillCall, early: PrefillHandle) -> PrefillHandle:
+        """The handle naming the prompt's KV in the store, once prefill has stored it. If prefill fails now,
+        after the first token went out, decode computes the prompt itself (the early handle names no KV)."""
+        if not early.kv_pending:
+            return early
+        try:
+            return call.result()
+        except ServiceError as exc:
+            log.warning("prefill failed after the first token of %s (%s): computing its prompt here",
+                        early.request_id, exc)
+            return early
 
     def _check_same_deployment(self, handle: PrefillHandle) -> None:
         """The prompt's token ids and first token come from prefill's model, its blocks from its block

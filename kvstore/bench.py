@@ -76,8 +76,8 @@ def block_memcpy_gbps(count: int, block: int, repeat: int) -> float:
     """Copying `count` blocks of `block` bytes one by one between two large buffers, with the copy a
     same-host client does (a memoryview slice assignment): a whole-buffer memcpy streams past the
     caches (non-temporal stores), a block-sized copy cannot."""
-    src = memoryview(np.ones(count * block, dtype=np.uint8))
-    dst = memoryview(np.zeros(count * block, dtype=np.uint8))
+    src = np.ones(count * block, dtype=np.uint8).data
+    dst = np.zeros(count * block, dtype=np.uint8).data
 
     def copy() -> None:
         for i in range(0, count * block, block):

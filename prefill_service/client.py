@@ -1,12 +1,14 @@
 """The way to reach the prefill service, as `kvstore.KVStoreClient` is the way to reach the store.
 
-`PrefillClient.start(...)` sends one Prefill call under a deadline and returns it while it runs,
-so that a caller whose own client goes away can cancel it (the prefill service then skips the
-forward pass). Errors come back as ServiceErrors a front door can pass on. The request types are
+`PrefillClient.start(...)` sends one PrefillStream call under a deadline and returns it while it
+runs: the first token arrives before the prompt's KV is stored, and a caller whose own client goes
+away can cancel it (the prefill service then skips the forward pass). Errors come back as ServiceErrors a front door can pass on. The request types are
 `serving.requests`, the contract both services share.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import grpc
 
@@ -42,23 +44,35 @@ class PrefillCancelled(Exception):
 
 
 class PrefillCall:
-    """One Prefill call in flight."""
+    """One PrefillStream call in flight: the first token comes first (`first`), the handle with the
+    prompt's KV in the store after it (`result`)."""
 
-    def __init__(self, future: grpc.Future, addr: str, timeout_s: float) -> None:
-        self._future = future
+    def __init__(self, call: Iterator[prefill_pb2.PrefillResponse], addr: str, timeout_s: float) -> None:
+        self._call = call
         self._addr = addr
         self._timeout_s = timeout_s
 
     def cancel(self) -> None:
         """Cancels the RPC; safe from any thread and after it has finished."""
-        self._future.cancel()
+        self._call.cancel()  # type: ignore[attr-defined]
+
+    def first(self) -> PrefillHandle:
+        """Waits for the first answer: the first token (its handle ``kv_pending``, unless prefill sent the
+        whole handle at once). PrefillCancelled once cancelled, a ServiceError if prefill failed."""
+        return self._next()
 
     def result(self) -> PrefillHandle:
-        """Waits for the handle; PrefillCancelled once cancelled, a ServiceError if prefill failed."""
+        """Waits for the handle whose KV is in the store (after `first`, or skipping it)."""
+        handle = self._next()
+        while handle.kv_pending:
+            handle = self._next()
+        return handle
+
+    def _next(self) -> PrefillHandle:
         try:
-            return handle_from_proto(self._future.result())
-        except grpc.FutureCancelledError as exc:
-            raise PrefillCancelled() from exc
+            return handle_from_proto(next(self._call))
+        except StopIteration:
+            raise UpstreamError(grpc.StatusCode.INTERNAL, f"prefill at {self._addr} ended without a handle") from None
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
 
@@ -99,4 +113,4 @@ class PrefillClient:
             request_id=request_id, prompt=prompt_to_proto(prompt), sampling=sampling, cache=cache
         )
         timeout = self.timeout_s if time_left_s is None else max(0.0, min(self.timeout_s, time_left_s))
-        return PrefillCall(self._stub.Prefill.future(request, timeout=timeout), self.addr, timeout)
+        return PrefillCall(self._stub.PrefillStream(request, timeout=timeout), self.addr, timeout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 
@@ -21,12 +22,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def Prefill(  # noqa: N802 - gRPC method name
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        remaining = context.time_remaining()
-        job = PrefillJob(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt=prompt_from_proto(request.prompt),
-            options=options_from_proto(request.sampling, request.cache),
-            deadline=time.monotonic() + remaining if remaining is not None else None,
-            cancelled=lambda: not context.is_active(),
-        )
-        return handle_to_proto(self.service.prefill(job))
+        return handle_to_proto(self.service.prefill(_job(request, context)))
+
+    def PrefillStream(  # noqa: N802 - gRPC method name
+        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> Iterator[prefill_pb2.PrefillResponse]:
+        for handle in self.service.prefill_stream(_job(request, context)):
+            yield handle_to_proto(handle)
+
+
+def _job(request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext) -> PrefillJob:
+    remaining = context.time_remaining()
+    return PrefillJob(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt=prompt_from_proto(request.prompt),
+        options=options_from_proto(request.sampling, request.cache),
+        deadline=time.monotonic() + remaining if remaining is not None else None,
+        cancelled=lambda: not context.is_active(),
+    )

@@ -8,8 +8,8 @@ import os
 import queue
 import time
 from collections import abc
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -133,10 +133,17 @@ class PrefillService:
         self.metrics.store_failures.labels(op=op).inc()
 
     def prefill(self, job: PrefillJob) -> PrefillHandle:
-        with count_outcome(self.metrics.requests):
-            return self._prefill(job)
+        """The prompt's handle, once its KV is in the store."""
+        *_, handle = self.prefill_stream(job)
+        return handle
 
-    def _prefill(self, job: PrefillJob) -> PrefillHandle:
+    def prefill_stream(self, job: PrefillJob) -> Iterator[PrefillHandle]:
+        """An early handle (``kv_pending``) as soon as the first token is sampled, then the handle once
+        the prompt's KV is in the store."""
+        with count_outcome(self.metrics.requests):
+            yield from self._prefill(job)
+
+    def _prefill(self, job: PrefillJob) -> Iterator[PrefillHandle]:
         start = time.perf_counter()
         engine, opts, bs = self.engine, job.options, self.engine.block_size
         self.metrics.waiting.inc()
@@ -166,15 +173,28 @@ class PrefillService:
         try:
             t_lookup = time.perf_counter()
             # 3-5: the engine takes the pool's and the store's leading blocks, computes the rest in chunks
-            # beside other requests, samples the first token, and saves what it computed.
+            # beside other requests, samples the first token (sent at once), and saves what it computed.
             job.check_live("before the prefill started")
-            first_token, t_first = self._run(seq, job)
+            self.engine.add(seq)
+            self.metrics.running.inc()
+            try:
+                first_token, t_first = self._first_token(seq, job)
+                num_cached = seq.num_pool_hit_tokens + seq.num_loaded_tokens
+                handle = PrefillHandle(
+                    request_id=job.request_id, prompt_token_ids=tuple(token_ids), block_size=bs, block_hashes=(),
+                    tail_key=None, num_cached_tokens=num_cached, num_computed_tokens=len(token_ids) - num_cached,
+                    first_token_id=first_token, timings=PrefillTimings(), model_fingerprint=engine.model.fingerprint,
+                    kv_pending=True,
+                )
+                yield handle
+                self._wait_saved(seq, job)
+            finally:
+                self.metrics.running.dec()
             _, lease = store.lookup(keys, self.lease_ttl_s)
         finally:
             store.release(lookup_lease)
         done = time.perf_counter()
 
-        num_cached = seq.num_pool_hit_tokens + seq.num_loaded_tokens
         m = self.metrics
         if kv.error is not None:
             m.bad_blocks.labels(kind=kv.error.kind).inc()
@@ -186,48 +206,37 @@ class PrefillService:
         m.ttft.observe(t_first - start)
         compute_s = max(0.0, t_first - t_lookup - kv.fetch_s)
         m.compute.observe(compute_s)
-        return PrefillHandle(
-            request_id=job.request_id,
-            prompt_token_ids=tuple(token_ids),
-            block_size=bs,
-            block_hashes=tuple(keys),
-            tail_key=tail_key if kv.tail_stored else None,
-            num_cached_tokens=num_cached,
-            num_computed_tokens=len(token_ids) - num_cached,
-            first_token_id=first_token,
-            timings=PrefillTimings(
-                lookup_s=t_lookup - start, fetch_s=kv.fetch_s, compute_s=compute_s, put_s=kv.put_s,
-                total_s=done - start,
-            ),
-            lease_id=lease,
-            model_fingerprint=engine.model.fingerprint,
+        yield replace(
+            handle, block_hashes=tuple(keys), tail_key=tail_key if kv.tail_stored else None, lease_id=lease,
+            timings=PrefillTimings(lookup_s=t_lookup - start, fetch_s=kv.fetch_s, compute_s=compute_s,
+                                   put_s=kv.put_s, total_s=done - start),
+            kv_pending=False,
         )
 
-    def _run(self, seq: Sequence, job: PrefillJob) -> tuple[int, float]:
-        """The first token and when it was sampled, once the sequence has left the engine (KV saved).
-        When the caller goes away meanwhile, the sequence is aborted and this returns at once."""
-        self.engine.add(seq)
-        self.metrics.running.inc()
-        first: tuple[int, float] | None = None
-        try:
-            while True:
-                try:
-                    event = seq.events.get(timeout=LIVENESS_POLL_S)
-                except queue.Empty:
-                    try:
-                        job.check_live("while its prompt was being computed")
-                    except (Cancelled, DeadlineExceeded):
-                        self.engine.abort(seq)  # the engine frees it at its next step
-                        raise
-                    continue
-                if isinstance(event, TokenEvent):
-                    first = (event.token_id, time.perf_counter())
-                elif isinstance(event, Finished):
-                    break
-        finally:
-            self.metrics.running.dec()
+    def _first_token(self, seq: Sequence, job: PrefillJob) -> tuple[int, float]:
+        """The first token and when it was sampled."""
+        event = self._next_event(seq, job)
+        if isinstance(event, TokenEvent):
+            return event.token_id, time.perf_counter()
         if event.reason == "shutdown":
             raise Unavailable("the prefill service is shutting down")
-        if first is None:
-            raise ServiceError(f"the prefill failed: {event.error or event.reason}")
-        return first
+        raise ServiceError(f"the prefill failed: {event.error or event.reason}")
+
+    def _wait_saved(self, seq: Sequence, job: PrefillJob) -> None:
+        """Until the sequence has left the engine, its KV saved."""
+        while not isinstance(self._next_event(seq, job), Finished):
+            pass
+
+    def _next_event(self, seq: Sequence, job: PrefillJob) -> TokenEvent | Finished:
+        """The sequence's next event. When the caller goes away meanwhile, the sequence is aborted (the
+        engine frees it at its next step) and this raises at once."""
+        while True:
+            try:
+                return seq.events.get(timeout=LIVENESS_POLL_S)
+            except queue.Empty:
+                try:
+                    job.check_live("while its prompt was being computed")
+                except (Cancelled, DeadlineExceeded):
+                    self.engine.abort(seq)
+                    raise
+

@@ -57,6 +57,7 @@ class PrefillHandle:
     With the prefix cache off, the keys are request-scoped (and ephemeral) rather than prefix hashes.
     `lease_id` pins the blocks until decode has fetched them; decode releases it.
     `model_fingerprint` names the model that tokenized the prompt and sampled the first token.
+    `kv_pending`: an early handle, sent with the first token before the KV is stored (no keys yet).
     """
 
     request_id: str
@@ -70,6 +71,7 @@ class PrefillHandle:
     timings: PrefillTimings
     lease_id: str = ""
     model_fingerprint: str = ""
+    kv_pending: bool = False
 
 
 def prompt_from_proto(prompt: common_pb2.Prompt) -> PromptInput:
@@ -157,6 +159,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResponse:
         ),
         lease_id=h.lease_id,
         model_fingerprint=h.model_fingerprint,
+        kv_pending=h.kv_pending,
     )
 
 
@@ -174,4 +177,5 @@ def handle_from_proto(r: prefill_pb2.PrefillResponse) -> PrefillHandle:
         timings=PrefillTimings(t.lookup_s, t.fetch_s, t.compute_s, t.put_s, t.total_s),
         lease_id=r.lease_id,
         model_fingerprint=r.model_fingerprint,
+        kv_pending=r.kv_pending,
     )

@@ -16,6 +16,7 @@ from client import Client
 from client.client import Chunk, KVServeError, Result, build_request
 from engine.hashing import prefix_hashes
 from protos.kvserve.v1 import decode_pb2_grpc
+from serving.errors import Unavailable
 from tests.model_faults import FaultyForward, at_position, never
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
@@ -93,6 +94,22 @@ def test_missing_and_corrupt_blocks_are_recomputed_by_decode(stack: LocalStack, 
     assert_greedy_matches(r.token_ids, want, logits)
     assert stack.decode_metric("kvserve_decode_recomputed_tokens_total") - before == len(ids) - BLOCK_SIZE
     assert stack.store.checksum_failures >= 1
+
+
+def test_prefill_failing_after_the_first_token_leaves_decode_to_compute_the_prompt(
+    stack: LocalStack, client: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first token has gone to the client before prefill has stored the prompt's KV; if prefill then
+    # fails, the answer still completes, decode computing what it cannot fetch.
+    ids = tokens(3 * BLOCK_SIZE + 6, seed=17)
+    want, logits = oracle(ARCH, ids, 10)
+
+    def fail(seq: object, job: object) -> None:
+        raise Unavailable("the prefill service lost its store")
+
+    monkeypatch.setattr(stack.prefill, "_wait_saved", fail)
+    assert_greedy_matches(greedy(client, ids, 10, cache_salt="after-first-token").token_ids, want, logits)
+    assert "prefill failed after the first token" in caplog.text
 
 
 def test_store_down_still_answers(stack: LocalStack, client: Client) -> None:

@@ -76,7 +76,7 @@ class StoreProcess:
 
 
 class CallThen:
-    """A Prefill call in flight whose result comes back only after `action` has run."""
+    """A Prefill call in flight whose handle (the prompt's KV stored) comes back only after `action` has run."""
 
     def __init__(self, call: PrefillCall, action: Callable[[], None]) -> None:
         self._call = call
@@ -84,6 +84,9 @@ class CallThen:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+    def first(self) -> PrefillHandle:
+        return self._call.first()
 
     def result(self) -> PrefillHandle:
         handle = self._call.result()

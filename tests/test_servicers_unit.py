@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -273,6 +273,10 @@ class FakePrefill:
             raise self.error
         return HANDLE
 
+    def prefill_stream(self, job: PrefillJob) -> Iterator[PrefillHandle]:
+        yield replace(HANDLE, block_hashes=(), tail_key=None, lease_id="", kv_pending=True)
+        yield self.prefill(job)
+
 
 def prefill_server(fake: FakePrefill) -> grpc_testing.Server:
     return serve(PREFILL, PrefillServicer(fake))  # type: ignore[arg-type]
@@ -299,6 +303,23 @@ def test_prefill_maps_the_request_to_a_job_and_the_handle_to_the_response() -> N
         timings=prefill_pb2.PrefillTimings(lookup_s=0.5, fetch_s=0.25, compute_s=1.0, put_s=0.125, total_s=2.0),
         lease_id="lease-9", model_fingerprint="fp",
     )
+
+
+def test_prefill_stream_sends_the_first_token_then_the_handle() -> None:
+    fake = FakePrefill()
+    request = prefill_pb2.PrefillRequest(request_id="req-1", prompt=text_prompt())
+    responses, _, code, _ = stream(prefill_server(fake), PREFILL.methods_by_name["PrefillStream"], request)
+    assert code == grpc.StatusCode.OK and [r.kv_pending for r in responses] == [True, False]
+    assert responses[0].first_token_id == 42 and not responses[0].block_hashes and not responses[0].lease_id
+    assert responses[1].block_hashes == [key(1)] and responses[1].lease_id == "lease-9"
+
+
+def test_prefill_stream_error_after_the_first_token_ends_the_stream_with_its_status() -> None:
+    fake = FakePrefill(error=Unavailable("the store went away"))
+    request = prefill_pb2.PrefillRequest(prompt=text_prompt())
+    responses, _, code, details = stream(prefill_server(fake), PREFILL.methods_by_name["PrefillStream"], request)
+    assert [r.kv_pending for r in responses] == [True] and code == grpc.StatusCode.UNAVAILABLE
+    assert details == "the store went away"
 
 
 def test_prefill_defaults_the_request_id_options_and_deadline() -> None:

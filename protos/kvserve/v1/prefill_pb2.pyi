@@ -34,7 +34,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, lookup_s: _Optional[float] = ..., fetch_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., put_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "block_size", "block_hashes", "tail_key", "num_cached_tokens", "num_computed_tokens", "first_token_id", "timings", "lease_id", "model_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "block_size", "block_hashes", "tail_key", "num_cached_tokens", "num_computed_tokens", "first_token_id", "timings", "lease_id", "model_fingerprint", "kv_pending")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class PrefillResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_PENDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
@@ -57,4 +58,5 @@ class PrefillResponse(_message.Message):
     timings: PrefillTimings
     lease_id: str
     model_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., lease_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    kv_pending: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tail_key: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., lease_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_pending: _Optional[bool] = ...) -> None: ...

@@ -41,6 +41,11 @@ class PrefillStub:
                 request_serializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/kvserve.v1.Prefill/PrefillStream',
+                request_serializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -54,11 +59,24 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request, context):
+        """The same, in two answers: the first token as soon as it is sampled (kv_pending set: no block
+        keys, tail or lease yet), then the whole response once the prompt's KV is in the store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
+                    request_deserializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
                     request_deserializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
@@ -90,6 +108,33 @@ class Prefill:
             request,
             target,
             '/kvserve.v1.Prefill/Prefill',
+            protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserve.v1.Prefill/PrefillStream',
             protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             protos_dot_kvserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
