@@ -198,10 +198,6 @@ class KVStoreClient:
             self._arena_checked = True
             return self._arena
 
-    def _forget_shm(self) -> None:
-        with self._arena_lock:
-            self._arena_checked = False
-
     def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
         sizes = [sum(len(part) for part in parts) for _, parts in items]
         request = pb.ReserveRequest(sizes=sizes, hashes=[key for key, _ in items])
