@@ -206,11 +206,11 @@ class BlockStore:
                 raise InvalidRequest(f"no reserved slot at {offset} for {size} bytes under reservation {reservation_id!r}")
             del reservation.slots[offset]
         payload = shm.arena.view[offset : offset + size]
+        csum = checksum_ or checksum(payload)
         try:
-            csum = checksum_ or checksum(payload)
-            write = self._writer(key, payload, csum, ephemeral, offset)
-            return self._insert(key, size, csum, ephemeral, write, reserved=offset)
-        except BaseException:  # nothing took the slot
+            return self._insert(key, size, csum, ephemeral, self._writer(key, payload, csum, ephemeral, offset),
+                                reserved=offset)
+        except (StoreFull, IntegrityError):  # raised before anything took the slot
             with self._lock:
                 shm.release(offset)
             raise
