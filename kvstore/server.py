@@ -11,6 +11,7 @@ from typing import cast
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvstore import arena
 from kvstore.arena import host_id
 from kvstore.config import StoreConfig, build_tiers
 from kvstore.errors import InvalidRequest
@@ -132,6 +133,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             host_id=self.host_id, arena_socket=str(shm.socket.path) if shm else "", max_message_bytes=MAX_MESSAGE_BYTES,
         )
 
+    def handle_local(self, method: int, body: bytes, reservations: set[str]) -> bytes:
+        """A call on the arena's same-host channel (kvstore/arena.py): the same messages as the RPCs."""
+        if method == arena.GET:
+            keys = list(pb.GetRequest.FromString(body).hashes)
+            slots = [pb.BlockChunk(hash=key, shm_offset=f[0], total_size=f[1], checksum=f[2]) if f else pb.BlockChunk(hash=key)
+                     for key, f in zip(keys, self.store.locate(keys), strict=True)]
+            return pb.GetResponse(slots=slots).SerializeToString()
+        if method == arena.RESERVE:
+            reply = self.Reserve(pb.ReserveRequest.FromString(body), None)  # type: ignore[arg-type]
+            if reply.reservation_id:
+                reservations.add(reply.reservation_id)
+            return reply.SerializeToString()
+        if method == arena.PUT:
+            request = pb.PutRequest.FromString(body)
+            reservations.discard(request.reservation_id)  # the put ends it
+            return self.Put(iter([request]), None).SerializeToString()  # type: ignore[arg-type]
+        if method == arena.END_RESERVATIONS:  # the connection closed
+            for rid in reservations:
+                self.store.end_reservation(rid)
+            return b""
+        raise InvalidRequest(f"no method {method} on the arena socket")
+
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         reservation_id, offsets = self.store.reserve(list(request.sizes), list(request.hashes))
         return pb.ReserveResponse(reservation_id=reservation_id, offsets=[o or 0 for o in offsets],
@@ -176,7 +199,10 @@ class StoreServer:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(self.store))
         self.rpc = Server(listen, metrics_port=metrics_port, registry=self.registry)
-        self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, KVStoreServicer(self.store), SERVICE_NAME)
+        servicer = KVStoreServicer(self.store)
+        self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
+        if self.store.shm_tier is not None:
+            self.store.shm_tier.socket.handler = servicer.handle_local
         self._stop_sweeper = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-lease-sweeper", daemon=True)
         self._closed = False

@@ -259,6 +259,27 @@ class BlockStore:
         for key in keys:
             yield self._read(key, via_shm=via_shm)
 
+    def locate(self, keys: Sequence[BlockHash]) -> list[tuple[int, int, int] | None]:
+        """Where each block lies in the arena, for a same-host client to copy it: (offset, size, checksum),
+        or None where it is not in the arena (absent, or in another tier: `get` reads those). Touches
+        the chain; counts the arena's hits (`get` counts the rest)."""
+        for key in keys:
+            check_key(key)
+        shm = self.shm_tier
+        out: list[tuple[int, int, int] | None] = []
+        with self._lock:
+            self._expire_leases()
+            self._touch_chain(keys)
+            for key in keys:
+                entry = self._index.get(key)
+                found = shm.slot(key) if shm is not None and entry is not None else None
+                if entry is None or found is None:
+                    out.append(None)
+                    continue
+                self._count_hit(entry.level)
+                out.append((found[0], entry.size, entry.checksum))
+        return out
+
     def _read(self, key: BlockHash, *, via_shm: bool = False) -> BlockRead | None:
         """One block, or None for a miss (a corrupt block is deleted and counted, then a miss)."""
         for _ in range(_READ_RETRIES):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kvstore import KVStoreClient
+from kvstore import KVStoreClient, arena
 from kvstore.arena import Arena, ArenaMap, ArenaSocket
 from kvstore.block_format import checksum
 from kvstore.slab import PAGE_BYTES, SlabAllocator, slot_bytes
@@ -120,14 +121,15 @@ def test_same_host_readers_and_writers_in_threads_get_exact_bytes(tmp_path: Path
         assert server.store.stats().checksum_failures == 0
 
 
-def test_a_put_with_a_bad_hash_is_refused_whole_and_reserves_nothing(tmp_path: Path) -> None:
+def test_a_put_with_a_bad_hash_gets_the_grpc_status_and_reserves_nothing(tmp_path: Path) -> None:
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
         good = (key(1), payload(1, 5000))
         with pytest.raises(grpc.RpcError) as info:  # the second block's hash is malformed
             c.put([good, (b"short", payload(2, 5000))])
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert len(server.store) == 0 and not server.store._reservations
-        assert c.put([good]) == 1 and checksum(c.get([key(1)])[0] or b"") == checksum(payload(1, 5000))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # refused on the arena channel, then by gRPC
+        assert not server.store._reservations
+        assert c.put([good]) == 0  # blocks go in prefix order: the one before the bad one was stored
+        assert checksum(c.get([key(1)])[0] or b"") == checksum(payload(1, 5000))
 
 
 def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
@@ -143,3 +145,32 @@ def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
         assert c.put(blocks[:2]) == 0  # nothing new: no put at all
         assert c.get([k for k, _ in blocks])[3] == payload(3, 5000)
         server.store.check_integrity()
+
+
+def test_reservations_made_on_the_arena_channel_end_when_it_closes(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        channel = c._shm()
+        assert channel is not None
+        reply = pb.ReserveResponse.FromString(
+            channel.call(arena.RESERVE, pb.ReserveRequest(sizes=[5000, 5000]).SerializeToString(), 5.0))
+        assert len(server.store._reservations) == 1
+        channel.close()  # a client that dies between reserving and putting
+        deadline = time.monotonic() + 5
+        while server.store._reservations and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server.store._reservations
+        assert all(server.store.shm_tier.arena.slots.slot_size(o) is None for o in reply.offsets)  # type: ignore[union-attr]
+
+
+def test_a_refused_call_on_the_arena_channel_names_its_status_and_the_channel_goes_on(tmp_path: Path) -> None:
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        channel = c._shm()
+        assert channel is not None
+        with pytest.raises(arena.LocalCallError) as info:
+            channel.call(99, b"", 5.0)
+        assert info.value.status == "INVALID_ARGUMENT"
+        with pytest.raises(arena.LocalCallError) as info:
+            channel.call(arena.RESERVE, pb.ReserveRequest(sizes=[1 << 40]).SerializeToString(), 5.0)
+        assert info.value.status == "RESOURCE_EXHAUSTED"
+        assert c.put([(key(1), payload(1, 5000))]) == 1 and c.get([key(1)]) == [payload(1, 5000)]
+        assert not server.store._reservations and server.store.stats().tier("host").blocks == 1
