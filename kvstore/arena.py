@@ -258,5 +258,6 @@ class ArenaMap:
 
     def close(self) -> None:
         self._sock.close()
-        self.view.release()
-        self._map.close()
+        with contextlib.suppress(BufferError):  # another thread is copying: the mapping goes with it
+            self.view.release()
+            self._map.close()
