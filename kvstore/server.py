@@ -42,6 +42,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LookupResponse(num_hits=result.num_hits, tiers=tiers, lease_id=result.lease_id or "")
 
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
+        return self._put(request_iterator, staged=False)
+
+    def _put(self, request_iterator: Iterable[pb.PutRequest], *, staged: bool) -> pb.PutResponse:
+        # Staged blocks (arena slots) come only over the arena socket, from the store's user on its host:
+        # over the network they would let anyone store what a freed slot still holds under any hash.
         assembler = BlockAssembler(self.store.max_block_bytes)
         keys: list[BlockHash] = []
         num_new = 0
@@ -56,6 +61,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     if block is None:
                         continue
                     if block.shm_offset is not None:
+                        if not staged:
+                            raise InvalidRequest("staged blocks (shm_offset) are put over the arena socket, not gRPC")
                         reservations.add(request.reservation_id)
                         added = self.store.put_reserved(block.key, request.reservation_id, block.shm_offset,
                                                         block.total_size, block.checksum, ephemeral=ephemeral)
@@ -141,24 +148,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                      for key, f in zip(keys, self.store.locate(keys), strict=True)]
             return pb.GetResponse(slots=slots).SerializeToString()
         if method == arena.RESERVE:
-            reply = self.Reserve(pb.ReserveRequest.FromString(body), None)  # type: ignore[arg-type]
-            if reply.reservation_id:
-                reservations.add(reply.reservation_id)
-            return reply.SerializeToString()
+            request = pb.ReserveRequest.FromString(body)
+            rid, offsets = self.store.reserve(list(request.sizes), list(request.hashes))
+            if rid:
+                reservations.add(rid)
+            return pb.ReserveResponse(reservation_id=rid, offsets=[o or 0 for o in offsets],
+                                      stored=[o is None for o in offsets] if request.hashes else []).SerializeToString()
         if method == arena.PUT:
             request = pb.PutRequest.FromString(body)
             reservations.discard(request.reservation_id)  # the put ends it
-            return self.Put(iter([request]), None).SerializeToString()  # type: ignore[arg-type]
+            return self._put([request], staged=True).SerializeToString()
         if method == arena.END_RESERVATIONS:  # the connection closed
             for rid in reservations:
                 self.store.end_reservation(rid)
             return b""
         raise InvalidRequest(f"no method {method} on the arena socket")
 
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        reservation_id, offsets = self.store.reserve(list(request.sizes), list(request.hashes))
-        return pb.ReserveResponse(reservation_id=reservation_id, offsets=[o or 0 for o in offsets],
-                                  stored=[o is None for o in offsets] if request.hashes else [])
 
 
 def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:

@@ -136,10 +136,14 @@ def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
     blocks = [(key(i), payload(i, 5000)) for i in range(4)]
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
         assert c.put(blocks[:2]) == 2
-        reply = c._stub.Reserve(pb.ReserveRequest(sizes=[5000] * 4, hashes=[k for k, _ in blocks]))
+        channel = c._shm()
+        assert channel is not None
+        request = pb.ReserveRequest(sizes=[5000] * 4, hashes=[k for k, _ in blocks])
+        reply = pb.ReserveResponse.FromString(channel.call(arena.RESERVE, request.SerializeToString(), 5.0))
         assert list(reply.stored) == [True, True, False, False]
-        c._stub.Put(iter([pb.PutRequest(staged=[pb.BlockChunk(hash=key(2), total_size=5000, shm_offset=reply.offsets[2])],
-                                        reservation_id=reply.reservation_id)]))
+        staged = [pb.BlockChunk(hash=key(2), total_size=5000, shm_offset=reply.offsets[2])]
+        put = pb.PutRequest(staged=staged, reservation_id=reply.reservation_id)
+        channel.call(arena.PUT, put.SerializeToString(), 5.0)
         assert not server.store._reservations  # the unused slot went back when the put ended
         assert c.put(blocks) == 1  # only block 3 is new: copied and put
         assert c.put(blocks[:2]) == 0  # nothing new: no put at all

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import KVStoreClient
+from kvstore import KVStoreClient, arena
 from kvstore.block_format import checksum
 from kvstore.config import StoreConfig
 from kvstore.server import StoreServer
@@ -105,8 +105,6 @@ class WireTap(pb_grpc.KVStoreServicer):
         self.on_info(reply)
         return reply
 
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        return self._unary(self._stub.Reserve, request, context)
 
 
 @pytest.mark.parametrize(("server_shm", "use_shm"), [(True, False), (True, True), (False, True)])
@@ -222,10 +220,6 @@ def test_bad_inputs_get_precise_codes_and_server_stays_healthy(tmp_path: Path) -
             assert status_of(lambda: raw_put(first, pb.BlockChunk(hash=key(3), offset=4, data=data[4:]))) == invalid
             unreserved = pb.BlockChunk(hash=key(2), total_size=8, checksum=good, shm_offset=0)
             assert status_of(lambda: stub.Put(iter([pb.PutRequest(staged=[unreserved])]), timeout=5)) == invalid
-            assert status_of(lambda: stub.Reserve(pb.ReserveRequest(sizes=[]), timeout=5)) == invalid
-            assert status_of(lambda: stub.Reserve(pb.ReserveRequest(sizes=[0]), timeout=5)) == invalid
-            too_much = pb.ReserveRequest(sizes=[MiB // 4] * 3)  # more than half the tier at once
-            assert status_of(lambda: stub.Reserve(too_much, timeout=5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert c.get([key(1), key(2)]) == [None, None]  # nothing stored by any of it
         assert healthy(server)
         server.store.check_integrity()
@@ -373,12 +367,29 @@ def test_client_not_sharing_the_arena_sends_bytes(tmp_path: Path, view: str) -> 
     assert tap.get_requests and not any(r.via_shm for r in tap.get_requests)
 
 
-def test_staged_requests_must_name_reserved_slots(tmp_path: Path) -> None:
-    with running_server(tmp_path) as server, grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.KVStoreStub(channel)
-        reply = stub.Reserve(pb.ReserveRequest(sizes=[3]), timeout=5)
-        with_data = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), data=b"abc")
+def test_staged_puts_come_only_over_the_arena_socket_and_must_name_reserved_slots(tmp_path: Path) -> None:
+    # Over gRPC, anyone who reaches the port could store what a freed arena slot still holds under any
+    # hash: a staged block is refused there, whatever it names.
+    with (running_server(tmp_path, host_capacity=1 * MiB) as server, KVStoreClient(server.address) as c,
+          grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as grpc_channel):
+        channel = c._shm()
+        assert channel is not None
+
+        def reserve(sizes: list[int]) -> pb.ReserveResponse:
+            request = pb.ReserveRequest(sizes=sizes).SerializeToString()
+            return pb.ReserveResponse.FromString(channel.call(arena.RESERVE, request, 5.0))
+
+        def refused(call: Callable[[], object]) -> str:
+            with pytest.raises(arena.LocalCallError) as info:
+                call()
+            return info.value.status
+
+        reply = reserve([3])
         named = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), shm_offset=reply.offsets[0])
+        stub = pb_grpc.KVStoreStub(grpc_channel)
+        put = pb.PutRequest(staged=[named], reservation_id=reply.reservation_id)
+        assert status_of(lambda: stub.Put(iter([put]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        with_data = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), data=b"abc")
         elsewhere = pb.BlockChunk(hash=key(1), total_size=3, checksum=checksum(b"abc"), shm_offset=reply.offsets[0] + 64)
         for request in (
             pb.PutRequest(staged=[with_data], reservation_id=reply.reservation_id),
@@ -386,11 +397,12 @@ def test_staged_requests_must_name_reserved_slots(tmp_path: Path) -> None:
             pb.PutRequest(staged=[named], reservation_id="someone-else"),
             pb.PutRequest(staged=[elsewhere], reservation_id=reply.reservation_id),
         ):
-            assert status_of(lambda r=request: stub.Put(iter([r]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused(lambda r=request: channel.call(arena.PUT, r.SerializeToString(), 5.0)) == "INVALID_ARGUMENT"
+        assert refused(lambda: reserve([])) == refused(lambda: reserve([0])) == "INVALID_ARGUMENT"
+        assert refused(lambda: reserve([MiB // 4] * 3)) == "RESOURCE_EXHAUSTED"  # more than half the tier at once
         assert healthy(server) and len(server.store) == 0
         server.store.check_integrity()
-        arena = server.store.shm_tier.arena  # type: ignore[union-attr]
-        assert arena.slots.slot_size(reply.offsets[0]) is None  # a failed put returns its reservation
+        assert server.store.shm_tier.arena.slots.slot_size(reply.offsets[0]) is None  # type: ignore[union-attr]
 
 
 def test_same_host_puts_and_gets_go_over_the_arena_channel_not_grpc(tmp_path: Path) -> None:

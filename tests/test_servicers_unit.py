@@ -173,9 +173,9 @@ def test_put_assembles_chunked_blocks_and_counts_new_and_existing(kvstore: grpc_
         (put_requests([(key(1), payload(1, 2000))], chunk_bytes=4096), grpc.StatusCode.RESOURCE_EXHAUSTED,
          "exceeds the largest tier (1000 bytes)"),
         ([kvstore_pb2.PutRequest(staged=[kvstore_pb2.BlockChunk(hash=key(1), total_size=100, checksum=1, shm_offset=0)])], INVALID,
-         "this server has no shared-memory tier"),
+         "staged blocks (shm_offset) are put over the arena socket, not gRPC"),
     ],
-    ids=["empty", "checksum", "cut-short", "too-large", "staged-without-shm"],
+    ids=["empty", "checksum", "cut-short", "too-large", "staged-over-grpc"],
 )
 def test_a_bad_put_gets_a_precise_status_and_stores_nothing(
     kvstore: grpc_testing.Server, store: BlockStore, requests: list[Any], code: grpc.StatusCode, details: str

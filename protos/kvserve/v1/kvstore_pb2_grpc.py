@@ -70,11 +70,6 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoResponse.FromString,
                 _registered_method=True)
-        self.Reserve = channel.unary_unary(
-                '/kvserve.v1.KVStore/Reserve',
-                request_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
-                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -129,13 +124,6 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Reserve(self, request, context):
-        """Same-host put: reserves arena slots for the caller to fill, then name in a Put.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,11 +161,6 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoRequest.FromString,
                     response_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoResponse.SerializeToString,
-            ),
-            'Reserve': grpc.unary_unary_rpc_method_handler(
-                    servicer.Reserve,
-                    request_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.ReserveRequest.FromString,
-                    response_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.ReserveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,33 +353,6 @@ class KVStore:
             '/kvserve.v1.KVStore/Info',
             protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoRequest.SerializeToString,
             protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Reserve(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvserve.v1.KVStore/Reserve',
-            protos_dot_kvserve_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
-            protos_dot_kvserve_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
