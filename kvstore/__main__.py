@@ -22,7 +22,9 @@ def parser() -> argparse.ArgumentParser:
                    help="LMDB disk tier bytes; 0 turns it off (default 0; e.g. 8GiB with --disk-path)")
     p.add_argument("--disk-path", type=Path, default=None, help="directory of the LMDB disk tier")
     p.add_argument("--shm", action=argparse.BooleanOptionalAction, default=True,
-                   help="hold the host tier in /dev/shm so same-host clients read it in place (default on)")
+                   help="hold the host tier in a shared-memory arena (allocated and pre-faulted at start) that "
+                        "same-host clients map, moving each block with one copy; its socket lives in /dev/shm "
+                        "(default on)")
     p.add_argument("--shm-root", default="/dev/shm", help=argparse.SUPPRESS)
     p.add_argument("--flush-timeout", type=float, default=10.0, help="seconds SIGTERM may spend flushing memory to disk")
     return p
