@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from serving.errors import status_of
+from serving.errors import InvalidArgument, status_of
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,38 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
         context.abort(code, str(exc))
 
 
+class Undecodable:
+    """What a request deserializer gives for bytes that are not its message (see `tolerant`)."""
+
+    def __init__(self, message_name: str, error: Exception) -> None:
+        self.problem = f"the request is not a valid {message_name} message ({error}); send the message the .proto defines"
+
+
+def tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`deserialize`, giving `Undecodable` instead of raising: gRPC would answer INTERNAL
+    "Exception deserializing request!"; the handler answers INVALID_ARGUMENT instead."""
+    message = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    name = message.full_name if message is not None else "request"
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:
+            return Undecodable(name, exc)
+
+    return decode
+
+
+def _decoded(request: Any) -> Any:
+    """The request, or for a request stream an iterator of it, raising InvalidArgument at bytes that
+    did not decode."""
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(request.problem)
+    if isinstance(request, Iterator):
+        return (_decoded(item) for item in request)
+    return request
+
+
 def with_status_mapping(fn: Callable[..., Any], *, streaming: bool) -> Callable[..., Any]:
     """`fn(request, context)` ending its RPC with the status `status_of` gives when it raises: what
     the interceptor does to every handler, public so that tests without a server (grpc_testing,
@@ -49,7 +81,7 @@ def with_status_mapping(fn: Callable[..., Any], *, streaming: bool) -> Callable[
 
         def wrapped_stream(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                yield from fn(request, context)
+                yield from fn(_decoded(request), context)
             except Exception as exc:
                 _abort(context, exc)
 
@@ -57,7 +89,7 @@ def with_status_mapping(fn: Callable[..., Any], *, streaming: bool) -> Callable[
 
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(request, context)
+            return fn(_decoded(request), context)
         except Exception as exc:
             _abort(context, exc)
 
@@ -71,6 +103,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if handler.request_deserializer is not None:
+            handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
         if handler.unary_unary:
             return handler._replace(unary_unary=with_status_mapping(handler.unary_unary, streaming=False))
         if handler.stream_unary:

@@ -148,3 +148,24 @@ def test_the_interceptor_ends_an_rpc_with_the_mapped_status(exc: Exception, code
         assert info.value.details() == details  # type: ignore[attr-defined]
     finally:
         server.stop(0)
+
+
+def test_bytes_that_are_not_the_request_message_get_invalid_argument(tmp_path: Path) -> None:
+    # gRPC's own answer would be INTERNAL "Exception deserializing request!"; unary, client-streaming
+    # and server-streaming methods all say which message they expected, and the server carries on.
+    from tests.kvstore_fixtures import running_server
+
+    garbage = b"\xff\xff\xff\xff"
+    with running_server(tmp_path) as server, grpc.insecure_channel(server.address) as channel:
+        calls = {
+            "Lookup": lambda: channel.unary_unary("/kvserve.v1.KVStore/Lookup")(garbage, timeout=5),
+            "Put": lambda: channel.stream_unary("/kvserve.v1.KVStore/Put")(iter([garbage]), timeout=5),
+            "Get": lambda: list(channel.unary_stream("/kvserve.v1.KVStore/Get")(garbage, timeout=5)),
+        }
+        for method, call in calls.items():
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert f"not a valid kvserve.v1.{method}Request message" in info.value.details(), info.value.details()
+        stats = channel.unary_unary("/kvserve.v1.KVStore/Stats")(b"", timeout=5)  # an empty message is valid
+        assert isinstance(stats, bytes)
