@@ -62,6 +62,7 @@ class Model:
     head_dim: int
     eos_token_ids: frozenset[int]
     cache_keyword: str  # the forward keyword that fills a cache object, one of CACHE_KEYWORDS
+    max_token_bytes: int = 64  # no token's text is longer in UTF-8 (a bound, for refusing long prompts early)
 
     @property
     def kv_dtype_name(self) -> str:
@@ -235,6 +236,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None 
         head_dim=probe.head_dim,
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         cache_keyword=probe.keyword,
+        max_token_bytes=4 * max(len(token) for token in tokenizer.get_vocab()),  # 4: UTF-8 bytes per character
     )
 
 
@@ -249,6 +251,7 @@ def encode_prompt(
     generation prompt), or token ids (validated against the vocabulary). Raises ValueError."""
     if sum(x is not None for x in (text, messages, token_ids)) != 1:
         raise ValueError("give exactly one of text, messages or token_ids")
+    _refuse_before_tokenizing(model, text if text is not None else "".join(m["content"] for m in messages or ()))
     tokenizer = model.tokenizer
     if text is not None:
         ids = list(tokenizer(text)["input_ids"])
@@ -267,6 +270,22 @@ def encode_prompt(
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
+
+
+def _refuse_before_tokenizing(model: Model, text: str) -> None:
+    """ContextLengthError for a text too long to fit the model whatever it tokenizes to (every token
+    covers at most `max_token_bytes` of it): a prompt of megabytes is refused at once, not after
+    seconds of tokenizing."""
+    limit = model.max_positions
+    if limit is None or len(text) * 4 < limit * model.max_token_bytes:  # 4: UTF-8 bytes per character at most
+        return
+    num_bytes = len(text.encode())
+    at_least = -(-num_bytes // model.max_token_bytes)
+    if at_least >= limit:
+        raise ContextLengthError(
+            f"the prompt is {num_bytes} bytes, at least {at_least} tokens; the model takes at most {limit} "
+            "positions: send a shorter prompt"
+        )
 
 
 def max_new_tokens(model: Model, num_prompt_tokens: int, requested: int) -> int:

@@ -69,3 +69,30 @@ def test_encode_prompt() -> None:
     for bad in bad_calls:
         with pytest.raises(ValueError):
             encode_prompt(model, **bad)
+
+
+class NoTokenizing:
+    """A tokenizer that must not be called."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the prompt was tokenized")
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the prompt was rendered")
+
+    chat_template = "unused"
+
+
+@pytest.mark.parametrize("kind", ["text", "messages"])
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(kind: str) -> None:
+    from dataclasses import replace
+
+    from engine.model import ContextLengthError
+
+    model = tiny_model("llama")
+    assert model.max_positions is not None
+    huge = "a" * (model.max_positions * model.max_token_bytes)  # at least max_positions tokens, whatever they are
+    prompt: dict[str, Any] = {"text": huge} if kind == "text" else {"messages": [{"role": "user", "content": huge}]}
+    with pytest.raises(ContextLengthError, match="send a shorter prompt"):
+        encode_prompt(replace(model, tokenizer=NoTokenizing()), **prompt)
+    assert len(encode_prompt(model, text="a" * 100)) >= 1  # a prompt that may fit is tokenized as before
