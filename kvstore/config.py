@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+import lmdb
 
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import ArenaHostTier, MemoryHostTier
 from kvstore.tier import TierStorage
+
+log = logging.getLogger(__name__)
 
 _GiB = 1024**3
 
@@ -45,7 +50,10 @@ def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
         host = ArenaHostTier.create(config.host_capacity, config.shm_root) if config.shm else MemoryHostTier()
         tiers.append((host, config.host_capacity))
     if config.disk_capacity > 0 and config.disk_path is not None:
-        tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
+        try:
+            tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
+        except (OSError, lmdb.Error) as exc:  # read-only, missing, full: the tier only holds cache
+            log.error("disk tier at %s cannot be used (%s): serving from the memory tiers only", config.disk_path, exc)
     if not tiers:
         raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
     return tiers

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -28,10 +30,15 @@ log = logging.getLogger(__name__)
 
 _MiB = 1024 * 1024
 TOMBSTONE = None
+# An LMDB meta page: page header (16 bytes), then magic, version, ..., the free DB's md_pad (the page
+# size) at 40, and the last page used and the transaction id at 136 and 144.
+_LMDB_META = struct.Struct("<16xII16xI92xQQ")
+_LMDB_MAGIC = 0xBEEFC0DE
+_MAX_PAGE_BYTES = 65536
 
 
 class Record(NamedTuple):
-    """A pending write: the block's header and its payload (possibly a view of a shm file)."""
+    """A pending write: the block's header and its payload (bytes nobody changes any more)."""
 
     header: bytes
     payload: Buffer
@@ -74,6 +81,30 @@ class _SharedLock:
                 self._cond.notify_all()
 
 
+def lmdb_damage(data_file: Path) -> str | None:
+    """Why an LMDB data file cannot be opened safely, or None: no valid meta page, or a file shorter than
+    its meta page says (LMDB maps the file, and reading a page past its end kills the process with
+    SIGBUS). Read with plain reads, never mapped."""
+    try:
+        size = data_file.stat().st_size
+        with data_file.open("rb") as f:
+            head = f.read(2 * _MAX_PAGE_BYTES)
+    except FileNotFoundError:
+        return None  # a new tier
+    if size == 0:
+        return None  # LMDB initialises an empty file
+    psize = _LMDB_META.unpack_from(head, 0)[2] if len(head) >= _LMDB_META.size else 0
+    metas = [_LMDB_META.unpack_from(head, off) for off in (0, psize) if psize > 0 and off + _LMDB_META.size <= len(head)]
+    valid = [m for m in metas if m[0] == _LMDB_MAGIC and m[1] == 1 and m[2] == psize]
+    if not valid or psize & (psize - 1) or not 512 <= psize <= _MAX_PAGE_BYTES:
+        return "no valid LMDB meta page"
+    *_, last_page, _ = max(valid, key=lambda m: m[-1])  # the newest transaction's meta page
+    need = (last_page + 1) * psize
+    if size < need:
+        return f"data file is {size} bytes, its meta page says {need}: truncated"
+    return None
+
+
 def initial_map_size(capacity_bytes: int) -> int:
     # Overflow pages round each value up to 4 KiB and freed pages are reused only once no reader
     # holds an older snapshot: twice the capacity plus slack keeps MapFullError away (sparse file).
@@ -88,7 +119,8 @@ class DiskTier(TierStorage):
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_file = self._lock_dir(self.path)
         self._map_size = initial_map_size(capacity_bytes)
-        self._env = lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False)
+        self.quarantined: Path | None = None  # where a damaged tier found at start was moved
+        self._env = self._open()
         self._env_lock = _SharedLock()
         self._cond = threading.Condition()
         self._pending: dict[BlockHash, Record | None] = {}
@@ -98,6 +130,34 @@ class DiskTier(TierStorage):
         self.map_growths = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
         self._writer.start()
+
+    def _open(self) -> lmdb.Environment:
+        """The LMDB environment; a damaged one (see lmdb_damage, or one LMDB refuses or cannot walk) is
+        moved aside and an empty one opened in its place: the tier only holds cache."""
+        problem = lmdb_damage(self.path / "data.mdb")
+        if problem is None:
+            env = None
+            try:
+                env = self._lmdb()
+                with env.begin() as txn:  # walks every branch and leaf page
+                    for _ in txn.cursor().iternext(keys=True, values=False):
+                        pass
+                return env
+            except lmdb.Error as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                if env is not None:
+                    env.close()
+        aside = self.path.with_name(f"{self.path.name}.quarantined-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        aside.mkdir()
+        for name in ("data.mdb", "lock.mdb"):
+            if (self.path / name).exists():
+                os.rename(self.path / name, aside / name)
+        log.error("disk tier %s is damaged (%s): moved to %s, starting with an empty one", self.path, problem, aside)
+        self.quarantined = aside
+        return self._lmdb()
+
+    def _lmdb(self) -> lmdb.Environment:
+        return lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False)
 
     @staticmethod
     def _lock_dir(path: Path) -> IO[str]:

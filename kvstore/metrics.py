@@ -37,4 +37,8 @@ class StoreCollector(Collector):
             value=stats.checksum_failures,
         )
         yield GaugeMetricFamily("kvserve_kvstore_leases", "Leases held", value=stats.leases)
+        quarantined = any(getattr(s.storage, "quarantined", None) is not None for s in self.store.tiers)
+        yield GaugeMetricFamily("kvserve_kvstore_disk_quarantined",
+                                "1 when the disk tier found at start was damaged, moved aside and started empty",
+                                value=int(quarantined))
         yield GaugeMetricFamily("kvserve_kvstore_pinned_blocks", "Blocks pinned by leases", value=stats.pinned_blocks)

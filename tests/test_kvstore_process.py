@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
+
+import pytest
 
 from kvstore import KVStoreClient, bench
 from kvstore.__main__ import main
@@ -74,3 +77,45 @@ def test_bench_store_runs_and_reports_ratios() -> None:
     assert result.blocks == 8 and result.memcpy_gbps > 0
     assert set(result.gbps) == set(bench.ROWS)
     assert "x memcpy" in bench.report(result)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "unreadable meta"])
+def test_a_damaged_disk_tier_is_moved_aside_and_the_store_serves(tmp_path: Path, damage: str) -> None:
+    # Truncated under LMDB's own map, it used to kill the store with SIGBUS at start; garbled, with a
+    # traceback. It only held cache: the store moves it aside, says why, and starts with an empty one.
+    blocks = [(key(i), payload(i, 10_000)) for i in range(20)]
+    proc, port = start_process(args(tmp_path))
+    with KVStoreClient(f"127.0.0.1:{port}") as c:
+        c.put(blocks)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    data = tmp_path / "db" / "data.mdb"
+    if damage == "truncated":
+        os.truncate(data, data.stat().st_size // 3)
+    elif damage == "garbage":
+        data.write_bytes(os.urandom(data.stat().st_size))
+    else:
+        with data.open("r+b") as f:
+            f.write(b"\0" * 8192)  # both meta pages
+    proc, port = start_process(args(tmp_path))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            assert c.stats().tier("disk").blocks == 0
+            assert c.put(blocks) == 20 and c.get([k for k, _ in blocks]) == [p for _, p in blocks]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    [aside] = list(tmp_path.glob("db.quarantined-*"))
+    assert (aside / "data.mdb").exists()
+
+
+def test_an_unusable_disk_path_leaves_the_memory_tiers_serving(tmp_path: Path) -> None:
+    proc, port = start_process(["--host-capacity", "1MiB", "--disk-capacity", "16MiB",
+                                "--disk-path", "/proc/kvserve-no-such-dir/db", "--shm-root", str(tmp_path)])
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            assert [t.tier for t in c.stats().tiers] == ["host"]
+            assert c.put([(key(1), payload(1, 1000))]) == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 from pathlib import Path
@@ -390,4 +391,25 @@ def test_threads_racing_eviction_promotion_and_leases_read_exact_bytes(tmp_path:
     for i in range(60):
         got = read(store, i)
         assert got is None or bytes(got) == payload(i, 200)
+    store.close()
+
+
+def test_a_truncated_disk_tier_is_quarantined_and_counted(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvstore.metrics import StoreCollector
+
+    store = make_store(host=300, disk=1000, tmp=tmp_path)
+    for i in range(5):
+        put(store, i)
+    store.close()
+    data = tmp_path / "lmdb" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    disk = DiskTier(tmp_path / "lmdb", 1000)
+    assert disk.quarantined is not None and (disk.quarantined / "data.mdb").exists()
+    assert disk.keys() == set()
+    store = BlockStore([(disk, 1000)])
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    assert b"kvserve_kvstore_disk_quarantined 1.0" in generate_latest(registry)
     store.close()
