@@ -122,10 +122,8 @@ class DecodeService:
         m, engine, opts = self.metrics, self.engine, job.options
         if self._stopping:
             raise Unavailable("the decode service is shutting down")
-        call = self.prefill.start(job.request_id, job.prompt, opts, time_left_s=job.time_left_s)
-        cancel.on_cancel(call.cancel)
         try:
-            handle = call.first()
+            call, handle = self._first_answer(job, cancel)
         except PrefillCancelled:
             state.outcome = "cancelled"
             return
@@ -181,6 +179,20 @@ class DecodeService:
                 total_s=done - job.arrival,
             ),
         )
+
+    def _first_answer(self, job: GenerateJob, cancel: Cancellation) -> tuple[PrefillCall, PrefillHandle]:
+        """The prefill call and its first answer. A prefill service that is unavailable (restarting, its
+        connection dropped) is asked once more: the call is idempotent, it only fills a cache."""
+        for attempt in (1, 2):
+            call = self.prefill.start(job.request_id, job.prompt, job.options, time_left_s=job.time_left_s)
+            cancel.on_cancel(call.cancel)
+            try:
+                return call, call.first()
+            except Unavailable as exc:
+                if attempt == 2:
+                    raise
+                log.warning("prefill unavailable for %s (%s): asking once more", job.request_id, exc)
+        raise AssertionError("unreachable")
 
     def _kv_handle(self, call: PrefillCall, early: PrefillHandle) -> PrefillHandle:
         """The handle naming the prompt's KV in the store, once prefill has stored it. If prefill fails now,

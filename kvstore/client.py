@@ -27,7 +27,7 @@ from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from serving.server import CHANNEL_OPTIONS
+from serving.server import CLIENT_CHANNEL_OPTIONS
 
 _NO_LIMIT = 1 << 62
 
@@ -61,7 +61,7 @@ class KVStoreClient:
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.checksum_failures = 0  # blocks received whose checksum did not match (reported as None)
-        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._arena: ArenaMap | None = None
         self._arena_path = ""

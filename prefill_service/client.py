@@ -22,10 +22,8 @@ from serving.requests import (
     options_to_proto,
     prompt_to_proto,
 )
-from serving.server import CHANNEL_OPTIONS
+from serving.server import CLIENT_CHANNEL_OPTIONS
 
-# Reconnect quickly once a restarted prefill service is back.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)]
 PASSED_THROUGH = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
@@ -98,7 +96,7 @@ class PrefillClient:
     def __init__(self, addr: str, timeout_s: float = 60.0) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self._channel = grpc.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
 
     def close(self) -> None:

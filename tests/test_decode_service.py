@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from client import Client
 from client.client import Chunk, KVServeError, Result, build_request
 from engine.hashing import prefix_hashes
+from prefill_service.client import PrefillClient
 from protos.kvserve.v1 import decode_pb2_grpc
 from serving.errors import Unavailable
 from tests.model_faults import FaultyForward, at_position, never
@@ -110,6 +112,36 @@ def test_prefill_failing_after_the_first_token_leaves_decode_to_compute_the_prom
     monkeypatch.setattr(stack.prefill, "_wait_saved", fail)
     assert_greedy_matches(greedy(client, ids, 10, cache_salt="after-first-token").token_ids, want, logits)
     assert "prefill failed after the first token" in caplog.text
+
+
+class FirstCallToADeadPrefill:
+    """Decode's PrefillClient, whose first call goes to a port where nothing listens (a prefill service
+    restarting): UNAVAILABLE, as a dropped connection gives."""
+
+    def __init__(self, real: PrefillClient) -> None:
+        self.real, self.addr = real, real.addr
+        self.dead = PrefillClient("127.0.0.1:1", timeout_s=5)
+        self.calls = 0
+
+    def start(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return (self.dead if self.calls == 1 else self.real).start(*args, **kwargs)
+
+    def close(self) -> None:
+        self.dead.close()
+
+
+def test_an_unavailable_prefill_is_asked_once_more(stack: LocalStack, client: Client,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tokens(2 * BLOCK_SIZE + 3, seed=19)
+    want, logits = oracle(ARCH, ids, 6)
+    flaky = FirstCallToADeadPrefill(stack.decode.prefill)
+    monkeypatch.setattr(stack.decode, "prefill", flaky)
+    try:
+        assert_greedy_matches(greedy(client, ids, 6).token_ids, want, logits)
+    finally:
+        flaky.close()
+    assert flaky.calls == 2
 
 
 def test_store_down_still_answers(stack: LocalStack, client: Client) -> None:
