@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from kvstore import arena
 from kvstore.arena import host_id
 from kvstore.config import StoreConfig, build_tiers
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, StoreFull
 from kvstore.events import StoreEvent
 from kvstore.metrics import StoreCollector
 from kvstore.store import BlockStore, FlushResult
@@ -28,13 +28,17 @@ from serving.server import MAX_MESSAGE_BYTES, Server
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvserve.v1.KVStore"
+MAX_EVENT_STREAMS = 8  # of the server's 32 workers: the rest always serve Lookup, Get and Put
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, *, event_poll_s: float = 0.25) -> None:
+    def __init__(self, store: BlockStore, *, event_poll_s: float = 0.25,
+                 max_event_streams: int = MAX_EVENT_STREAMS) -> None:
         self.store = store
         self.host_id = host_id()
         self.event_poll_s = event_poll_s
+        self._event_streams = threading.BoundedSemaphore(max_event_streams)
+        self.max_event_streams = max_event_streams
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         result = self.store.lookup(list(request.hashes), request.lease_ttl_s or None)
@@ -125,6 +129,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
         """Stored/removed hashes, batched by runs of one kind and tier. A slow subscriber loses
         its oldest events (bounded queue), it is never disconnected and never slows the store."""
+        # Each stream holds a server worker for as long as it is open: a few, never all of them.
+        if not self._event_streams.acquire(blocking=False):
+            raise StoreFull(f"{self.max_event_streams} Events streams are open already, the most this store "
+                            "serves: close one, or share one stream among your routers")
         sub = self.store.events.subscribe()
         context.add_callback(sub.close)
         try:
@@ -133,6 +141,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     yield pb.Event(kind=kind, hashes=keys, tier=tier)
         finally:
             sub.close()
+            self._event_streams.release()
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         shm = self.store.shm_tier

@@ -66,7 +66,7 @@ class BlockAssembler:
                 f"{self._received} of {head.total_size} bytes of block {head.hash.hex()[:16]}"
             )
         assert self._buf is not None
-        self._buf[self._received : self._received + len(chunk.data)] = chunk.data
+        self._buf += chunk.data  # memory grows with the bytes received, never with a size merely claimed
         self._received += len(chunk.data)
         return self._finish_if_whole()
 
@@ -99,8 +99,7 @@ class BlockAssembler:
         if not chunk.data:
             raise InvalidRequest(f"first chunk of block {chunk.hash.hex()[:16]} carries no data")
         self._head = chunk
-        self._buf = bytearray(chunk.total_size)
-        self._buf[: len(chunk.data)] = chunk.data
+        self._buf = bytearray(chunk.data)
         self._received = len(chunk.data)
         return None
 

@@ -103,3 +103,16 @@ def test_slow_subscriber_drops_oldest_events() -> None:
     sub.close()
     hub.publish(StoreEvent(False, key(9), None))
     assert sub.take(0) == []
+
+
+def test_a_block_claiming_a_huge_size_costs_only_the_bytes_received() -> None:
+    import tracemalloc
+
+    assembler = BlockAssembler(1 << 40)
+    tracemalloc.start()
+    try:
+        assert assembler.feed(pb.BlockChunk(hash=key(1), total_size=1 << 30, data=b"x")) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # a 1-byte chunk claiming 1 GiB used to allocate the whole GiB

@@ -413,3 +413,33 @@ def test_same_host_puts_and_gets_go_over_the_arena_channel_not_grpc(tmp_path: Pa
         assert c.get([k for k, _ in blocks]) == [p for _, p in blocks]
         assert c.stats().tier("host").hits == 10
     assert not tap.put_requests and not tap.get_requests  # only Info and Stats crossed gRPC
+
+
+def test_idle_events_streams_never_take_the_workers_that_serve_lookups(tmp_path: Path) -> None:
+    # 32 idle Events streams used to hold all 32 workers: Lookup, Get and Stats then timed out.
+    from kvstore.server import MAX_EVENT_STREAMS
+
+    with running_server(tmp_path) as server, KVStoreClient(server.address, use_shm=False) as c:
+        streams = [c._stub.Events(pb.EventsRequest()) for _ in range(MAX_EVENT_STREAMS)]
+        try:
+            deadline = time.monotonic() + 10
+            while len(server.store.events._subs) < MAX_EVENT_STREAMS and time.monotonic() < deadline:
+                time.sleep(0.01)  # the streams subscribe as the server starts them
+            c.put([(key(1), payload(1))])  # each open stream sees this event
+            for stream in streams:
+                assert next(stream).kind == pb.Event.KIND_STORED
+            extra = c._stub.Events(pb.EventsRequest())
+            assert status_of(lambda: next(extra)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert c.lookup([key(1)]).num_hits == 1 and c.stats().tier("host").blocks == 1
+        finally:
+            for stream in streams:
+                stream.cancel()
+        deadline = time.monotonic() + 10  # a closed stream gives its place back
+        while server.store.events._subs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stream = c._stub.Events(pb.EventsRequest())
+        while not server.store.events._subs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        c.put([(key(2), payload(2))])
+        assert next(stream).kind == pb.Event.KIND_STORED
+        stream.cancel()
