@@ -32,6 +32,18 @@ from serving.server import CLIENT_CHANNEL_OPTIONS
 _NO_LIMIT = 1 << 62
 
 
+def scatter(payload: Buffer, parts: Sequence[memoryview]) -> bool:
+    """Copies `payload` into the buffers `parts`, one after another; False (nothing copied) if they are
+    too small."""
+    if len(payload) > sum(len(b) for b in parts):
+        return False
+    view = memoryview(payload)
+    for buf in parts:
+        n = min(len(buf), len(view))
+        buf[:n], view = view[:n], view[n:]
+    return True
+
+
 class StoreInfo(NamedTuple):
     host_id: str
     arena_socket: str  # "" when the server shares no arena
@@ -134,12 +146,7 @@ class KVStoreClient:
         parts = [[b] if isinstance(b, memoryview) else list(b) for b in buffers]
 
         def take(i: int, payload: Buffer) -> None:
-            if len(payload) <= sum(len(b) for b in parts[i]):
-                view, start = memoryview(payload), 0
-                for buf in parts[i]:
-                    n = min(len(buf), len(view) - start)
-                    buf[:n] = view[start : start + n]
-                    start += n
+            if scatter(payload, parts[i]):
                 sizes[i] = len(payload)
 
         def take_shm(i: int, arena: ArenaMap, offset: int, size: int, csum: int) -> bool:

@@ -23,6 +23,7 @@ from engine.model import Model, load_model
 from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
 from kvstore import KVStoreClient
+from kvstore.client import scatter
 from tests.engine_fixtures import assert_greedy_matches
 
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -149,13 +150,8 @@ class FakeStore:
             return [None if h in self.corrupted else self.blocks.get(h) for h in hashes]
 
     def get_into(self, hashes: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
-        sizes: list[int | None] = []
-        for payload, parts in zip(self.get(hashes), buffers, strict=True):
-            sizes.append(None if payload is None else len(payload))
-            for buf in parts if payload is not None else ():
-                n = min(len(buf), len(payload))
-                buf[:n], payload = payload[:n], payload[n:]
-        return sizes
+        return [len(p) if p is not None and scatter(p, parts) else None
+                for p, parts in zip(self.get(hashes), buffers, strict=True)]
 
     def release(self, lease_id: str) -> None:
         self._call("release")

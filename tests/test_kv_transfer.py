@@ -11,6 +11,7 @@ from engine.hashing import Namespace
 from engine.kv_codec import decode_block, encode_block
 from engine.kv_pool import KVPool
 from engine.kv_transfer import Loaded, Payload, load_blocks, payload_bytes, save_blocks
+from kvstore.client import scatter
 from protos.block_hash import BlockHash
 
 NS = Namespace("cd" * 32, "float32", block_size=4)
@@ -170,14 +171,8 @@ class ScatterDictStore(DictStore):
     each block against the store's checksum first: here every block is as put)."""
 
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
-        sizes: list[int | None] = []
-        for payload, parts in zip(self.get(hashes), buffers, strict=True):
-            sizes.append(None if payload is None else len(payload))
-            view = memoryview(payload or b"")
-            for buf in parts:
-                n = min(len(buf), len(view))
-                buf[:n], view = view[:n], view[n:]
-        return sizes
+        return [len(p) if p is not None and scatter(p, parts) else None
+                for p, parts in zip(self.get(hashes), buffers, strict=True)]
 
 
 def test_a_scatter_store_lands_blocks_in_their_slots_and_the_tail_after_them() -> None:
