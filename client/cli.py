@@ -38,6 +38,8 @@ FORWARDED = {
     ("kvstore",): "kvstore.__main__",
     ("prefill",): "prefill_service.__main__",
     ("decode",): "decode_service.__main__",
+    ("certs",): "serving.tls",
+    ("token",): "serving.auth",
 }
 
 
@@ -100,6 +102,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
+    sub.add_parser("certs", help="make a local CA and service certificates for mTLS (see `kvserve certs --help`)")
+    sub.add_parser("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
     bench = sub.add_parser(
         "bench", help="benchmarks: multi-turn, shared-prefix, decode, handoff, store; hash, prefill "
                       "(see `kvserve bench NAME --help`)",

@@ -135,13 +135,15 @@ class Server:
         max_workers: int = 32,
         metrics_port: int | None = None,
         registry: CollectorRegistry | None = None,
+        interceptors: Iterable[grpc.ServerInterceptor] = (),
     ) -> None:
         self.listen = listen
         self.metrics_port = metrics_port
         self.registry = registry or CollectorRegistry()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
-            interceptors=[ErrorInterceptor()],
+            # `interceptors` run first (authentication), then errors map to statuses.
+            interceptors=[*interceptors, ErrorInterceptor()],
             # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
         )
