@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         ResourceExhaustedError,
         Result,
         Timings,
+        UnauthenticatedError,
         UnavailableError,
         Usage,
     )
@@ -38,6 +39,7 @@ __all__ = [
     "ResourceExhaustedError",
     "Result",
     "Timings",
+    "UnauthenticatedError",
     "UnavailableError",
     "Usage",
 ]

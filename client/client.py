@@ -11,6 +11,7 @@ This module imports no torch: a caller needs only grpcio and protobuf.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import grpc
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 DEFAULT_ADDR = "127.0.0.1:50051"
+TOKEN_ENV = "KVSERVE_TOKEN"
 _MAX_MESSAGE = 8 * 1024 * 1024
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -121,6 +123,10 @@ class ResourceExhaustedError(KVServeError):
     """The server is out of capacity for this request."""
 
 
+class UnauthenticatedError(KVServeError):
+    """The front door requires a bearer token and got none, or one it does not know (`token=`)."""
+
+
 _ERRORS: dict[grpc.StatusCode, type[KVServeError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
@@ -128,6 +134,7 @@ _ERRORS: dict[grpc.StatusCode, type[KVServeError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 
 
@@ -239,6 +246,17 @@ def result_from_proto(r: decode_pb2.GenerateResult) -> Result:
     )
 
 
+def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """`authorization: Bearer <token>` for every call; `token` None reads $KVSERVE_TOKEN, "" sends none."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        return ()
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError("the token must be printable ASCII without spaces, as `kvserve token` prints it")
+    return (("authorization", f"Bearer {token}"),)
+
+
 def _item(msg: decode_pb2.GenerateResponse) -> Chunk | Result:
     if msg.WhichOneof("kind") == "token":
         return Chunk(msg.token.token_id, msg.token.text)
@@ -253,11 +271,15 @@ class Client:
     ignore_eos, prefix_cache (False skips the cache, for A/B comparisons) and cache_salt
     (requests with different salts never share KV). Failures raise a `KVServeError` subclass
     carrying the gRPC status code.
+
+    `token`: the bearer token of a front door that requires one (`kvserve token` issues them), sent as
+    metadata `authorization: Bearer <token>` on every call; default $KVSERVE_TOKEN.
     """
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0) -> None:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(token)
         self._channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
@@ -266,7 +288,8 @@ class Client:
 
         Closing the iterator early cancels the request on the server.
         """
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
+                                   metadata=self._metadata)
         try:
             for msg in call:
                 item = _item(msg)
@@ -306,9 +329,10 @@ class Client:
 class AsyncClient:
     """The asyncio twin of `Client`: `await generate(...)`, `async for item in stream(...)`."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0) -> None:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(token)
         self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
@@ -317,7 +341,8 @@ class AsyncClient:
 
         Closing the iterator early (`aclose()`) cancels the request on the server.
         """
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
+                                   metadata=self._metadata)
         try:
             async for msg in call:
                 item = _item(msg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,7 +13,8 @@ from decode_service.cancellation import Cancellation
 from decode_service.service import DecodeService, GenerateJob, GenerateOutcome
 from decode_service.stopping import TokenOutput
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from serving.requests import options_from_proto, prompt_from_proto
+from serving.auth import TenantSalts, Unauthenticated, current_tenant
+from serving.requests import RequestOptions, options_from_proto, prompt_from_proto
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -34,8 +36,20 @@ def _response(item: TokenOutput | GenerateOutcome) -> decode_pb2.GenerateRespons
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, service: DecodeService) -> None:
+    """With `tenant_salts` (auth on), each request's cache salt is its tenant's (`serving.auth`), which
+    prefill receives too: the client's cache_salt only narrows inside the tenant's namespace."""
+
+    def __init__(self, service: DecodeService, tenant_salts: TenantSalts | None = None) -> None:
         self.service = service
+        self.tenant_salts = tenant_salts
+
+    def _scoped(self, options: RequestOptions) -> RequestOptions:
+        if self.tenant_salts is None:
+            return options
+        tenant = current_tenant()
+        if tenant is None:  # auth on, but no AuthInterceptor in front of this servicer
+            raise Unauthenticated("this service requires a bearer token")
+        return dataclasses.replace(options, cache_salt=self.tenant_salts.salt(tenant, options.cache_salt))
 
     def Generate(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -44,7 +58,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         job = GenerateJob(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt=prompt_from_proto(request.prompt),
-            options=options_from_proto(request.sampling, request.cache),
+            options=self._scoped(options_from_proto(request.sampling, request.cache)),
             arrival=arrival,
             time_left_s=context.time_remaining(),
         )

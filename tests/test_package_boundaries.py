@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "client")
 PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore", "prefill", "decode")
           for grpc in ("", "_grpc")}
-SERVING = {"serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
-           "serving.server"}
+SERVING = {"serving.auth", "serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
+           "serving.server", "serving.tls"}
 ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.kv_pool", "engine.kv_transfer",
                        "engine.model", "engine.sampling", "engine.scheduler", "engine.sequence"}
 
