@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= data/models/tiny-llama
 
-.PHONY: setup demo test test-quick lint typecheck protos bench clean
+.PHONY: setup demo test test-quick test-load lint typecheck protos bench clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ test: lint typecheck
 
 test-quick: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
+
+# The load test for two minutes instead of one round (tests/test_load.py).
+test-load: $(STAMP)
+	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q tests/test_load.py
 
 protos: $(STAMP)
 	$(PY) protos/build.py

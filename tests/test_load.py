@@ -1,0 +1,124 @@
+"""A load test over real processes: 64 clients, 5 turns each, sharing a system prompt, against a store
+whose RAM tier is small enough that blocks are demoted and evicted all along.
+
+Zero failed requests; the tokens of sampled conversations equal Hugging Face's; no tier ever holds
+more bytes than its capacity; every lease is released or expired at the end; the services' resident
+memory after a warm-up round stays within a bound (no growth per request).
+
+The short form runs in `make test`. KVSERVE_LOAD_S=120 (`make test-load`) repeats rounds of
+conversations for that many seconds and checks the same things.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from kvstore import KVStoreClient
+from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
+
+pytestmark = pytest.mark.slow
+
+ARCH = "llama"
+CLIENTS, TURNS, NEW_TOKENS = 64, 5, 4
+SYSTEM = tokens(4 * BLOCK_SIZE, seed=4242)
+DURATION_S = float(os.environ.get("KVSERVE_LOAD_S", "0"))  # 0: one round
+# A resident-memory rise beyond this after warm-up is growth, not noise (allocator pools, caches).
+RSS_SLACK_BYTES = 96 << 20
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[ProcessStack]:
+    s = ProcessStack("load", [ARCH], ["--host-capacity", "1MiB"])
+    yield s
+    s.stop()
+
+
+def conversation(c: Client, client_id: int, round_id: int) -> list[int]:
+    """TURNS turns; each prompt is the whole conversation so far plus a new question. Returns the whole
+    conversation, ending with the last answer."""
+    history = list(SYSTEM)
+    for turn in range(TURNS):
+        history += tokens(BLOCK_SIZE // 2 + (client_id + turn) % BLOCK_SIZE, seed=(round_id * 1000 + client_id) * 10 + turn)
+        r = c.generate(token_ids=history, max_tokens=NEW_TOKENS, ignore_eos=True)
+        assert r.finish_reason == "length" and len(r.token_ids) == NEW_TOKENS
+        history += r.token_ids
+    return history
+
+
+def run_round(addr: str, round_id: int) -> list[list[int]]:
+    def one(client_id: int) -> list[int]:
+        with Client(addr, timeout_s=300) as c:
+            return conversation(c, client_id, round_id)
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        return list(pool.map(one, range(CLIENTS)))  # re-raises the first failure
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+class TierWatch:
+    """Polls the store's Stats while the load runs; keeps every over-capacity sighting."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr, self.samples = addr, 0
+        self.over: list[tuple[str, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with KVStoreClient(self.addr) as store:
+            while not self._stop.wait(0.2):
+                for t in store.stats().tiers:
+                    if t.bytes > t.capacity_bytes:
+                        self.over.append((t.tier, t.bytes, t.capacity_bytes))
+                self.samples += 1
+
+    def __enter__(self) -> TierWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_many_clients_many_turns(stack: ProcessStack) -> None:
+    procs = {"store": stack.store, "prefill": stack.prefill[ARCH], "decode": stack.decode[ARCH]}
+    with TierWatch(stack.store.addr) as watch:
+        run_round(stack.decode[ARCH].addr, 0)  # warm-up: pools, allocator arenas, thread stacks
+        base = {name: rss(p.process.pid) for name, p in procs.items()}
+        deadline, round_id = time.monotonic() + DURATION_S, 1
+        while True:
+            finals = run_round(stack.decode[ARCH].addr, round_id)
+            round_id += 1
+            if time.monotonic() >= deadline:
+                break
+    after = {name: rss(p.process.pid) for name, p in procs.items()}
+
+    assert watch.samples > 0 and not watch.over, f"tiers over capacity: {watch.over[:5]}"
+    grown = {name: after[name] - base[name] for name in procs if after[name] - base[name] > RSS_SLACK_BYTES}
+    assert not grown, f"resident memory grew after warm-up (bytes): {grown}"
+    for final in finals[:: CLIENTS // 4]:  # four conversations of the last round, against the oracle
+        prompt, answer = final[:-NEW_TOKENS], final[-NEW_TOKENS:]
+        want, logits = oracle(ARCH, prompt, NEW_TOKENS)
+        assert_greedy_matches(answer, want, logits)
+    with KVStoreClient(stack.store.addr) as store:
+        end = time.monotonic() + 30  # a lease not released lapses on its TTL
+        while store.stats().leases and time.monotonic() < end:
+            time.sleep(0.2)
+        stats = store.stats()
+    assert stats.leases == 0 and stats.pinned_blocks == 0
+    assert any(t.evictions or t.demotions for t in stats.tiers), "the load never filled the RAM tier"
