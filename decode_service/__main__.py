@@ -15,6 +15,7 @@ from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillClient
 from protos.kvserve.v1 import decode_pb2_grpc
+from serving.auth import AuthConfigError, add_auth_flags, auth_from_args
 from serving.cli import (
     add_engine_flags,
     add_model_flags,
@@ -24,6 +25,7 @@ from serving.cli import (
     exit_with_parent,
     prepare_engine_process,
     serve,
+    tls_from_args,
 )
 from serving.server import Server
 
@@ -40,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
     ap.add_argument("--prefill-timeout-s", type=float, default=60.0,
                     help="deadline of the Prefill call (default %(default)s)")
+    add_auth_flags(ap)
     return ap
 
 
@@ -47,20 +50,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("decode", args.log_level)
+    tls = tls_from_args(args, "decode")
     prepare_engine_process(args.nice)
     try:
+        auth = auth_from_args(args, "decode")
+    except AuthConfigError as exc:
+        print(f"decode: {exc}", file=sys.stderr)
+        return 2
+    if auth is not None:
+        auth.authenticator.reload_on_sighup()  # on the main thread, before a SIGHUP could end the process
+    try:
         model = load_model(args.model, device=args.device)
-        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
+        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
+                        interceptors=auth.interceptors() if auth else (),
+                        tls=tls, require_client_cert=False)  # the front door: tenants show tokens, not certificates
         metrics = DecodeMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
-    store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
-    prefill = PrefillClient(args.prefill, timeout_s=args.prefill_timeout_s)
+    store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
+    prefill = PrefillClient(args.prefill, timeout_s=args.prefill_timeout_s, tls=tls)
     service = DecodeService(engine, store, prefill, metrics)
-    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(service), SERVICE_NAME)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server,
+               DecodeServicer(service, tenant_salts=auth.salts if auth else None), SERVICE_NAME)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
 

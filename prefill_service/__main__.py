@@ -23,6 +23,7 @@ from serving.cli import (
     exit_with_parent,
     prepare_engine_process,
     serve,
+    tls_from_args,
 )
 from serving.server import Server
 
@@ -45,17 +46,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("prefill", args.log_level)
+    tls = tls_from_args(args, "prefill")
     prepare_engine_process(args.nice)
     try:
         model = load_model(args.model, device=args.device)
-        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port)
+        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls)
         metrics = PrefillMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
-    store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s)
+    store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
     service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s)
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).

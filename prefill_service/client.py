@@ -23,6 +23,7 @@ from serving.requests import (
     prompt_to_proto,
 )
 from serving.server import CLIENT_CHANNEL_OPTIONS
+from serving.tls import TLSConfig, channel
 
 PASSED_THROUGH = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -93,10 +94,10 @@ class PrefillCall:
 class PrefillClient:
     """A channel to one prefill service; every call carries a deadline of at most `timeout_s`."""
 
-    def __init__(self, addr: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, addr: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
+        self._channel = channel(addr, CLIENT_CHANNEL_OPTIONS, tls)
         self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
 
     def close(self) -> None:

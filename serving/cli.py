@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 from serving.server import Server, run_until_signal
+from serving.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError
 
 
 def parse_size(text: str) -> int:
@@ -30,7 +31,8 @@ def parse_size(text: str) -> int:
 
 
 def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: int | None = None) -> None:
-    """--listen, --metrics-port, --log-level, and --max-workers when the service takes it."""
+    """--listen, --metrics-port, --log-level, --tls-cert/--tls-key/--tls-ca, and --max-workers when the
+    service takes it."""
     p.add_argument("--listen", default=listen, help="HOST:PORT to serve on; port 0 picks one "
                    "and prints LISTENING <port> (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
@@ -38,6 +40,35 @@ def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: in
         p.add_argument("--max-workers", type=int, default=max_workers,
                        help="gRPC worker threads, i.e. concurrent requests (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
+    tls = p.add_argument_group("TLS", "mTLS between the services; `kvserve certs DIR` makes the files")
+    tls.add_argument("--tls-cert", default=os.environ.get(ENV_CERT) or None, metavar="PEM",
+                     help=f"this service's certificate: served to its callers and presented to the services it "
+                          f"calls (env {ENV_CERT})")
+    tls.add_argument("--tls-key", default=os.environ.get(ENV_KEY) or None, metavar="PEM",
+                     help=f"the certificate's private key (env {ENV_KEY})")
+    tls.add_argument("--tls-ca", default=os.environ.get(ENV_CA) or None, metavar="PEM",
+                     help=f"the CA that signs the services' certificates: the services this one calls are checked "
+                          f"against it, and the store and prefill accept only callers with a certificate it "
+                          f"signed (env {ENV_CA})")
+
+
+def tls_from_args(args: argparse.Namespace, service: str) -> TLSConfig | None:
+    """The service's TLS settings from --tls-cert, --tls-key, --tls-ca (None: plaintext). A certificate
+    comes with its key, and a CA needs both (a server serves TLS with its own certificate); a bad
+    setting or file is one line on stderr and exit code 2, as a bad flag is."""
+    if args.tls_cert is None and args.tls_key is None and args.tls_ca is None:
+        return None
+    try:
+        given, missing = (("--tls-ca", "--tls-cert and --tls-key") if args.tls_cert is None and args.tls_key is None
+                          else ("--tls-key", "--tls-cert") if args.tls_cert is None
+                          else ("--tls-cert", "--tls-key") if args.tls_key is None else ("", ""))
+        if missing:
+            raise TLSError(f"{given} needs {missing}: a service serves TLS with its own certificate and key, "
+                           f"which it also presents to the services it calls (`kvserve certs DIR` makes them)")
+        return TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
+    except TLSError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:

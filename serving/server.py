@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from serving.errors import InvalidArgument, status_of
+from serving.tls import TLSConfig, describe, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,9 @@ class Server:
     """A gRPC server with health, reflection, error mapping and optional Prometheus metrics.
 
     `add(register_fn, servicer, service_name)` registers a business servicer; `start()` binds
-    and returns the bound port (listen on port 0 in tests).
+    and returns the bound port (listen on port 0 in tests). With `tls` it serves TLS, and with the
+    CA in it and `require_client_cert` (internal services) only to callers with a certificate from
+    that CA; `tls` and `require_client_cert` may also be set after construction, before `start()`.
     """
 
     def __init__(
@@ -136,8 +139,12 @@ class Server:
         metrics_port: int | None = None,
         registry: CollectorRegistry | None = None,
         interceptors: Iterable[grpc.ServerInterceptor] = (),
+        tls: TLSConfig | None = None,
+        require_client_cert: bool = True,
     ) -> None:
         self.listen = listen
+        self.tls = tls
+        self.require_client_cert = require_client_cert
         self.metrics_port = metrics_port
         self.registry = registry or CollectorRegistry()
         self._server = grpc.server(
@@ -168,7 +175,11 @@ class Server:
             self.bound_metrics_port = self._metrics_server.server_port
         reflection.enable_server_reflection(self._service_names, self._server)
         try:
-            self.port = self._server.add_insecure_port(self.listen)
+            if self.tls is None:
+                self.port = self._server.add_insecure_port(self.listen)
+            else:
+                credentials = server_credentials(self.tls, require_client_cert=self.require_client_cert)
+                self.port = self._server.add_secure_port(self.listen, credentials)
         except RuntimeError:
             self.port = 0
         if self.port == 0:
@@ -178,7 +189,8 @@ class Server:
         self._server.start()
         for name in ["", *self._service_names]:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("listening on port %d (metrics: %s)", self.port, self.bound_metrics_port)
+        log.info("listening on port %d (metrics: %s); %s", self.port, self.bound_metrics_port,
+                 describe(self.tls, require_client_cert=self.require_client_cert))
         return self.port
 
     def drain(self) -> None:

@@ -26,7 +26,7 @@ ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "en
 ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "engine": {"protos.block_hash"},
-    "kvstore": {"protos.block_hash", "serving.cli", "serving.server"} | PROTOS,
+    "kvstore": {"protos.block_hash", "serving.cli", "serving.server", "serving.tls"} | PROTOS,
     # requests: the contract names engine's SamplingParams; metrics: the engine's StepStats;
     # cache_session: the store's public client.
     "serving": {"protos.block_hash", "engine.sampling", "engine.engine", "kvstore"} | PROTOS,
