@@ -257,6 +257,17 @@ def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
+def _credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCredentials | None:
+    """TLS towards a front door that serves it, trusting the CA in the PEM file `tls_ca`."""
+    if tls_ca is None:
+        return None
+    try:
+        with open(tls_ca, "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as exc:
+        raise ValueError(f"cannot read the CA file {tls_ca}: {exc.strerror or exc}") from None
+
+
 def _item(msg: decode_pb2.GenerateResponse) -> Chunk | Result:
     if msg.WhichOneof("kind") == "token":
         return Chunk(msg.token.token_id, msg.token.text)
@@ -273,14 +284,18 @@ class Client:
     carrying the gRPC status code.
 
     `token`: the bearer token of a front door that requires one (`kvserve token` issues them), sent as
-    metadata `authorization: Bearer <token>` on every call; default $KVSERVE_TOKEN.
+    metadata `authorization: Bearer <token>` on every call; default $KVSERVE_TOKEN. `tls_ca`: a PEM
+    file of the CA that signed a TLS front door's certificate (`kvserve certs` writes ca.pem).
     """
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None) -> None:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None,
+                 tls_ca: str | os.PathLike[str] | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
-        self._channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        credentials = _credentials(tls_ca)
+        self._channel = (grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS) if credentials is None
+                         else grpc.secure_channel(addr, credentials, options=_CHANNEL_OPTIONS))
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Generator[Chunk | Result, None, None]:
@@ -329,11 +344,14 @@ class Client:
 class AsyncClient:
     """The asyncio twin of `Client`: `await generate(...)`, `async for item in stream(...)`."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None) -> None:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None,
+                 tls_ca: str | os.PathLike[str] | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
-        self._channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        credentials = _credentials(tls_ca)
+        self._channel = (grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS) if credentials is None
+                         else grpc.aio.secure_channel(addr, credentials, options=_CHANNEL_OPTIONS))
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
     async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Chunk | Result]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -59,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if auth is not None:
         auth.authenticator.reload_on_sighup()  # on the main thread, before a SIGHUP could end the process
+        if tls is None:
+            logging.getLogger("decode").warning(
+                "auth is on over plaintext: bearer tokens cross the network readable by anyone on the path; "
+                "serve TLS with --tls-cert/--tls-key (`kvserve certs` makes them) unless this port is loopback only")
     try:
         model = load_model(args.model, device=args.device)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,

@@ -272,8 +272,7 @@ def test_a_tls_store_serves_a_client_with_a_certificate_from_its_ca(tls_store: s
 def test_a_stack_with_mtls_generates_what_hugging_face_does(certs: Path, tmp_path: Path) -> None:
     """Store, prefill and decode with mTLS between them: the same greedy tokens as the oracle (which the
     plaintext stack matches in test_e2e_generation), and the second request hits the store's cache."""
-    from client.client import build_request, result_from_proto
-    from protos.kvserve.v1 import decode_pb2_grpc
+    from client import Client
     from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
 
     model = str(model_dir("llama"))
@@ -295,12 +294,9 @@ def test_a_stack_with_mtls_generates_what_hugging_face_does(certs: Path, tmp_pat
 
         ids, n = tokens(3 * BLOCK_SIZE + 5, seed=7), 12
         want, logits = oracle("llama", ids, n)
-        with channel(decode_addr, (), TLSConfig.load(ca=certs / "ca.pem")) as ch:  # a tenant: no certificate
-            stub = decode_pb2_grpc.DecodeStub(ch)
+        with Client(decode_addr, timeout_s=120, tls_ca=certs / "ca.pem") as c:  # a tenant: no certificate
             for cached in (0, 3 * BLOCK_SIZE):
-                request = build_request(token_ids=ids, max_tokens=n, ignore_eos=True)
-                final = [m for m in stub.Generate(request, timeout=120) if m.WhichOneof("kind") == "result"]
-                result = result_from_proto(final[0].result)
+                result = c.generate(token_ids=ids, max_tokens=n, ignore_eos=True)
                 assert_greedy_matches(result.token_ids, want, logits)
                 assert result.usage.cached_tokens == cached
     finally:
