@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,8 @@ from typing import Any
 import grpc
 
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
-from client.stack import Stack, StackConfig, StackError, log_tail
+from client.stack import Stack, StackConfig, StackError
+from client.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
@@ -80,6 +82,10 @@ def _request_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-salt", default=None, help="requests with other salts never share KV")
     p.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds the whole request may take (default %(default)s)")
+    p.add_argument("--token", default=None,
+                   help="bearer token of a front door that requires one, from `kvserve token` (default: $KVSERVE_TOKEN)")
+    p.add_argument("--tls-ca", default=os.environ.get("KVSERVE_TLS_CA") or None, metavar="PEM",
+                   help="call a TLS front door, trusting this CA (ca.pem from `kvserve certs`; default: $KVSERVE_TLS_CA)")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,11 +125,16 @@ def parser() -> argparse.ArgumentParser:
         "up", help="start the store, prefill and decode services locally",
         description="Starts the KV store, prefill and decode services as local processes, waits until "
                     "each is healthy and prints the front-door address. Ctrl-C or SIGTERM stops all three "
-                    "(the store flushes its memory tiers to disk, so the next `up` is warm); if one of them "
-                    "exits, the others are stopped too. Logs go to DATA_DIR/logs.",
+                    "(the store flushes its memory tiers to disk, so the next `up` is warm). If one of them "
+                    "exits, `up` prints how it ended with its last log lines, removes a dead store's shared "
+                    "memory, and starts it again on the same port after 0.5 s, doubling up to 30 s while it "
+                    "keeps failing (back to 0.5 s once it has served a minute); the others keep running. It "
+                    "gives up (exit code 2) only when a service cannot start for a reason that lasts: bad "
+                    "flags, a model it refuses, its port taken by another process. Logs go to DATA_DIR/logs; "
+                    "DATA_DIR/up.json holds each service's pid, state and restarts (`kvserve stats`).",
     )
     up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                    help="models/, kvstore/ (the disk tier) and logs/ live here (default %(default)s)")
+                    help="models/, kvstore/ (the disk tier), logs/ and up.json live here (default %(default)s)")
     up.add_argument("--model", type=Path, default=None,
                     help="model folder (default: the tiny llama under DATA_DIR, built if missing)")
     up.add_argument("--host", default="127.0.0.1",
@@ -161,9 +172,14 @@ def parser() -> argparse.ArgumentParser:
     stats = sub.add_parser(
         "stats", help="KV store and service figures",
         description="The KV store's tiers, from its Stats call, and the kvserve figures of each --metrics "
-                    "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2).",
+                    "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2). "
+                    "Where a `kvserve up` runs on DATA_DIR, its services come first: state, pid, address, "
+                    "restarts and last exit (from DATA_DIR/up.json; under \"up\" with --json).",
     )
-    stats.add_argument("--kvstore", default="127.0.0.1:50053", help="store address (default %(default)s)")
+    stats.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                       help="where a `kvserve up` to report on runs (default %(default)s)")
+    stats.add_argument("--kvstore", default=None,
+                       help="store address (default: that of the `kvserve up` on DATA_DIR, else 127.0.0.1:50053)")
     stats.add_argument("--metrics", action="append", default=[],
                        help="a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
@@ -180,6 +196,9 @@ class Interrupted(Exception):
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
+
+
+SUPERVISE_INTERVAL_S = 0.2  # how often `up` looks at its services
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -211,22 +230,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
+    supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=stopped)
     try:
         base = config.metrics_base_port
         for i, s in enumerate(stack.services):
             metrics = "" if base is None else f", metrics: http://{s.host}:{base + 2 - i}/metrics"
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
         print(f"ready: front door at {stack.addr}  (Ctrl-C to stop)", flush=True)
-        while not stopped.wait(1.0):
-            dead = [s for s in stack.services if s.process.poll() is not None]
-            if dead:
-                for s in dead:
-                    print(f"kvserve up: {s.name} exited with code {s.process.returncode}; stopping the others"
-                          + (f"; {s.log_path} ends with:{log_tail(s.log_path)}" if s.log_path else ""),
-                          file=sys.stderr)
-                return 1
+        while not stopped.wait(SUPERVISE_INTERVAL_S):
+            supervisor.poll()
+    except Unrecoverable as exc:
+        print(f"kvserve up: {exc}; stopping the others", file=sys.stderr, flush=True)
+        return 2
     finally:
         stack.stop()
+        supervisor.close()
         print("stopped", flush=True)
     return 0
 
@@ -290,7 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request["messages"] = load_messages(args.messages_file)
     else:
         request["prompt"] = args.prompt
-    with Client(args.addr, timeout_s=args.timeout) as client:
+    with Client(args.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
         if args.json:
             print(json.dumps(client.generate(**request).to_dict(), indent=2))
         else:
@@ -302,7 +320,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    with Client(args.addr, timeout_s=args.timeout) as client:
+    with Client(args.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
         print("kvserve chat: type a message; an empty line, Ctrl-D or Ctrl-C quits", file=sys.stderr)
         while True:
             try:
@@ -371,17 +389,37 @@ def _stats_dict(reply: Any) -> dict[str, Any]:
     return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d.items()}
 
 
+def _print_up_status(up: UpStatus) -> None:
+    print(f"kvserve up (pid {up.pid}), front door {up.front_door}, up {_ago(up.started_at)}")
+    print(f"{'service':8s} {'state':8s} {'pid':>8s} {'address':22s} {'restarts':>8s}  last exit")
+    for name, s in up.services.items():
+        last = f"{s.last_exit}, {_ago(s.last_exit.at)} ago" if s.last_exit else "-"
+        print(f"{name:8s} {s.state:8s} {s.pid or '-':>8} {s.addr:22s} {s.restarts:8d}  {last}")
+    print()
+
+
+def _ago(unix_time: float) -> str:
+    return duration(max(0.0, time.time() - unix_time))
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-    with grpc.insecure_channel(args.kvstore) as channel:
+    up = read_status(args.data_dir)
+    store_addr = args.kvstore or (up.services["kvstore"].addr if up and "kvstore" in up.services
+                                  else "127.0.0.1:50053")
+    if up is not None and not args.json:  # first: it says why the store may not answer (restarting)
+        _print_up_status(up)
+    with grpc.insecure_channel(store_addr) as channel:
         reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
     report: dict[str, Any] = {"kvstore": _stats_dict(reply)}
     report["services"] = {url: _scrape(url) for url in args.metrics}
+    if up is not None:
+        report["up"] = up.to_json()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"KV store {args.kvstore}: leases {reply.leases}, pinned blocks {reply.pinned_blocks}, "
+    print(f"KV store {store_addr}: leases {reply.leases}, pinned blocks {reply.pinned_blocks}, "
           f"checksum failures {reply.checksum_failures}")
     print(f"{'tier':8s} {'blocks':>8s} {'bytes':>14s} {'capacity':>14s} {'hits':>8s} {'misses':>8s} "
           f"{'evicted':>8s} {'demoted':>8s} {'promoted':>8s}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,26 +38,87 @@ def connect_host(host: str) -> str:
 
 @dataclass
 class Service:
-    """One service process; `port` is read from the `LISTENING <port>` line it prints."""
+    """One service process; `port` is read from the `LISTENING <port>` line it prints.
+
+    `log_offset` is the size its log had when this process started: what it logged lies past it."""
 
     name: str
     process: subprocess.Popen[str]
     port: int
     log_path: Path | None
     host: str = "127.0.0.1"
+    log_offset: int = 0
+    started_at: float = field(default_factory=time.time)  # Unix time
+    log_file: IO[str] | None = field(default=None, repr=False)  # its stderr, and its stdout once drained
 
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
 
 
-def log_tail(log_path: Path | None, lines: int = 3) -> str:
-    """The last lines of a service log, indented, for an error message ("" when there is none)."""
+_TAIL_BYTES = 64 << 10
+
+
+def log_lines(log_path: Path | None, lines: int = 3, since: int = 0) -> list[str]:
+    """The last non-empty lines of a service log written past byte `since` (one process's own lines)."""
     if log_path is None or not log_path.exists():
-        return ""
-    with open(log_path, errors="replace") as f:
-        tail = [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
-    return "".join(f"\n    {line}" for line in tail)
+        return []
+    with open(log_path, "rb") as f:
+        start = max(since, f.seek(0, os.SEEK_END) - _TAIL_BYTES)
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    if start > since:  # the first line read is cut
+        text = text.partition("\n")[2]
+    return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
+
+
+def log_tail(log_path: Path | None, lines: int = 3, since: int = 0) -> str:
+    """The last lines of a service log (past byte `since`), indented, for an error message ("" when
+    there is none)."""
+    return "".join(f"\n    {line}" for line in log_lines(log_path, lines, since))
+
+
+def describe_exit(returncode: int) -> str:
+    """"exited with code 1" or "was killed by SIGKILL" (Popen's negative return codes)."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in args (argparse keeps the last)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def remove_shm_leftovers(pid: int, root: Path = Path("/dev/shm")) -> list[Path]:
+    """Removes the shared-memory dirs (kvstore/host_tier.py: ROOT/kvserve-PID-*) of the store process
+    `pid` once it has died; those of live processes, and other users', are left alone."""
+    try:
+        os.kill(pid, 0)
+        return []  # alive (or the pid is in use again): its dir is not a leftover
+    except ProcessLookupError:
+        pass
+    except OSError:
+        return []
+    removed = []
+    for d in root.glob(f"kvserve-{pid}-*"):
+        try:
+            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by serving.cli.exit_with_parent in each service
@@ -94,6 +157,8 @@ def _drain(stream: IO[str], sink: IO[str] | None) -> None:
         if sink is not None:
             sink.write(line)
             sink.flush()
+    if sink is not None:
+        sink.close()
 
 
 def start_service(
@@ -103,38 +168,75 @@ def start_service(
     """Starts `python -m module args...`, waits for its LISTENING line and for health SERVING.
 
     The process ends when the one that started it dies (Linux). `host` is where to reach it."""
+    return wait_started(spawn_service(name, module, args, log_path, host), timeout_s)
+
+
+def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | None = None,
+                  host: str = "127.0.0.1", port: int = 0) -> Service:
+    """Starts `python -m module args...` and returns at once: `wait_started` waits for it to serve.
+
+    Call it from the main thread: a service started by another thread is stopped when that thread ends
+    (see `_child_env`). `port` is the one it is expected to listen on (0: not known yet)."""
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - owned by the drain thread
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=log if log is not None else None,
-        text=True,
-        env=_child_env(),
-    )
+    offset = log.seek(0, os.SEEK_END) if log is not None else 0
     try:
-        return _wait_started(name, proc, log, log_path, timeout_s, host)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=log if log is not None else None,
+            text=True,
+            env=_child_env(),
+        )
+    except BaseException:
+        if log is not None:
+            log.close()
+        raise
+    return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log)
+
+
+class StartFailed(StackError):
+    """A service that exited or hung before serving; `reason` says which, without the log."""
+
+    def __init__(self, service: Service, reason: str) -> None:
+        tail = log_tail(service.log_path, since=service.log_offset)
+        super().__init__(f"{service.name} {reason}" + (f"; {service.log_path} ends with:{tail}" if tail else ""))
+        self.service = service
+        self.reason = reason
+
+
+def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S) -> Service:
+    """Waits for a spawned service's LISTENING line (setting its port) and for health SERVING; kills it
+    and raises StartFailed when it exits or does not get there within timeout_s. Any thread may wait."""
+    proc = service.process
+    draining = False
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        port = _read_listening_port(proc.stdout.fileno(), deadline)
+        if port is None and time.monotonic() < deadline:  # its output ended: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        if port is None and proc.poll() is None:
+            raise StartFailed(service, f"did not start within {timeout_s:.0f} s")
+        if port is None:
+            raise StartFailed(service, f"{describe_exit(proc.wait())} before listening")
+        service.port = port
+        threading.Thread(target=_drain, args=(proc.stdout, service.log_file), daemon=True).start()
+        draining = True
+        try:
+            wait_healthy(service.addr, deadline - time.monotonic(), proc)
+        except StackError:
+            if proc.poll() is None:
+                raise
+            raise StartFailed(service, f"{describe_exit(proc.returncode)} before it was healthy") from None
+        return service
     except BaseException:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if not draining and service.log_file is not None:
+            service.log_file.close()
         raise
-
-
-def _wait_started(
-    name: str, proc: subprocess.Popen[str], log: IO[str] | None, log_path: Path | None, timeout_s: float, host: str
-) -> Service:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    port = _read_listening_port(proc.stdout.fileno(), deadline)
-    if port is None and proc.poll() is None:
-        raise StackError(f"{name} did not start within {timeout_s:.0f} s")
-    if port is None:
-        raise StackError(f"{name} exited with code {proc.wait()} before listening"
-                         + (f"; {log_path} ends with:{log_tail(log_path)}" if log_path else ""))
-    threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
-    service = Service(name, proc, port, log_path, host)
-    wait_healthy(service.addr, deadline - time.monotonic())
-    return service
 
 
 def _read_listening_port(fd: int, deadline: float) -> int | None:
@@ -157,11 +259,14 @@ def _read_listening_port(fd: int, deadline: float) -> int | None:
     return None
 
 
-def wait_healthy(addr: str, timeout_s: float) -> None:
+def wait_healthy(addr: str, timeout_s: float, process: subprocess.Popen[str] | None = None) -> None:
+    """Waits for health SERVING at addr; StackError past timeout_s, or as soon as `process` exits."""
     deadline = time.monotonic() + max(timeout_s, 1.0)
     with grpc.insecure_channel(addr) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
+            if process is not None and process.poll() is not None:
+                raise StackError(f"{addr}: the server {describe_exit(process.returncode)}")
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
@@ -186,6 +291,36 @@ def stop_service(service: Service, timeout_s: float = 30.0) -> int:
 
 # The three services share this host's cores: prompts are computed first (see decode's --nice).
 DECODE_NICE = 10
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """How a stack starts one of its services; a restart runs the same command on the same port."""
+
+    name: str
+    module: str
+    args: tuple[str, ...]
+    log_path: Path | None
+    host: str  # where to reach it
+
+    @property
+    def port(self) -> int:
+        listen = flag_value(self.args, "--listen") or ""
+        return int(listen.rpartition(":")[2] or 0)
+
+    @property
+    def ports(self) -> list[int]:
+        """The ports it listens on (gRPC, then metrics), leaving out 0 (any)."""
+        metrics = flag_value(self.args, "--metrics-port")
+        return [p for p in (self.port, int(metrics or 0)) if p]
+
+    def on_port(self, port: int) -> ServiceSpec:
+        """The same service on `port` (where it was started on port 0 and got that one)."""
+        args = list(self.args)
+        for i, arg in enumerate(args[:-1]):
+            if arg == "--listen":
+                args[i + 1] = f"{args[i + 1].rpartition(':')[0]}:{port}"
+        return ServiceSpec(self.name, self.module, tuple(args), self.log_path, self.host)
 
 
 @dataclass
@@ -214,6 +349,7 @@ class Stack:
         self.config = config
         self.log_dir = log_dir
         self.services: list[Service] = []
+        self.specs: dict[str, ServiceSpec] = {}
 
     def _metrics(self, offset: int) -> list[str]:
         base = self.config.metrics_base_port
@@ -247,26 +383,42 @@ class Stack:
         host = connect_host(c.host)
         try:
             self.check()
-            store = start_service("kvstore", "kvstore", [
+            store = self.add(ServiceSpec("kvstore", "kvstore", (
                 "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
                 "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
                 *self._metrics(2), *c.extra_store_args,
-            ], self._log("kvstore"), host=host)
-            self.services.append(store)
-            common = ["--model", str(c.model_dir), "--kvstore", store.addr, "--block-size", str(c.block_size)]
-            prefill = start_service("prefill", "prefill_service", [
+            ), self._log("kvstore"), host))
+            common = ("--model", str(c.model_dir), "--kvstore", store.addr, "--block-size", str(c.block_size))
+            prefill = self.add(ServiceSpec("prefill", "prefill_service", (
                 *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1), *c.extra_prefill_args,
-            ], self._log("prefill"), host=host)
-            self.services.append(prefill)
-            decode = start_service("decode", "decode_service", [
+            ), self._log("prefill"), host))
+            self.add(ServiceSpec("decode", "decode_service", (
                 *common, "--prefill", prefill.addr, "--listen", f"{c.host}:{c.decode_port}", *self._metrics(0),
                 "--nice", str(DECODE_NICE), *c.extra_decode_args,
-            ], self._log("decode"), host=host)
-            self.services.append(decode)
+            ), self._log("decode"), host))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add(self, spec: ServiceSpec) -> Service:
+        """Starts one more service and waits until it serves; `stop` stops it before those added earlier."""
+        service = start_service(spec.name, spec.module, spec.args, spec.log_path, host=spec.host)
+        self.services.append(service)
+        self.specs[spec.name] = spec.on_port(service.port)
+        return service
+
+    def respawn(self, name: str) -> Service:
+        """Starts service `name` again, with the same flags on the same port, in place of its process,
+        which must have exited. Returns at once: `wait_started` waits for it to serve. Main thread only
+        (see `spawn_service`)."""
+        spec = self.specs[name]
+        i = next(i for i, s in enumerate(self.services) if s.name == name)
+        if self.services[i].process.poll() is None:
+            raise StackError(f"{name} (pid {self.services[i].process.pid}) is still running")
+        service = spawn_service(name, spec.module, spec.args, spec.log_path, spec.host, port=spec.port)
+        self.services[i] = service
+        return service
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)

@@ -1,0 +1,302 @@
+"""`kvserve up`'s supervisor: starts again a service of its stack that dies, and keeps DATA_DIR/up.json.
+
+A service that exits while `up` runs is reported in one line (how it ended and its own last log
+lines), a dead store's shared-memory dir is removed, and the service is started again with the same
+flags on the same port after a backoff (`Backoff`). The others keep running: their channels
+reconnect to the new process. A failure that retrying cannot fix ends `up` (`Unrecoverable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from client.stack import (
+    Service,
+    Stack,
+    StackError,
+    StartFailed,
+    _port_in_use,
+    describe_exit,
+    flag_value,
+    log_lines,
+    remove_shm_leftovers,
+    wait_started,
+)
+
+STATUS_FILE = "up.json"
+UNRECOVERABLE_EXIT_CODE = 2  # what a service exits with when its flags, model or port cannot work
+
+
+class Unrecoverable(Exception):
+    """A service that starting again cannot bring back: `kvserve up` stops, exit code 2."""
+
+
+@dataclass(slots=True)
+class Backoff:
+    """The delays before the starts of one service: initial_s, doubling up to max_s while it keeps
+    failing; initial_s again once it has run for stable_s."""
+
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    stable_s: float = 60.0
+    next_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.next_s = self.initial_s
+
+    def after_exit(self, ran_s: float | None) -> float:
+        """The delay before the next start of a service that ran for `ran_s` (None: it failed
+        while starting)."""
+        if ran_s is not None and ran_s >= self.stable_s:
+            self.next_s = self.initial_s
+        delay = self.next_s
+        self.next_s = min(delay * 2, self.max_s)
+        return delay
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    code: int | None  # its exit code; None when a signal ended it
+    signal: str | None  # the signal that ended it, e.g. "SIGKILL"
+    at: float  # Unix time
+
+    @classmethod
+    def of(cls, returncode: int, at: float) -> ExitStatus:
+        if returncode >= 0:
+            return cls(returncode, None, at)
+        return cls(None, describe_exit(returncode).removeprefix("was killed by "), at)
+
+    def __str__(self) -> str:
+        return f"killed by {self.signal}" if self.signal else f"exited with code {self.code}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatus:
+    state: str  # running; starting (again); waiting (to be started again)
+    pid: int | None  # None while waiting
+    addr: str
+    restarts: int  # times it was started again
+    started_at: float | None  # Unix time its current process started
+    last_exit: ExitStatus | None
+    log: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class UpStatus:
+    """DATA_DIR/up.json while `kvserve up` runs there (`kvserve stats` shows it)."""
+
+    pid: int  # of `kvserve up`
+    started_at: float
+    updated_at: float
+    front_door: str
+    services: dict[str, ServiceStatus]  # in start order: kvstore, prefill, decode
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> UpStatus:
+        services = {
+            name: ServiceStatus(**{**s, "last_exit": ExitStatus(**s["last_exit"]) if s["last_exit"] else None})
+            for name, s in d["services"].items()
+        }
+        return cls(int(d["pid"]), d["started_at"], d["updated_at"], d["front_door"], services)
+
+
+def read_status(data_dir: Path) -> UpStatus | None:
+    """What the `kvserve up` running on data_dir wrote; None when there is none (or it has died)."""
+    try:
+        status = UpStatus.from_json(json.loads((data_dir / STATUS_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(status.pid, 0)
+    except OSError:  # gone, or another user's process now
+        return None
+    return status
+
+
+def write_status(path: Path, status: UpStatus) -> None:
+    """Replaces the file at once (a reader sees the old or the new one, never half of one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(status.to_json(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass(slots=True)
+class _Child:
+    name: str
+    service: Service  # its current process (the dead one while waiting)
+    backoff: Backoff
+    state: str = "running"
+    restarts: int = 0
+    restart_at: float = 0.0  # monotonic, while waiting
+    starting: Future[Service] | None = None
+    last_exit: ExitStatus | None = None
+
+
+class Supervisor:
+    """Watches a started Stack: call `poll` from the main thread a few times a second (it starts
+    processes, see `client.stack.spawn_service`), and `close` once the stack has stopped."""
+
+    def __init__(self, stack: Stack, status_path: Path | None = None, *, stopping: threading.Event | None = None,
+                 backoff: Callable[[], Backoff] = Backoff, out: TextIO | None = None, err: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stack = stack
+        self.status_path = status_path
+        self._stopping = stopping or threading.Event()
+        self._out, self._err = out or sys.stdout, err or sys.stderr
+        self._clock = clock
+        self._status_failed = False
+        self.started_at = min((s.started_at for s in stack.services), default=time.time())
+        self.children = [_Child(s.name, s, backoff()) for s in stack.services]
+        self.write_status()
+
+    def poll(self) -> None:
+        """Reports a service that exited and schedules its start; starts those whose delay is over;
+        takes in those that started (or failed to). Raises Unrecoverable."""
+        for child in self.children:
+            if self._stopping.is_set():
+                return  # `up` is stopping: a service that exits now was told to (Ctrl-C reaches all)
+            if child.state == "running" and child.service.process.poll() is not None:
+                self._exited(child)
+            elif child.state == "waiting" and self._clock() >= child.restart_at:
+                self._start_again(child)
+            elif child.state == "starting" and child.starting is not None and child.starting.done():
+                self._started(child)
+
+    def status(self) -> UpStatus:
+        return UpStatus(os.getpid(), self.started_at, time.time(), self.stack.addr,
+                        {c.name: self._service_status(c) for c in self.children})
+
+    def write_status(self) -> None:
+        if self.status_path is None:
+            return
+        try:
+            write_status(self.status_path, self.status())
+        except OSError as exc:
+            if not self._status_failed:
+                self._say(f"kvserve up: cannot write {self.status_path} ({exc}); `kvserve stats` will not "
+                          "show the restarts", self._err)
+            self._status_failed = True
+
+    def close(self) -> None:
+        """Removes the status file: `up` has stopped."""
+        if self.status_path is not None:
+            with contextlib.suppress(OSError):
+                status = read_status(self.status_path.parent)
+                if status is None or status.pid == os.getpid():
+                    self.status_path.unlink(missing_ok=True)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _exited(self, child: _Child) -> None:
+        proc = child.service.process
+        ran_s = max(0.0, time.time() - child.service.started_at)
+        child.last_exit = ExitStatus.of(proc.returncode, time.time())
+        cleaned = self._clean_up(child)
+        delay = child.backoff.after_exit(ran_s)
+        child.state, child.restart_at = "waiting", self._clock() + delay
+        self.write_status()
+        self._say(f"kvserve up: {child.name} (pid {proc.pid}) {describe_exit(proc.returncode)} after "
+                  f"{duration(ran_s)}{cleaned}; starting it again in {delay:g} s{self._last_lines(child)}",
+                  self._err)
+
+    def _start_again(self, child: _Child) -> None:
+        host = self.stack.config.host
+        taken = [p for p in self.stack.specs[child.name].ports if _port_in_use(host, p)]
+        if taken:
+            raise Unrecoverable(f"cannot start {child.name} again: port {taken[0]} on {host} is taken by "
+                                "another process")
+        child.service = self.stack.respawn(child.name)
+        child.state, child.restarts = "starting", child.restarts + 1
+        child.starting = _in_thread(wait_started, child.service)
+        self.write_status()
+
+    def _started(self, child: _Child) -> None:
+        assert child.starting is not None
+        try:
+            child.starting.result()
+        except Exception as exc:  # noqa: BLE001 - whatever stopped it, it is started again
+            self._failed_to_start(child, exc if isinstance(exc, StackError) else StackError(repr(exc)))
+            return
+        finally:
+            child.starting = None
+        child.state = "running"
+        self.write_status()
+        self._say(f"kvserve up: {child.name} is back on {child.service.addr} (pid {child.service.process.pid}, "
+                  f"restart {child.restarts})", self._out)
+
+    def _failed_to_start(self, child: _Child, exc: StackError) -> None:
+        code = child.service.process.wait()  # wait_started has killed it if it still ran
+        child.last_exit = ExitStatus.of(code, time.time())
+        reason = exc.reason if isinstance(exc, StartFailed) else str(exc)
+        cleaned = self._clean_up(child)
+        if code == UNRECOVERABLE_EXIT_CODE:
+            self.write_status()
+            raise Unrecoverable(f"cannot start {child.name} again: it {reason} (bad flags, or a port or model "
+                                f"it cannot use){self._last_lines(child)}")
+        delay = child.backoff.after_exit(None)
+        child.state, child.restart_at = "waiting", self._clock() + delay
+        self.write_status()
+        then = (f"it keeps failing to start: trying again every {delay:g} s until it starts or `up` is stopped"
+                if delay >= child.backoff.max_s else f"trying again in {delay:g} s")
+        self._say(f"kvserve up: {child.name} failed to start again (attempt {child.restarts}): it {reason}"
+                  f"{cleaned}; {then}{self._last_lines(child)}", self._err)
+
+    def _clean_up(self, child: _Child) -> str:
+        """Removes what a dead store leaves in shared memory; says what was removed ("" if nothing)."""
+        spec = self.stack.specs[child.name]
+        if spec.module != "kvstore":
+            return ""
+        root = Path(flag_value(spec.args, "--shm-root") or "/dev/shm")
+        removed = remove_shm_leftovers(child.service.process.pid, root)
+        return "".join(f"; removed its shared memory {d}" for d in removed)
+
+    def _last_lines(self, child: _Child) -> str:
+        s = child.service
+        if s.log_path is None:
+            return ""
+        lines = [line if len(line) <= 300 else line[:297] + "..." for line in log_lines(s.log_path, 3, s.log_offset)]
+        return f"; its last log lines: {' | '.join(lines)}" if lines else f"; it wrote nothing to {s.log_path}"
+
+    def _service_status(self, child: _Child) -> ServiceStatus:
+        s = child.service
+        running = child.state != "waiting"
+        return ServiceStatus(child.state, s.process.pid if running else None, s.addr, child.restarts,
+                             s.started_at if running else None, child.last_exit,
+                             str(s.log_path) if s.log_path else None)
+
+    @staticmethod
+    def _say(line: str, stream: TextIO) -> None:
+        print(line, file=stream, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """12 s, 5 min, 3.5 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def _in_thread(fn: Callable[[Service], Service], service: Service) -> Future[Service]:
+    future: Future[Service] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(service))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"kvserve-up-start-{service.name}", daemon=True).start()
+    return future
