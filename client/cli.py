@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
-from client.stack import Stack, StackConfig, StackError
+from client.stack import Stack, StackConfig, StackError, health_credentials, tls_flags
 from client.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
@@ -147,6 +147,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--host-capacity", default="1GiB", help="store's RAM tier (default %(default)s)")
     up.add_argument("--disk-capacity", default="8GiB", help="store's LMDB tier (default %(default)s)")
     up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    up.add_argument("--tls", action="store_true",
+                    help="mTLS between the services and TLS at the front door, with a CA and certificates made "
+                         "in DATA_DIR/certs on first use (`kvserve certs`); clients pass --tls-ca DATA_DIR/certs/ca.pem")
+    up.add_argument("--auth-tokens", type=Path, default=None, metavar="FILE",
+                    help="the front door requires a bearer token from this file (`kvserve token`); default: none")
 
     gen = sub.add_parser(
         "generate", help="generate from a prompt, chat messages or token ids",
@@ -182,6 +187,9 @@ def parser() -> argparse.ArgumentParser:
                        help="store address (default: that of the `kvserve up` on DATA_DIR, else 127.0.0.1:50053)")
     stats.add_argument("--metrics", action="append", default=[],
                        help="a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable)")
+    stats.add_argument("--tls-dir", type=Path, default=None,
+                       help="certificates from `kvserve certs` (DATA_DIR/certs under `kvserve up --tls`): ask a store "
+                            "that takes only mTLS callers, presenting client.pem")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -214,7 +222,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill_port=args.prefill_port, store_port=args.store_port,
         metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
         disk_capacity=args.disk_capacity, block_size=args.block_size,
+        extra_decode_args=[] if args.auth_tokens is None else ["--auth-tokens", str(args.auth_tokens)],
     )
+    if args.tls:
+        config.tls_dir = args.data_dir / "certs"
+        certs = importlib.import_module("serving.certs")
+        host = args.host.strip("[]")
+        try:
+            certs.make_certs(config.tls_dir, hosts=[] if host in ("", "0.0.0.0", "::") else [host],
+                             keep_existing=True)
+        except ValueError as exc:  # TLSError: a half CA, a folder that is a file
+            print(f"kvserve up: {exc}", file=sys.stderr)
+            return 1
     stack = Stack(config, log_dir=args.data_dir / "logs")
     # While starting, a signal aborts the start (Stack.start stops what it has started).
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -236,7 +255,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         for i, s in enumerate(stack.services):
             metrics = "" if base is None else f", metrics: http://{s.host}:{base + 2 - i}/metrics"
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
-        print(f"ready: front door at {stack.addr}  (Ctrl-C to stop)", flush=True)
+        tls = "" if config.tls_dir is None else f", TLS: clients pass --tls-ca {config.tls_dir / 'ca.pem'}"
+        print(f"ready: front door at {stack.addr}{tls}  (Ctrl-C to stop)", flush=True)
         while not stopped.wait(SUPERVISE_INTERVAL_S):
             supervisor.poll()
     except Unrecoverable as exc:
@@ -410,7 +430,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
                                   else "127.0.0.1:50053")
     if up is not None and not args.json:  # first: it says why the store may not answer (restarting)
         _print_up_status(up)
-    with grpc.insecure_channel(store_addr) as channel:
+    credentials = None if args.tls_dir is None else health_credentials(tls_flags(args.tls_dir, "client"))
+    with (grpc.insecure_channel(store_addr) if credentials is None
+          else grpc.secure_channel(store_addr, credentials)) as channel:
         reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
     report: dict[str, Any] = {"kvstore": _stats_dict(reply)}
     report["services"] = {url: _scrape(url) for url in args.metrics}

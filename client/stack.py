@@ -50,6 +50,7 @@ class Service:
     log_offset: int = 0
     started_at: float = field(default_factory=time.time)  # Unix time
     log_file: IO[str] | None = field(default=None, repr=False)  # its stderr, and its stdout once drained
+    credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)  # to ask its health over TLS
 
     @property
     def addr(self) -> str:
@@ -97,6 +98,22 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
         elif arg.startswith(flag + "="):
             value = arg[len(flag) + 1:]
     return value
+
+
+def tls_flags(tls_dir: Path, name: str) -> list[str]:
+    """The flags that serve `name` with its certificate from `kvserve certs` in `tls_dir`."""
+    return ["--tls-cert", str(tls_dir / f"{name}.pem"), "--tls-key", str(tls_dir / f"{name}-key.pem"),
+            "--tls-ca", str(tls_dir / "ca.pem")]
+
+
+def health_credentials(args: Sequence[str]) -> grpc.ChannelCredentials | None:
+    """For a service started with --tls-cert/--tls-key/--tls-ca: TLS that presents its own certificate
+    (an internal server takes only callers with one from its CA); None for a plaintext one."""
+    cert, key, ca = (flag_value(args, f) for f in ("--tls-cert", "--tls-key", "--tls-ca"))
+    if not cert or not key:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes() if ca else None,
+                                        private_key=Path(key).read_bytes(), certificate_chain=Path(cert).read_bytes())
 
 
 def remove_shm_leftovers(pid: int, root: Path = Path("/dev/shm")) -> list[Path]:
@@ -191,7 +208,8 @@ def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | 
         if log is not None:
             log.close()
         raise
-    return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log)
+    return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log,
+                   credentials=health_credentials(args))
 
 
 class StartFailed(StackError):
@@ -224,7 +242,7 @@ def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S) -> Servic
         threading.Thread(target=_drain, args=(proc.stdout, service.log_file), daemon=True).start()
         draining = True
         try:
-            wait_healthy(service.addr, deadline - time.monotonic(), proc)
+            wait_healthy(service.addr, deadline - time.monotonic(), proc, service.credentials)
         except StackError:
             if proc.poll() is None:
                 raise
@@ -259,10 +277,12 @@ def _read_listening_port(fd: int, deadline: float) -> int | None:
     return None
 
 
-def wait_healthy(addr: str, timeout_s: float, process: subprocess.Popen[str] | None = None) -> None:
-    """Waits for health SERVING at addr; StackError past timeout_s, or as soon as `process` exits."""
+def wait_healthy(addr: str, timeout_s: float, process: subprocess.Popen[str] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Waits for health SERVING at addr (over TLS with `credentials`); StackError past timeout_s, or as
+    soon as `process` exits."""
     deadline = time.monotonic() + max(timeout_s, 1.0)
-    with grpc.insecure_channel(addr) as channel:
+    with (grpc.insecure_channel(addr) if credentials is None else grpc.secure_channel(addr, credentials)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
@@ -340,6 +360,9 @@ class StackConfig:
     # extra_prefill_args=["--kvstore", ADDR] points prefill at another store.
     extra_prefill_args: list[str] = field(default_factory=list)
     extra_decode_args: list[str] = field(default_factory=list)
+    # Certificates from `kvserve certs` (ca.pem, kvstore.pem, prefill.pem, decode.pem and their keys):
+    # mTLS between the services, TLS at the front door.
+    tls_dir: Path | None = None
 
 
 class Stack:
@@ -354,6 +377,9 @@ class Stack:
     def _metrics(self, offset: int) -> list[str]:
         base = self.config.metrics_base_port
         return [] if base is None else ["--metrics-port", str(base + offset)]
+
+    def _tls(self, name: str) -> list[str]:
+        return [] if self.config.tls_dir is None else tls_flags(self.config.tls_dir, name)
 
     def _log(self, name: str) -> Path | None:
         if self.log_dir is None:
@@ -386,15 +412,16 @@ class Stack:
             store = self.add(ServiceSpec("kvstore", "kvstore", (
                 "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
                 "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
-                *self._metrics(2), *c.extra_store_args,
+                *self._metrics(2), *self._tls("kvstore"), *c.extra_store_args,
             ), self._log("kvstore"), host))
             common = ("--model", str(c.model_dir), "--kvstore", store.addr, "--block-size", str(c.block_size))
             prefill = self.add(ServiceSpec("prefill", "prefill_service", (
-                *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1), *c.extra_prefill_args,
+                *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1), *self._tls("prefill"),
+                *c.extra_prefill_args,
             ), self._log("prefill"), host))
             self.add(ServiceSpec("decode", "decode_service", (
                 *common, "--prefill", prefill.addr, "--listen", f"{c.host}:{c.decode_port}", *self._metrics(0),
-                "--nice", str(DECODE_NICE), *c.extra_decode_args,
+                "--nice", str(DECODE_NICE), *self._tls("decode"), *c.extra_decode_args,
             ), self._log("decode"), host))
         except BaseException:
             self.stop()

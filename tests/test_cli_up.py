@@ -112,9 +112,13 @@ def _no_leftovers() -> Iterator[None]:
 
 
 def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    return _start_on(tmp_path, free_ports(3), *extra)
+
+
+def _start_on(tmp_path: Path, ports: list[int], *extra: str) -> subprocess.Popen[str]:
     from tests.stack_fixtures import model_dir
 
-    return subprocess.Popen(up_argv(tmp_path, model_dir("llama"), free_ports(3), *extra), text=True,
+    return subprocess.Popen(up_argv(tmp_path, model_dir("llama"), ports, *extra), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -283,6 +287,47 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     assert out.lines[-1] == "stopped\n"
     assert not (data / "up.json").exists()
     _assert_gone(seen)
+
+
+@pytest.mark.slow
+def test_up_with_tls_and_tokens_serves_only_who_shows_them(tmp_path: Path) -> None:
+    """`up --tls --auth-tokens F`, as an operator would start it: the front door serves TLS to a client
+    with the CA and a token, refuses one without a token; the store and prefill take no caller without
+    a certificate from the CA; `kvserve stats --tls-dir` reads the store with the client certificate."""
+    from client.client import Client, UnauthenticatedError
+    from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    tokens = tmp_path / "tokens"
+    token = subprocess.run([KVSERVE, "token", "team-a", "--tokens-file", str(tokens)], capture_output=True,
+                           text=True, timeout=60, check=True).stdout.strip()
+    ports = free_ports(3)
+    proc = _start_on(tmp_path, ports, "--tls", "--auth-tokens", str(tokens))
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    certs = tmp_path / "data" / "certs"
+    try:
+        assert f"--tls-ca {certs / 'ca.pem'}" in out.wait_for("ready:", proc)
+        _wait_children(proc.pid, 3)
+        front_door = f"127.0.0.1:{ports[0]}"
+        with Client(front_door, timeout_s=120, tls_ca=certs / "ca.pem", token=token) as c:
+            assert len(c.generate(prompt="over TLS", max_tokens=4, ignore_eos=True).token_ids) == 4
+        with Client(front_door, timeout_s=60, tls_ca=certs / "ca.pem", token="") as c, \
+                pytest.raises(UnauthenticatedError):
+            c.generate(prompt="no token", max_tokens=4)
+        for port in ports[1:]:  # prefill and the store: plaintext, and TLS without a certificate
+            for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"), grpc.secure_channel(
+                    f"127.0.0.1:{port}", grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))):
+                with channel, pytest.raises(grpc.RpcError) as refused:
+                    kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        stats = subprocess.run([KVSERVE, "stats", "--data-dir", str(tmp_path / "data"), "--tls-dir", str(certs),
+                                "--json"], capture_output=True, text=True, timeout=60)
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["kvstore"]["tiers"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, "".join(err.lines)
 
 
 if sys.platform != "linux":  # pragma: no cover
