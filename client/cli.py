@@ -403,7 +403,7 @@ def _stats_dict(reply: Any) -> dict[str, Any]:
     d = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     d["tiers"] = [
         {"tier": kvstore_pb2.Tier.Name(t.tier).removeprefix("TIER_").lower(),
-         **{k: int(v) for k, v in td.items() if k != "tier"}}
+         **{k: (v if isinstance(v, bool) else int(v)) for k, v in td.items() if k != "tier"}}
         for t, td in zip(reply.tiers, d.get("tiers", []), strict=True)
     ]
     return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d.items()}
@@ -442,13 +442,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"KV store {store_addr}: leases {reply.leases}, pinned blocks {reply.pinned_blocks}, "
-          f"checksum failures {reply.checksum_failures}")
+          f"checksum failures {reply.checksum_failures}, removed blocks {reply.removed_blocks}, "
+          f"failed disk writes {reply.disk_write_failures}")
     print(f"{'tier':8s} {'blocks':>8s} {'bytes':>14s} {'capacity':>14s} {'hits':>8s} {'misses':>8s} "
           f"{'evicted':>8s} {'demoted':>8s} {'promoted':>8s}")
     for t in reply.tiers:
         name = kvstore_pb2.Tier.Name(t.tier).removeprefix("TIER_").lower()
         print(f"{name:8s} {t.blocks:8d} {t.bytes:14d} {t.capacity_bytes:14d} {t.hits:8d} {t.misses:8d} "
-              f"{t.evictions:8d} {t.demotions:8d} {t.promotions:8d}")
+              f"{t.evictions:8d} {t.demotions:8d} {t.promotions:8d}" + ("  UNAVAILABLE" if t.unavailable else ""))
     for url, samples in report["services"].items():
         print(f"\n{url}")
         for name, value in samples.items():

@@ -33,9 +33,10 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
 class BlockError(ValueError):
-    """A block that must not be used; ``kind`` is one of checksum, dtype, shape, namespace, format."""
+    """A block that must not be used; ``kind`` is one of checksum, dtype, shape, namespace, format, or
+    nonfinite (a NaN or an infinity among its values, seen once it is in the pool)."""
 
-    KINDS = frozenset({"checksum", "dtype", "shape", "namespace", "format"})
+    KINDS = frozenset({"checksum", "dtype", "shape", "namespace", "format", "nonfinite"})
 
     def __init__(self, kind: str, message: str) -> None:
         assert kind in self.KINDS, kind

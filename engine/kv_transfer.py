@@ -1,6 +1,10 @@
 """Moving a sequence's KV between the pool and a block store (the KV store, through the services'
 best-effort session): verified blocks are copied straight into pool slots, and pool slots are
-encoded straight into stored blocks (DESIGN.md, "KV block format")."""
+encoded straight into stored blocks (DESIGN.md, "KV block format").
+
+A block rejected on load (bad checksum, header, shape or namespace, or NaN/infinite values) is
+removed from the store, so the block the engine computes in its place is stored by the next put
+(the store keeps the first write of a hash otherwise): no bad block sticks."""
 
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ class BlockStore(Protocol):
 
     def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int: ...
 
+    def remove(self, hashes: Sequence[BlockHash]) -> int:
+        """Drops blocks the engine found bad; returns how many the store held."""
+        ...
+
 
 @runtime_checkable
 class ScatterStore(BlockStore, Protocol):
@@ -43,6 +51,7 @@ class ScatterStore(BlockStore, Protocol):
 class Loaded:
     num_tokens: int  # leading tokens now in the pool
     error: BlockError | None = None  # the bad block that ended the run, if one did
+    rejected: tuple[BlockHash, ...] = ()  # bad blocks seen, removed from the store
 
 
 def load_blocks(
@@ -56,9 +65,11 @@ def load_blocks(
     with_tail = tail is not None and len(blocks) > len(keys)
     if isinstance(store, ScatterStore):
         return _load_in_place(store, keys, namespace, pool, blocks, tail if with_tail else None)
-    payloads = store.get(keys + [tail[0]] if with_tail and tail else keys)
+    wanted = keys + [tail[0]] if with_tail and tail else keys
+    payloads = store.get(wanted)
     _, layers, _, _, heads, dim = pool.kv.shape
-    bs, done = pool.block_size, 0
+    bs = pool.block_size
+    counts: list[int] = []  # tokens of each block landed in the pool, in order
     for i, payload in enumerate(payloads):
         if payload is None:
             break
@@ -67,10 +78,46 @@ def load_blocks(
             body, _ = verify_block(payload, namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
                                    dtype=pool.kv.dtype, num_tokens=num_tokens)
         except BlockError as exc:
-            return Loaded(done, exc)
+            return _checked(store, wanted, pool, blocks, counts, exc)
         pool.write(blocks[i], body, num_tokens)
-        done += num_tokens
-    return Loaded(done)
+        counts.append(num_tokens)
+    return _checked(store, wanted, pool, blocks, counts)
+
+
+def _checked(store: BlockStore, keys: Sequence[BlockHash], pool: KVPool, blocks: Sequence[int], counts: list[int],
+             error: BlockError | None = None) -> Loaded:
+    """The run of blocks that landed in ``blocks`` (``counts[i]`` tokens each), ended by ``error`` (a bad
+    ``keys[len(counts)]``) if given, cut at its first block holding a NaN or an infinity; every bad block
+    seen is removed from the store."""
+    bad = [len(counts)] if error is not None else []
+    nonfinite = _nonfinite(pool, blocks, counts)
+    if nonfinite:
+        error = BlockError("nonfinite", f"block {keys[nonfinite[0]].hex()[:16]} holds NaN or infinite values")
+        counts = counts[: nonfinite[0]]
+    rejected = tuple(keys[i] for i in [*nonfinite, *bad])
+    if rejected:
+        store.remove(rejected)
+    return Loaded(sum(counts), error, rejected)
+
+
+def _nonfinite(pool: KVPool, blocks: Sequence[int], counts: Sequence[int]) -> list[int]:
+    """Which of the first len(counts) ``blocks`` hold a NaN or an infinity in their first ``counts[i]`` tokens.
+
+    One sum per block (accumulated in float32, float64 for a float64 pool) and one check of them all:
+    NaN and infinities carry through a sum, so a block whose sum is finite is. A non-finite sum is
+    confirmed element by element (huge finite values could overflow the sum). Measured on the tiny
+    llama (256 KiB float32 blocks, CPU): 17-20 us a block, 8-19 % of loading it from a same-host
+    store (93-250 us a block), 2 % over gRPC; `isfinite(...).all()` on every block costs 150 us."""
+    if not counts:
+        return []
+    acc = torch.float64 if pool.kv.dtype == torch.float64 else torch.float32
+    # each block's first n tokens: [layers, 2, n, kv_heads, head_dim]
+    views = [pool.kv[b, :, :, :n] for b, n in zip(blocks, counts, strict=False)]
+    finite = torch.isfinite(torch.stack([v.sum(dtype=acc) for v in views]))  # [len(counts)]
+    if bool(finite.all()):
+        return []
+    return [i for i, ok in enumerate(finite.tolist())
+            if not ok and not torch.isfinite(views[i].to(acc) if views[i].element_size() == 1 else views[i]).all()]
 
 
 def _load_in_place(
@@ -86,8 +133,10 @@ def _load_in_place(
     scratch = memoryview(bytearray(HEADER_BYTES + pool.kv[0].numel() * pool.kv.element_size() if tail else 0))
     if tail is not None:
         buffers.append((scratch,))
-    sizes = store.get_into(keys + [tail[0]] if tail is not None else keys, buffers)
-    bs, done = pool.block_size, 0
+    wanted = keys + [tail[0]] if tail is not None else keys
+    sizes = store.get_into(wanted, buffers)
+    bs = pool.block_size
+    counts: list[int] = []  # tokens of each block landed in the pool, in order
     for i, size in enumerate(sizes):
         if size is None:
             break
@@ -95,16 +144,16 @@ def _load_in_place(
             if i < len(keys):
                 check_header(headers[i], size - HEADER_BYTES, namespace, num_layers=layers, num_kv_heads=heads,
                              head_dim=dim, dtype=pool.kv.dtype, num_tokens=bs)
-                done += bs
+                counts.append(bs)
                 continue
             assert tail is not None
             body, n = verify_block(scratch[:size], namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
                                    dtype=pool.kv.dtype, num_tokens=tail[1], checked=True)
         except BlockError as exc:
-            return Loaded(done, exc)
+            return _checked(store, wanted, pool, blocks, counts, exc)
         pool.write(blocks[i], body, n)
-        done += n
-    return Loaded(done)
+        counts.append(n)
+    return _checked(store, wanted, pool, blocks, counts)
 
 
 def _slot_view(pool: KVPool, block: int) -> memoryview:

@@ -73,6 +73,9 @@ class DictStore:
         self.blocks.update(items)
         return len(items)
 
+    def remove(self, hashes: abc.Sequence[BlockHash]) -> int:
+        return sum(self.blocks.pop(h, None) is not None for h in hashes)
+
     def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
         return load_blocks(self, self.hashes[first_block : seq.num_saved_blocks], self.namespace, pool, blocks).num_tokens
 

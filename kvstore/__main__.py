@@ -6,9 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvstore.config import StoreConfig
+from kvstore.config import MAX_BLOCK_BYTES, StoreConfig
+from kvstore.leases import MAX_TTL_S
 from kvstore.server import StoreServer
-from serving.cli import add_server_flags, configure_logging, exit_with_parent, parse_size, serve
+from serving.cli import (
+    add_server_flags,
+    configure_logging,
+    exit_with_parent,
+    parse_size,
+    serve,
+    tls_from_args,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,6 +35,16 @@ def parser() -> argparse.ArgumentParser:
                         "(default on)")
     p.add_argument("--shm-root", default="/dev/shm", help=argparse.SUPPRESS)
     p.add_argument("--flush-timeout", type=float, default=10.0, help="seconds SIGTERM may spend flushing memory to disk")
+    p.add_argument("--max-block-bytes", type=parse_size, default=MAX_BLOCK_BYTES,
+                   help="largest block a caller may put (never more than the largest tier); a larger one is "
+                        "refused with RESOURCE_EXHAUSTED before its bytes are buffered (default 256MiB)")
+    p.add_argument("--max-lease-ttl-s", type=float, default=MAX_TTL_S,
+                   help="longest lease a Lookup may take; a longer one is granted this much, and the answer "
+                        "says so (default %(default)s)")
+    p.add_argument("--max-pinned-bytes-per-caller", type=parse_size, default=None,
+                   help="bytes one caller's leases may pin at once; past it a Lookup with a lease is "
+                        "RESOURCE_EXHAUSTED. Callers are told apart by certificate with mTLS, else by host "
+                        "(default: a quarter of the top tier, at least 64MiB)")
     return p
 
 
@@ -34,13 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     args = parser().parse_args(argv)
     configure_logging("kvstore", args.log_level)
+    tls = tls_from_args(args, "kvstore")
     try:
         config = StoreConfig(
             host_capacity=args.host_capacity, disk_capacity=args.disk_capacity, disk_path=args.disk_path,
             device_capacity=args.device_capacity if args.device != "off" else 0, device=args.device,
             shm=args.shm, shm_root=args.shm_root, flush_timeout_s=args.flush_timeout,
+            max_block_bytes=args.max_block_bytes, max_lease_ttl_s=args.max_lease_ttl_s,
+            max_pinned_bytes_per_caller=args.max_pinned_bytes_per_caller,
         )
-        server = StoreServer(config, args.listen, metrics_port=args.metrics_port)
+        server = StoreServer(config, args.listen, metrics_port=args.metrics_port, tls=tls)
     except ValueError as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from serving.server import CLIENT_CHANNEL_OPTIONS
+from serving.tls import TLSConfig, channel
 
 _NO_LIMIT = 1 << 62
 
@@ -67,13 +68,15 @@ class KVStoreClient:
     down or slow; INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED: see the message).
     """
 
-    def __init__(self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True) -> None:
-        """`use_shm=False` forces plain gRPC bytes even on the server's host."""
+    def __init__(self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True, tls: TLSConfig | None = None
+                 ) -> None:
+        """`use_shm=False` forces plain gRPC bytes even on the server's host. `tls`: TLS to the store,
+        presenting its certificate (the store's arena socket takes only processes of its own user)."""
         self.addr = addr
         self.timeout_s = timeout_s
         self.use_shm = use_shm
         self.checksum_failures = 0  # blocks received whose checksum did not match (reported as None)
-        self._channel = grpc.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
+        self._channel = channel(addr, CLIENT_CHANNEL_OPTIONS, tls)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._arena: ArenaMap | None = None
         self._arena_path = ""
@@ -112,12 +115,18 @@ class KVStoreClient:
         return self._put_rpc(items, ephemeral)
 
     def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
-        """How many leading hashes are present (and in which tier); pins them if lease_ttl_s."""
+        """How many leading hashes are present (and in which tier); pins them if lease_ttl_s (for at most the
+        store's longest lease: the result says how long). RESOURCE_EXHAUSTED: this caller's leases pin
+        as much as the store lets one caller pin; look up without a lease, or release some."""
+        arena = self._arena
+        if arena is not None and not Path(self._arena_path).exists():
+            self._drop_arena(arena)  # its store is gone: free its memory now, even if this call fails
         response = self._stub.Lookup(
             pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0), timeout=self.timeout_s
         )
         tiers = [_tier_name(t) for t in response.tiers]
-        return LookupResult(int(response.num_hits), tiers, response.lease_id or None)
+        return LookupResult(int(response.num_hits), tiers, response.lease_id or None,
+                            float(response.lease_ttl_s) if response.lease_id else None)
 
     def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         """Verified payloads in request order; None for a miss or a corrupt block."""
@@ -160,13 +169,23 @@ class KVStoreClient:
     def release(self, lease_id: str) -> None:
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout_s)
 
+    def remove(self, hashes: Sequence[BlockHash]) -> int:
+        """Drops blocks that a reader found bad (corrupt, of another model or shape, non-finite values) from
+        every tier, so that the reader's recomputed blocks can be put in their place; returns how many
+        were stored. An internal call: blocks are otherwise immutable."""
+        if not hashes:
+            return 0
+        return int(self._stub.Remove(pb.RemoveRequest(hashes=list(hashes)), timeout=self.timeout_s).num_removed)
+
     def stats(self) -> StoreStats:
         r = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
         tiers = [
-            TierStats(_tier_name(t.tier), t.blocks, t.bytes, t.capacity_bytes, t.hits, t.misses, t.evictions, t.demotions, t.promotions)
+            TierStats(_tier_name(t.tier), t.blocks, t.bytes, t.capacity_bytes, t.hits, t.misses, t.evictions, t.demotions, t.promotions,
+                      available=not t.unavailable)
             for t in r.tiers
         ]
-        return StoreStats(tiers, int(r.leases), int(r.pinned_blocks), int(r.checksum_failures))
+        return StoreStats(tiers, int(r.leases), int(r.pinned_blocks), int(r.checksum_failures),
+                          int(r.disk_write_failures), int(r.removed_blocks))
 
     # -- extras --------------------------------------------------------------------------------
 
@@ -195,6 +214,7 @@ class KVStoreClient:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
+            self._arena_checked = False  # until Info answers: a store that is down now is asked again
             try:
                 info = self.info()
             except grpc.RpcError as exc:

@@ -10,11 +10,15 @@ import lmdb
 
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import ArenaHostTier, MemoryHostTier
+from kvstore.leases import MAX_TTL_S
 from kvstore.tier import TierStorage
 
 log = logging.getLogger(__name__)
 
+_MiB = 1024**2
 _GiB = 1024**3
+MAX_BLOCK_BYTES = 256 * _MiB  # a 16-token block of a 405B model is 8 MiB
+MIN_PIN_CAP = 64 * _MiB  # the default per-caller cap never goes below: leases must fit a long prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,9 @@ class StoreConfig:
     shm_root: str = "/dev/shm"
     sweep_interval_s: float = 0.5
     flush_timeout_s: float = 10.0
+    max_block_bytes: int = MAX_BLOCK_BYTES  # and never more than the largest tier
+    max_lease_ttl_s: float = MAX_TTL_S  # a longer lease gets this much
+    max_pinned_bytes_per_caller: int | None = None  # None: a quarter of the top tier, at least MIN_PIN_CAP
 
     def __post_init__(self) -> None:
         if self.device not in ("off", "cpu", "cuda"):
@@ -38,6 +45,19 @@ class StoreConfig:
             raise ValueError("--disk-capacity needs --disk-path")
         if min(self.host_capacity, self.disk_capacity, self.device_capacity) < 0:
             raise ValueError("capacities must be >= 0")
+        if self.max_block_bytes <= 0 or self.max_lease_ttl_s <= 0:
+            raise ValueError("--max-block-bytes and --max-lease-ttl-s must be > 0")
+        if self.max_pinned_bytes_per_caller is not None and self.max_pinned_bytes_per_caller <= 0:
+            raise ValueError("--max-pinned-bytes-per-caller must be > 0")
+
+
+def pinned_bytes_cap(config: StoreConfig, tiers: list[tuple[TierStorage, int]]) -> int:
+    """The bytes one caller's leases may pin at once: --max-pinned-bytes-per-caller, by default a quarter
+    of the top tier (where writes land), at least MIN_PIN_CAP. Callers are told apart by certificate
+    with mTLS, else by host, so a host's prefill and decode share one cap."""
+    if config.max_pinned_bytes_per_caller is not None:
+        return config.max_pinned_bytes_per_caller
+    return max(tiers[0][1] // 4, MIN_PIN_CAP)
 
 
 def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:

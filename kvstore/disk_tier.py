@@ -4,6 +4,15 @@ Writes and deletes land in a pending map (the latest op per key, read by `read`)
 thread commits them in batches, one synced transaction each (group commit). A SIGKILL loses at
 most the pending ops, never the database. Values are `block_format` records (header + payload),
 verified on every read. The map is sized from the capacity with headroom and grown if ever full.
+
+A disk that fails at runtime never takes the store down. A write that fails (the disk full or
+read-only, LMDB's map unable to grow, an I/O error) stops the tier taking blocks (`failure`, one log
+line): the blocks it did not write are reported to `on_lost` (the store forgets them) and counted
+in `failed_writes`; what it had committed is still read. A data file cut short under the running
+process (LMDB reads it through mmap, and a page past the file's end is SIGBUS) is seen by an fstat
+before each read transaction and each commit, and is damage: the tier reads nothing more and
+reports everything lost; the next start moves it aside (`lmdb_damage`). The residual risk: a file
+cut between that check and the read that follows it.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -81,6 +90,24 @@ class _SharedLock:
                 self._cond.notify_all()
 
 
+def required_bytes(read: Callable[[int, int], bytes]) -> int | None:
+    """How long an LMDB data file must be by its newest valid meta page (every page up to the last one
+    used), or None when neither meta page is valid. `read(offset, n)` reads the file (plain reads,
+    never mapped)."""
+    first = read(0, _LMDB_META.size)
+    if len(first) < _LMDB_META.size:
+        return None
+    psize = _LMDB_META.unpack(first)[2]
+    if psize & (psize - 1) or not 512 <= psize <= _MAX_PAGE_BYTES:
+        return None
+    metas = [_LMDB_META.unpack(m) for m in (first, read(psize, _LMDB_META.size)) if len(m) == _LMDB_META.size]
+    valid = [m for m in metas if m[0] == _LMDB_MAGIC and m[1] == 1 and m[2] == psize]
+    if not valid:
+        return None
+    *_, last_page, _ = max(valid, key=lambda m: m[-1])  # the newest transaction's meta page
+    return int(last_page + 1) * psize
+
+
 def lmdb_damage(data_file: Path) -> str | None:
     """Why an LMDB data file cannot be opened safely, or None: no valid meta page, or a file shorter than
     its meta page says (LMDB maps the file, and reading a page past its end kills the process with
@@ -93,13 +120,9 @@ def lmdb_damage(data_file: Path) -> str | None:
         return None  # a new tier
     if size == 0:
         return None  # LMDB initialises an empty file
-    psize = _LMDB_META.unpack_from(head, 0)[2] if len(head) >= _LMDB_META.size else 0
-    metas = [_LMDB_META.unpack_from(head, off) for off in (0, psize) if psize > 0 and off + _LMDB_META.size <= len(head)]
-    valid = [m for m in metas if m[0] == _LMDB_MAGIC and m[1] == 1 and m[2] == psize]
-    if not valid or psize & (psize - 1) or not 512 <= psize <= _MAX_PAGE_BYTES:
+    need = required_bytes(lambda offset, n: head[offset : offset + n])
+    if need is None:
         return "no valid LMDB meta page"
-    *_, last_page, _ = max(valid, key=lambda m: m[-1])  # the newest transaction's meta page
-    need = (last_page + 1) * psize
     if size < need:
         return f"data file is {size} bytes, its meta page says {need}: truncated"
     return None
@@ -121,6 +144,8 @@ class DiskTier(TierStorage):
         self._map_size = initial_map_size(capacity_bytes)
         self.quarantined: Path | None = None  # where a damaged tier found at start was moved
         self._env = self._open()
+        self._data = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)  # fstat: is the file whole?
+        self._need = self._required_bytes()  # bytes the data file must hold for LMDB to read it
         self._env_lock = _SharedLock()
         self._cond = threading.Condition()
         self._pending: dict[BlockHash, Record | None] = {}
@@ -128,6 +153,12 @@ class DiskTier(TierStorage):
         self._max_pending_bytes = max_pending_bytes
         self._stopping = False
         self.map_growths = 0
+        self.failed_writes = 0  # blocks whose write failed (the tier does not hold them)
+        self.on_lost: Callable[[list[BlockHash] | None], None] | None = None  # keys not written; None: all
+        self._failure: str | None = None
+        self._damaged = False  # the data file was cut short: LMDB's map must not be read any more
+        self._lost_all = False  # damaged, not yet reported to on_lost
+        self._forgotten: set[BlockHash] = set()  # deleted after the tier failed: still in LMDB, not held
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-disk-writer", daemon=True)
         self._writer.start()
 
@@ -178,12 +209,20 @@ class DiskTier(TierStorage):
     def delete(self, key: BlockHash) -> None:
         self._enqueue(key, TOMBSTONE)
 
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
     def read(self, key: BlockHash) -> Buffer | None:
         """The verified payload, None when absent; raises CorruptBlock for a damaged record."""
         with self._cond:
             if key in self._pending:
                 record = self._pending[key]
                 return None if record is None else record.payload
+            if key in self._forgotten:
+                return None
+        if not self._intact():
+            return None
         with self._env_lock.shared(), self._env.begin(buffers=True) as txn:
             value = txn.get(key)
             if value is None:
@@ -197,20 +236,28 @@ class DiskTier(TierStorage):
     def keys(self) -> set[BlockHash]:
         with self._cond:
             pending = dict(self._pending)
-        with self._env_lock.shared(), self._env.begin() as txn:
-            stored = {BlockHash(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)}
+            forgotten = set(self._forgotten)
+        stored: set[BlockHash] = set()
+        if self._intact():
+            with self._env_lock.shared(), self._env.begin() as txn:
+                stored = {BlockHash(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)}
         stored.discard(BlockHash(b""))
         return (stored | {k for k, v in pending.items() if v is not None}) - {
             k for k, v in pending.items() if v is None
-        }
+        } - forgotten
 
     def flush(self, timeout_s: float | None = None) -> bool:
+        """True when every write was committed and synced; False past the timeout, or once the tier has
+        failed (it dropped writes)."""
         with self._cond:
             done = self._cond.wait_for(lambda: not self._pending, timeout=timeout_s)
-        if done:
-            with self._env_lock.shared():
-                self._env.sync(True)
-        return done
+        if done and self._failure is None:
+            try:
+                with self._env_lock.shared():
+                    self._env.sync(True)
+            except lmdb.Error as exc:
+                self._fail(f"syncing failed ({type(exc).__name__}: {exc})")
+        return done and self._failure is None
 
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -223,6 +270,7 @@ class DiskTier(TierStorage):
             log.warning("disk tier: %d writes not committed at close", len(self._pending))
             return
         self._env.close()
+        os.close(self._data)
         self._lock_file.close()
 
     # -- disk-only ------------------------------------------------------------------------------
@@ -256,6 +304,8 @@ class DiskTier(TierStorage):
 
     def _enqueue(self, key: BlockHash, record: Record | None) -> None:
         with self._cond:
+            if record is not None:
+                self._forgotten.discard(key)
             old = self._pending.get(key)
             self._pending_bytes += _size(record) - _size(old)
             self._pending[key] = record
@@ -264,19 +314,35 @@ class DiskTier(TierStorage):
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._stopping)
-                if not self._pending and self._stopping:
+                self._cond.wait_for(lambda: self._pending or self._stopping or self._lost_all)
+                if not self._pending and self._stopping and not self._lost_all:
                     return
                 batch = dict(self._pending)
-            self._commit(batch)
+            committed = self._commit(batch) if batch else True
+            dropped: list[BlockHash] = []  # puts not written (a later op on the same key is in the next batch)
             with self._cond:
                 for key, record in batch.items():
                     if self._pending.get(key, 0) is record:
                         del self._pending[key]
                         self._pending_bytes -= _size(record)
+                        if not committed and record is None:
+                            self._forgotten.add(key)
+                        elif not committed:
+                            dropped.append(key)
+                self.failed_writes += len(dropped)
+                lost = None if self._lost_all else dropped
+                self._lost_all = False
                 self._cond.notify_all()
+            if (lost is None or lost) and self.on_lost is not None:
+                try:
+                    self.on_lost(lost)
+                except Exception:
+                    log.exception("disk tier: reporting lost blocks failed")
 
-    def _commit(self, batch: dict[BlockHash, Record | None]) -> None:
+    def _commit(self, batch: dict[BlockHash, Record | None]) -> bool:
+        """Writes a batch in one transaction; False when it could not (the tier has failed, and says why)."""
+        if self._failure is not None or not self._intact():
+            return False
         for _ in range(8):
             try:
                 with self._env_lock.shared(), self._env.begin(write=True) as txn:
@@ -285,13 +351,48 @@ class DiskTier(TierStorage):
                             txn.delete(key)
                         else:
                             txn.put(key, record.header + record.payload)
-                return
+                self._need = max(self._need, self._required_bytes())
+                return True
             except lmdb.MapFullError:
-                self._grow()
-            except lmdb.Error:
-                log.exception("disk tier: dropping a batch of %d writes", len(batch))
-                return
-        log.error("disk tier: map still full after growing; dropping %d writes", len(batch))
+                try:
+                    self._grow()
+                except (lmdb.Error, OSError) as exc:
+                    self._fail(f"its LMDB map is full and could not grow ({type(exc).__name__}: {exc})")
+                    return False
+            except (lmdb.Error, OSError) as exc:
+                self._fail(f"a write failed ({type(exc).__name__}: {exc})")
+                return False
+        self._fail(f"its LMDB map is still full at {self._map_size} bytes")
+        return False
+
+    def _required_bytes(self) -> int:
+        return required_bytes(lambda offset, n: os.pread(self._data, n, offset)) or 0
+
+    def _intact(self) -> bool:
+        """Whether LMDB's map may be read: the data file still holds every page LMDB may touch (an fstat,
+        about a microsecond). A file cut short is damage: the tier stops for good."""
+        if self._damaged:
+            return False
+        size = os.fstat(self._data).st_size
+        if size >= self._need:
+            return True
+        self._fail(f"its data file was cut to {size} bytes while LMDB needs {self._need}", damaged=True)
+        return False
+
+    def _fail(self, reason: str, *, damaged: bool = False) -> None:
+        """Stops the tier taking blocks; one log line for the failure (and one more if damage follows)."""
+        with self._cond:
+            first = self._failure is None or (damaged and not self._damaged)
+            if first:
+                self._failure = reason
+            if damaged and not self._damaged:
+                self._damaged = self._lost_all = True
+            self._cond.notify_all()
+        if first:
+            log.error("disk tier %s stopped taking blocks: %s. The memory tiers go on serving; blocks it did "
+                      "not write are dropped (disk_write_failures)%s", self.path, reason,
+                      "; it reads nothing more and is moved aside at the next start" if damaged else
+                      "; what it holds is still read")
 
     def _grow(self) -> None:
         with self._env_lock.exclusive():

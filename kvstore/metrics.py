@@ -36,6 +36,20 @@ class StoreCollector(Collector):
             "kvserve_kvstore_checksum_failures", "Corrupt blocks found, deleted and reported as misses",
             value=stats.checksum_failures,
         )
+        available = GaugeMetricFamily("kvserve_kvstore_tier_available",
+                                      "0 once a tier failed at runtime (disk full, read-only or damaged) and takes no "
+                                      "more blocks", labels=["tier"])
+        for t in stats.tiers:
+            available.add_metric([t.tier], int(t.available))
+        yield available
+        yield CounterMetricFamily(
+            "kvserve_kvstore_disk_write_failures", "Blocks the disk tier failed to write (it does not hold them)",
+            value=stats.disk_write_failures,
+        )
+        yield CounterMetricFamily(
+            "kvserve_kvstore_removed_blocks", "Blocks removed because a reader found them bad (Remove)",
+            value=stats.removed_blocks,
+        )
         yield GaugeMetricFamily("kvserve_kvstore_leases", "Leases held", value=stats.leases)
         quarantined = any(getattr(s.storage, "quarantined", None) is not None for s in self.store.tiers)
         yield GaugeMetricFamily("kvserve_kvstore_disk_quarantined",

@@ -7,13 +7,14 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import cast
+from urllib.parse import unquote
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from kvstore import arena
 from kvstore.arena import host_id
-from kvstore.config import StoreConfig, build_tiers
+from kvstore.config import StoreConfig, build_tiers, pinned_bytes_cap
 from kvstore.errors import InvalidRequest, StoreFull
 from kvstore.events import StoreEvent
 from kvstore.metrics import StoreCollector
@@ -24,6 +25,7 @@ from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from serving.server import MAX_MESSAGE_BYTES, Server
+from serving.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.max_event_streams = max_event_streams
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        result = self.store.lookup(list(request.hashes), request.lease_ttl_s or None)
+        result = self.store.lookup(list(request.hashes), request.lease_ttl_s or None, caller=caller_of(context))
         tiers = [_pb_tier(t) for t in result.tiers]
-        return pb.LookupResponse(num_hits=result.num_hits, tiers=tiers, lease_id=result.lease_id or "")
+        return pb.LookupResponse(num_hits=result.num_hits, tiers=tiers, lease_id=result.lease_id or "",
+                                 lease_ttl_s=result.lease_ttl_s or 0.0)
+
+    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.RemoveResponse:
+        return pb.RemoveResponse(num_removed=self.store.remove(list(request.hashes)))
 
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
         return self._put(request_iterator, staged=False)
@@ -51,7 +57,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def _put(self, request_iterator: Iterable[pb.PutRequest], *, staged: bool) -> pb.PutResponse:
         # Staged blocks (arena slots) come only over the arena socket, from the store's user on its host:
         # over the network they would let anyone store what a freed slot still holds under any hash.
-        assembler = BlockAssembler(self.store.max_block_bytes)
+        assembler = BlockAssembler(self.store.max_block_bytes, self.store.block_limit)
         keys: list[BlockHash] = []
         num_new = 0
         ephemeral = False
@@ -117,13 +123,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             pb.TierStats(
                 tier=_pb_tier(t.tier), blocks=t.blocks, bytes=t.bytes,
                 capacity_bytes=t.capacity_bytes, hits=t.hits, misses=t.misses, evictions=t.evictions,
-                demotions=t.demotions, promotions=t.promotions,
+                demotions=t.demotions, promotions=t.promotions, unavailable=not t.available,
             )
             for t in stats.tiers
         ]
         return pb.StatsResponse(
             tiers=tiers, leases=stats.leases, pinned_blocks=stats.pinned_blocks,
-            checksum_failures=stats.checksum_failures,
+            checksum_failures=stats.checksum_failures, disk_write_failures=stats.disk_write_failures,
+            removed_blocks=stats.removed_blocks,
         )
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
@@ -175,6 +182,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
 
 
+def caller_of(context: grpc.ServicerContext) -> str | None:
+    """Who calls, for the per-caller limits: the identity in its certificate when TLS is on (common name,
+    else the first subject alternative name), else its address without the port (every process of a
+    host is one caller). None where the context cannot say (tests without a server)."""
+    try:
+        auth = context.auth_context() or {}
+        peer = context.peer()
+    except NotImplementedError:
+        return None
+    for prop in ("x509_common_name", "x509_subject_alternative_name"):
+        names = auth.get(prop)
+        if names:
+            return "cert:" + names[0].decode(errors="replace")
+    kind, _, address = unquote(peer).partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return address.rsplit(":", 1)[0].strip("[]")  # "ipv4:10.0.0.7:port" -> "10.0.0.7", "ipv6:[::1]:port" -> "::1"
+    return peer  # "unix:..." and the like: the whole of it
+
+
 def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:
     if not request.staged:
         return [request.chunk]
@@ -207,12 +233,16 @@ def _runs(events: list[StoreEvent]) -> Iterator[tuple[pb.Event.Kind, pb.Tier, li
 class StoreServer:
     """A BlockStore behind gRPC (with health, reflection, metrics) and a lease sweeper."""
 
-    def __init__(self, config: StoreConfig, listen: str = "127.0.0.1:0", *, metrics_port: int | None = None) -> None:
+    def __init__(self, config: StoreConfig, listen: str = "127.0.0.1:0", *, metrics_port: int | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.config = config
-        self.store = BlockStore(build_tiers(config))
+        tiers = build_tiers(config)
+        self.store = BlockStore(tiers, max_block_bytes=config.max_block_bytes, max_lease_ttl_s=config.max_lease_ttl_s,
+                                max_pinned_bytes_per_caller=pinned_bytes_cap(config, tiers))
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(self.store))
-        self.rpc = Server(listen, metrics_port=metrics_port, registry=self.registry)
+        # An internal server: with a CA, only callers with a certificate from it.
+        self.rpc = Server(listen, metrics_port=metrics_port, registry=self.registry, tls=tls)
         servicer = KVStoreServicer(self.store)
         self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
         if self.store.shm_tier is not None:
@@ -250,7 +280,13 @@ class StoreServer:
         self._stop_sweeper.set()
         deadline = time.monotonic() + self.config.flush_timeout_s
         self.flush_result = self.store.flush_to_disk(self.config.flush_timeout_s)
-        log.info("flushed %d blocks to disk (%d left in memory, durable=%s)", *self.flush_result)
+        disk = next((s.storage for s in self.store.tiers if s.tier == Tier.DISK), None)
+        if disk is not None and disk.failure is not None:
+            log.warning("flushed %d blocks to disk (%d left in memory, durable=%s): the disk tier failed at runtime "
+                        "(%s) and dropped %d block writes", *self.flush_result, disk.failure,
+                        self.store.stats().disk_write_failures)
+        else:
+            log.info("flushed %d blocks to disk (%d left in memory, durable=%s)", *self.flush_result)
         self.store.close(timeout_s=max(1.0, deadline - time.monotonic()))
 
     def __enter__(self) -> StoreServer:

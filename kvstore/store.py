@@ -9,14 +9,22 @@ from disk or shared memory (those retry if the block moved meanwhile).
 Hits and misses count block accesses by Lookup and by Get alike: a hit in tier T is a miss in
 every tier above it, and a block found nowhere is a miss in every tier. Demotions and
 promotions count on the tier the block leaves; evictions on the tier that drops it.
+
+Limits per caller: a block above `max_block_bytes` is refused, a lease longer than
+`max_lease_ttl_s` gets that much, and one caller's leases pin at most `max_pinned_bytes_per_caller`
+(callers are named by the server; in-process calls name none and are not capped). A tier that fails
+at runtime (a disk that fills up, turns read-only or is damaged) takes no more blocks; the blocks it
+could not write are forgotten, so stats never count what is not held.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,6 +38,8 @@ from kvstore.leases import MAX_TTL_S, LeaseTable
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
 from protos.block_hash import HASH_BYTES, BlockHash
+
+log = logging.getLogger(__name__)
 
 _READ_RETRIES = 4
 _NO_ARENA = "this server has no shared-memory tier: send block data"
@@ -108,12 +118,22 @@ class BlockStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         events: EventHub | None = None,
+        max_block_bytes: int | None = None,
+        max_lease_ttl_s: float = MAX_TTL_S,
+        max_pinned_bytes_per_caller: int | None = None,
     ) -> None:
+        """`max_block_bytes`: None, the largest tier's capacity. `max_pinned_bytes_per_caller`: None, no cap."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
+        if max_lease_ttl_s <= 0 or (max_block_bytes is not None and max_block_bytes <= 0):
+            raise ValueError("the longest lease and the largest block must be > 0")
         self.tiers = [TierSlot(storage, cap, EvictionPolicy()) for storage, cap in tiers]
         self.events = events or EventHub()
         self.checksum_failures = 0
+        self.removed_blocks = 0  # removed at a reader's request (Remove)
+        self._max_block_bytes = max_block_bytes
+        self.max_lease_ttl_s = max_lease_ttl_s
+        self.max_pinned_bytes_per_caller = max_pinned_bytes_per_caller
         self._index: dict[BlockHash, Entry] = {}
         self._leases = LeaseTable(clock)
         self._lock = threading.Lock()
@@ -123,10 +143,20 @@ class BlockStore:
         self._disk = next((s.storage for s in self.tiers if isinstance(s.storage, DiskTier)), None)
         if self._disk is not None:
             self._rebuild_from_disk(len(self.tiers) - 1)
+            self._disk.on_lost = self._forget_lost
 
     @property
     def max_block_bytes(self) -> int:
-        return max(slot.capacity for slot in self.tiers)
+        largest = max(slot.capacity for slot in self.tiers)
+        return largest if self._max_block_bytes is None else min(largest, self._max_block_bytes)
+
+    @property
+    def block_limit(self) -> str:
+        """What bounds a block's size, for messages."""
+        largest = max(slot.capacity for slot in self.tiers)
+        if self._max_block_bytes is None or largest <= self._max_block_bytes:
+            return f"the largest tier ({largest} bytes)"
+        return f"the store's --max-block-bytes ({self._max_block_bytes} bytes)"
 
     @property
     def shm_tier(self) -> ArenaHostTier | None:
@@ -222,12 +252,16 @@ class BlockStore:
             if reservation is not None:
                 self._release_slots(reservation)
 
-    def lookup(self, keys: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
-        """How many leading keys are present and where; with a TTL, pins them under a lease."""
+    def lookup(self, keys: Sequence[BlockHash], lease_ttl_s: float | None = None, *,
+               caller: str | None = None) -> LookupResult:
+        """How many leading keys are present and where; with a TTL, pins them under a lease of at most
+        `max_lease_ttl_s`, counted against `caller`'s cap (StoreFull past it)."""
         for key in keys:
             check_key(key)
-        if lease_ttl_s is not None and not 0 <= lease_ttl_s <= MAX_TTL_S:
-            raise InvalidRequest(f"lease_ttl_s must be between 0 and {MAX_TTL_S:g}, got {lease_ttl_s:g}")
+        if lease_ttl_s is not None and not (lease_ttl_s >= 0 and not math.isnan(lease_ttl_s)):
+            raise InvalidRequest(f"lease_ttl_s must be 0 (no lease) or more, got {lease_ttl_s:g}")
+        if lease_ttl_s:
+            lease_ttl_s = min(lease_ttl_s, self.max_lease_ttl_s)
         with self._lock:
             self._expire_leases()
             hits: list[tuple[BlockHash, Entry]] = []
@@ -243,11 +277,29 @@ class BlockStore:
             if lease_ttl_s and hits:
                 if len(self._leases) >= self._leases.max_leases:
                     raise StoreFull(f"too many leases held ({len(self._leases)}); release some")
+                size = sum(e.size for _, e in hits)
+                self._check_pin_cap(caller, size)
                 for key, entry in hits:
                     self._pin(key, entry)
-                lease_id = self._leases.add(hits, lease_ttl_s).lease_id
+                lease_id = self._leases.add(hits, lease_ttl_s, caller, size).lease_id
             tiers = [self.tiers[e.level].tier.label for _, e in hits]
-        return LookupResult(len(hits), tiers, lease_id)
+        return LookupResult(len(hits), tiers, lease_id, lease_ttl_s if lease_id else None)
+
+    def remove(self, keys: Sequence[BlockHash]) -> int:
+        """Drops blocks from whichever tier holds them, announced on Events (a reader found them bad: a
+        later put of the same hash is stored again); returns how many were stored. A lease that pinned
+        one keeps nothing of it."""
+        for key in keys:
+            check_key(key)
+        removed = 0
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    self._remove(key, entry)
+                    removed += 1
+            self.removed_blocks += removed
+        return removed
 
     def get(self, keys: Sequence[BlockHash], *, via_shm: bool = False) -> Iterator[BlockRead | None]:
         """Reads blocks one by one (lazily), after touching them as a chain."""
@@ -334,11 +386,14 @@ class BlockStore:
     def stats(self) -> StoreStats:
         with self._lock:
             tiers = [
-                TierStats(s.tier.label, s.blocks, s.used, s.capacity, s.hits, s.misses, s.evictions, s.demotions, s.promotions)
+                TierStats(s.tier.label, s.blocks, s.used, s.capacity, s.hits, s.misses, s.evictions, s.demotions, s.promotions,
+                          available=s.storage.failure is None)
                 for s in self.tiers
             ]
             pinned = sum(1 for e in self._index.values() if e.pins > 0)
-            return StoreStats(tiers, len(self._leases), pinned, self.checksum_failures)
+            failed_writes = self._disk.failed_writes if self._disk is not None else 0
+            return StoreStats(tiers, len(self._leases), pinned, self.checksum_failures, failed_writes,
+                              self.removed_blocks)
 
     def tier_of(self, key: BlockHash) -> Tier | None:
         with self._lock:
@@ -358,11 +413,16 @@ class BlockStore:
 
     def flush_to_disk(self, timeout_s: float = 10.0) -> FlushResult:
         """Moves every memory-tier block to disk (LRU first, so the newest survive a small disk)
-        and waits for the disk writes, all within timeout_s."""
+        and waits for the disk writes, all within timeout_s. Not durable when the disk tier has
+        dropped writes (it failed at runtime): it then takes nothing."""
         deadline = time.monotonic() + timeout_s
         moved = left = 0
         if self._disk is None:
             return FlushResult(0, len(self._index), False)
+        if self._disk.failure is not None:
+            with self._lock:
+                left = sum(1 for e in self._index.values() if e.level < len(self.tiers) - 1)
+            return FlushResult(0, left, False)
         disk_level = len(self.tiers) - 1
         with self._lock:
             for level in range(disk_level):
@@ -374,8 +434,8 @@ class BlockStore:
                         left += 1
                         continue
                     payload = self._read_locked(slot, key)
-                    if payload is None:
-                        left += 1
+                    if payload is None:  # corrupt (counted): not worth keeping either
+                        self._remove(key, entry)
                         continue
                     self._move(key, entry, disk_level, self._writer(key, payload, entry.checksum, entry.ephemeral))
                     moved += 1
@@ -398,7 +458,17 @@ class BlockStore:
 
     def _check_size(self, size: int) -> None:
         if size > self.max_block_bytes:
-            raise BlockTooLarge(f"block of {size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)")
+            raise BlockTooLarge(f"block of {size} bytes exceeds {self.block_limit}")
+
+    def _check_pin_cap(self, caller: str | None, size: int) -> None:
+        cap = self.max_pinned_bytes_per_caller
+        if caller is None or cap is None:
+            return
+        held = self._leases.pinned_bytes(caller)
+        if held + size > cap:
+            raise StoreFull(f"caller {caller} holds leases on {held} bytes; a lease on {size} more would pass its "
+                            f"cap of {cap} bytes (--max-pinned-bytes-per-caller): release leases, or look up "
+                            "without one")
 
     def _writer(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, reserved: int | None = None) -> Write:
         """Writes a block into the tier chosen under the lock: a reserved arena slot (`payload` is
@@ -429,7 +499,9 @@ class BlockStore:
                 return False
             level = next((lv for lv in range(len(self.tiers)) if self._make_room(lv, size, reserved is not None)), None)
             if level is None:
-                raise StoreFull(f"no tier can take a block of {size} bytes: every tier is full of pinned blocks")
+                failed = [f"{s.tier.label}: {s.storage.failure}" for s in self.tiers if s.storage.failure is not None]
+                why = f"; unavailable tiers: {', '.join(failed)}" if failed else ""
+                raise StoreFull(f"no tier can take a block of {size} bytes: every tier is full of pinned blocks{why}")
             slot = self.tiers[level]
             self._seq += 1
             write(slot, self._seq)
@@ -444,7 +516,7 @@ class BlockStore:
         """Frees `size` bytes in tier `level` (and a slot, unless the block `have_slot` already) by
         demoting its victims; False if it cannot."""
         slot = self.tiers[level]
-        if size > slot.capacity - slot.pinned:
+        if size > slot.capacity - slot.pinned or slot.storage.failure is not None:
             return False
         while slot.capacity - slot.used < size:
             victim = slot.policy.victim()
@@ -571,6 +643,19 @@ class BlockStore:
             if self._index.get(key) is entry:
                 self._remove(key, entry)
 
+    def _forget_lost(self, keys: Collection[BlockHash] | None) -> None:
+        """The disk tier could not write `keys` (None: it lost everything, damaged): they are not held."""
+        assert self._disk is not None
+        level = len(self.tiers) - 1
+        with self._lock:
+            if keys is None:
+                keys = [k for k, e in self._index.items() if e.level == level]
+            lost = [(k, e) for k in keys if (e := self._index.get(k)) is not None and e.level == level]
+            for key, entry in lost:
+                self._remove(key, entry)
+        if lost:
+            log.info("forgot %d blocks the disk tier does not hold (%s)", len(lost), self._disk.failure)
+
     def _drop_if_lost(self, key: BlockHash, entry: Entry, level: int) -> None:
         # A read found nothing where the index said: either it moved meanwhile (retry) or its
         # storage lost it (a failed disk write): then forget it.
@@ -633,3 +718,8 @@ class BlockStore:
             need(slot.storage.keys() == set(entries), f"{label}: storage keys != index keys")
         for entry in self._index.values():
             need(entry.pins == pins.get(id(entry), 0), "pin count != leases holding the block")
+        by_caller: dict[str, int] = {}
+        for lease in self._leases:
+            if lease.caller is not None:
+                by_caller[lease.caller] = by_caller.get(lease.caller, 0) + lease.size
+        need(by_caller == self._leases.pinned_by_caller(), "bytes pinned per caller != their leases")

@@ -36,6 +36,12 @@ class TierStorage(ABC):
         slab arena can be out of slots of one size while bytes are free)."""
         return True
 
+    @property
+    def failure(self) -> str | None:
+        """Why the tier stopped taking blocks at runtime (a disk that filled up, turned read-only or was
+        damaged), else None. The store then places nothing there; what it holds is read while it can be."""
+        return None
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Makes written blocks durable; True when everything was flushed in time."""
         return True

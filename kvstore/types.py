@@ -27,6 +27,7 @@ class LookupResult:
     num_hits: int  # leading hashes present
     tiers: list[str]  # one tier name per hit: "device" | "host" | "disk"
     lease_id: str | None  # None when no lease was taken
+    lease_ttl_s: float | None = None  # the TTL the lease got (the store clamps long ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class TierStats:
     evictions: int = 0
     demotions: int = 0
     promotions: int = 0
+    available: bool = True  # False: the tier failed at runtime (disk full, read-only, damaged) and takes no blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class StoreStats:
     leases: int = 0
     pinned_blocks: int = 0
     checksum_failures: int = 0
+    disk_write_failures: int = 0  # blocks the disk tier failed to write, and so does not hold
+    removed_blocks: int = 0  # removed because a reader found them bad
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.tier == name)

@@ -44,8 +44,10 @@ class BlockAssembler:
     `max_block_bytes` (checked on its first chunk, before any payload is buffered).
     """
 
-    def __init__(self, max_block_bytes: int) -> None:
+    def __init__(self, max_block_bytes: int, limit: str | None = None) -> None:
+        """`limit` names what bounds a block, for the message (default: the largest tier)."""
         self.max_block_bytes = max_block_bytes
+        self.limit = limit or f"the largest tier ({max_block_bytes} bytes)"
         self._head: pb.BlockChunk | None = None
         self._buf: bytearray | None = None
         self._received = 0
@@ -85,9 +87,7 @@ class BlockAssembler:
         if chunk.total_size == 0:
             raise InvalidRequest(f"block {chunk.hash.hex()[:16]} is empty")
         if chunk.total_size > self.max_block_bytes:
-            raise BlockTooLarge(
-                f"block of {chunk.total_size} bytes exceeds the largest tier ({self.max_block_bytes} bytes)"
-            )
+            raise BlockTooLarge(f"block of {chunk.total_size} bytes exceeds {self.limit}")
         if chunk.HasField("shm_offset"):
             if chunk.data:
                 raise InvalidRequest("a chunk carries either data or shm_offset, not both")

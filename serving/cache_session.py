@@ -38,11 +38,19 @@ class StoreSession:
         self._on_failure(op)
 
     def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None) -> tuple[int, str]:
-        """(number of leading hits, lease id or "")."""
+        """(number of leading hits, lease id or ""). A store that refuses the lease (this caller pins as
+        much as it may, or the store holds too many leases) is asked again without one: the hits still
+        count, they are only not held for decode."""
         if self.failed or not hashes:
             return 0, ""
         try:
-            result = self._client.lookup(hashes, lease_ttl_s=lease_ttl_s)
+            try:
+                result = self._client.lookup(hashes, lease_ttl_s=lease_ttl_s)
+            except grpc.RpcError as exc:
+                if not lease_ttl_s or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                    raise
+                log.info("KV store refused a lease (%s): looking up without one", exc.details())  # type: ignore[attr-defined]
+                result = self._client.lookup(hashes)
         except STORE_ERRORS as exc:
             self._fail("lookup", exc)
             return 0, ""
@@ -74,6 +82,16 @@ class StoreSession:
             return self._client.put(items, ephemeral=ephemeral)
         except STORE_ERRORS as exc:
             self._fail("put", exc)
+            return 0
+
+    def remove(self, hashes: Sequence[BlockHash]) -> int:
+        """Drops blocks the engine found bad, so that what it recomputes is stored in their place."""
+        if self.failed or not hashes:
+            return 0
+        try:
+            return self._client.remove(hashes)
+        except STORE_ERRORS as exc:
+            self._fail("remove", exc)
             return 0
 
     def release(self, lease_id: str) -> None:

@@ -128,7 +128,7 @@ class Server:
     `add(register_fn, servicer, service_name)` registers a business servicer; `start()` binds
     and returns the bound port (listen on port 0 in tests). With `tls` it serves TLS, and with the
     CA in it and `require_client_cert` (internal services) only to callers with a certificate from
-    that CA; `tls` and `require_client_cert` may also be set after construction, before `start()`.
+    that CA.
     """
 
     def __init__(

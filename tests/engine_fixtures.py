@@ -181,6 +181,10 @@ class DictStore:
                 n += 1
             return n
 
+    def remove(self, hashes: Sequence[BlockHash]) -> int:
+        with self._lock:
+            return sum(self.blocks.pop(h, None) is not None for h in hashes)
+
 
 @dataclass(frozen=True, slots=True)
 class Load:

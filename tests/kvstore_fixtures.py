@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO, Any
 
 from kvstore.config import StoreConfig
 from kvstore.disk_tier import DiskTier
@@ -50,8 +52,10 @@ def make_store(
     tmp: Path | None = None,
     shm: bool = False,
     clock: FakeClock | None = None,
+    **limits: Any,
 ) -> BlockStore:
-    """A store of tiny capacities (bytes); tiers with capacity 0 are left out."""
+    """A store of tiny capacities (bytes); tiers with capacity 0 are left out. `limits`: BlockStore's
+    per-caller limits (max_block_bytes, max_lease_ttl_s, max_pinned_bytes_per_caller)."""
     tiers: list[tuple[TierStorage, int]] = []
     if device:
         from kvstore.device_tier import DeviceTier
@@ -63,7 +67,7 @@ def make_store(
     if disk:
         assert tmp is not None
         tiers.append((DiskTier(tmp / "lmdb", disk), disk))
-    return BlockStore(tiers, clock=clock or FakeClock())
+    return BlockStore(tiers, clock=clock or FakeClock(), **limits)
 
 
 @contextmanager
@@ -78,11 +82,20 @@ def running_server(tmp: Path, **config: object) -> Iterator[StoreServer]:
         server.stop(grace_s=0.5)
 
 
-def start_process(args: list[str]) -> tuple[subprocess.Popen[str], int]:
-    """`python -m kvstore ARGS` on port 0; returns the process and its port once it serves."""
+def start_process(args: list[str], *, max_file_bytes: int | None = None, stderr: IO[str] | None = None
+                  ) -> tuple[subprocess.Popen[str], int]:
+    """`python -m kvstore ARGS` on port 0; returns the process and its port once it serves. With
+    `max_file_bytes`, no file the process writes may grow past it (RLIMIT_FSIZE: a disk that fills up,
+    writes failing with EFBIG); `stderr`: where its log goes."""
+
+    def limit() -> None:
+        if max_file_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--log-level", "WARNING", *args],
-        cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=limit if max_file_bytes is not None else None,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 30

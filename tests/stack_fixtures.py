@@ -158,6 +158,13 @@ class FakeStore:
         with self._lock:
             self.leases.pop(lease_id, None)
 
+    def remove(self, hashes: Sequence[bytes]) -> int:
+        self._call("remove")
+        with self._lock:
+            self.ephemeral.difference_update(hashes)
+            self.corrupted.difference_update(hashes)
+            return sum(self.blocks.pop(h, None) is not None for h in hashes)
+
     def close(self) -> None:
         pass
 

@@ -67,3 +67,28 @@ def test_an_expired_lease_is_not_a_store_failure(code: grpc.StatusCode, failed: 
     s, failures = session(store)
     s.release("lease-0")
     assert s.failed == failed and failures == (["release"] if failed else [])
+
+
+def test_a_refused_lease_is_a_lookup_without_one_not_a_failure() -> None:
+    store = FakeStore()
+    s, failures = session(store)
+    s.put([(A, b"1"), (B, b"2")])
+    lookup = store.lookup
+
+    def capped(hashes: object, lease_ttl_s: float | None = None) -> object:
+        if lease_ttl_s:  # this caller pins as much as the store lets one caller pin
+            raise FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return lookup(hashes, lease_ttl_s)  # type: ignore[arg-type]
+
+    store.lookup = capped  # type: ignore[method-assign,assignment]
+    assert s.lookup([A, B], lease_ttl_s=5.0) == (2, "")
+    assert failures == [] and not s.failed and store.leases == {}
+
+
+def test_remove_passes_through_and_its_failure_is_a_failure() -> None:
+    store = FakeStore()
+    s, failures = session(store)
+    s.put([(A, b"1"), (B, b"2")])
+    assert s.remove([A, b"c" * 32]) == 1 and set(store.blocks) == {B} and s.remove([]) == 0
+    store.down = True
+    assert s.remove([B]) == 0 and failures == ["remove"] and s.failed

@@ -1,7 +1,8 @@
 """The prefill and decode servers (in process) over a real KV store process, with the store doing
 its worst between prefill and decode: concurrent requests racing to put the same new prefix,
 other requests evicting the blocks of one in flight (tiny tiers), the store SIGKILLed and
-restarted, a block corrupted in LMDB on disk. Every answer must still equal Hugging Face's."""
+restarted, a block corrupted in LMDB on disk, a block poisoned in the store. Every answer must still
+equal Hugging Face's."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from typing import Any
 
 import lmdb
 import pytest
+import torch
 
 from client import Client
 from client.client import Result
 from client.stack import Service, start_service
-from engine.hashing import prefix_hashes
+from engine.hashing import Namespace, prefix_hashes
+from engine.kv_codec import decode_block, encode_block
 from kvstore import KVStoreClient
 from kvstore.block_format import HEADER_BYTES, checksum, pack_header, unpack_header
 from prefill_service.client import PrefillCall, PrefillClient
@@ -278,3 +281,46 @@ def test_a_graceful_restart_is_warm_and_gives_the_same_tokens(tiny: Rig) -> None
             break
         assert time.monotonic() < deadline, "no hits after the store restarted"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def roomy() -> Iterator[Rig]:
+    rig = Rig("faults-roomy", "--host-capacity", "8MiB", "--disk-capacity", "64MiB")
+    yield rig
+    rig.close()
+
+
+@pytest.mark.parametrize("poison", ["nan", "other-namespace"])
+def test_a_poisoned_block_is_removed_and_replaced_by_the_recomputed_one(roomy: Rig, poison: str) -> None:
+    """A well-formed block under the right hash whose values are NaN, or whose header names another
+    namespace, put by an internal caller before any request: the engine that loads it rejects it and
+    has the store remove it; what it computes instead is stored, and the next request hits it."""
+    ids = tokens(4 * BLOCK_SIZE + 3, seed=607 + (poison == "nan"))
+    engine = roomy.stack.prefill.engine
+    namespace = engine.namespace()
+    key = prefix_hashes(ids, BLOCK_SIZE, namespace.root())[0]
+    _, layers, _, _, heads, dim = engine.pool.kv.shape
+    shape = (layers, 2, BLOCK_SIZE, heads, dim)
+    if poison == "nan":
+        bad = encode_block(torch.full(shape, float("nan"), dtype=engine.pool.kv.dtype), namespace)
+    else:
+        other = Namespace(namespace.model_fingerprint, namespace.kv_dtype, BLOCK_SIZE, cache_salt="someone-else")
+        bad = encode_block(torch.randn(shape).to(engine.pool.kv.dtype), other)
+    removed = roomy.kv.stats().removed_blocks
+    assert roomy.kv.put([(key, bad)]) == 1
+    kind = "nonfinite" if poison == "nan" else "namespace"
+    rejected = roomy.stack.prefill_metric("kvserve_prefill_bad_blocks_total", kind=kind)
+
+    first = greedy(roomy, ids)
+    check(ids, first)
+    assert roomy.stack.prefill_metric("kvserve_prefill_bad_blocks_total", kind=kind) == rejected + 1
+    assert roomy.kv.stats().removed_blocks == removed + 1
+    [stored] = roomy.kv.get([key])
+    assert stored is not None and stored != bad  # the recomputed block took its place
+    good = decode_block(stored, namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                        dtype=engine.pool.kv.dtype, num_tokens=BLOCK_SIZE)
+    assert bool(torch.isfinite(good).all())
+
+    again = greedy(roomy, ids)
+    assert again.token_ids == first.token_ids and again.usage.cached_tokens == 4 * BLOCK_SIZE
+    assert roomy.kv.stats().removed_blocks == removed + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
+import pytest
 import torch
 
 from engine.hashing import Namespace
@@ -25,6 +26,7 @@ class DictStore:
         self.blocks: dict[BlockHash, bytes] = {}
         self.gets: list[list[BlockHash]] = []
         self.puts: list[tuple[list[BlockHash], bool]] = []  # (keys, ephemeral)
+        self.removes: list[list[BlockHash]] = []
 
     def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         self.gets.append(list(hashes))
@@ -35,6 +37,10 @@ class DictStore:
         self.puts.append(([key for key, _ in items], ephemeral))
         self.blocks.update(items)
         return len(items)
+
+    def remove(self, hashes: Sequence[BlockHash]) -> int:
+        self.removes.append(list(hashes))
+        return sum(self.blocks.pop(h, None) is not None for h in hashes)
 
 
 def _key(name: str) -> BlockHash:
@@ -71,7 +77,8 @@ def _saved(num_tokens: int = 12, tail_key: BlockHash | None = None) -> tuple[Dic
 
 def test_saved_blocks_load_back_bit_exactly_into_other_blocks() -> None:
     store, pool = DictStore(), _pool()
-    pool.kv[1, 0, 0, 0, 0, 0] = float("nan")
+    pool.kv[1, 0, 0, 0, 0, 0] = torch.finfo(torch.float32).tiny / 2  # a subnormal: its bits must survive
+    pool.kv[1, 0, 0, 0, 0, 1] = -0.0
     kv = pool.kv[[0, 1, 2]]
     assert save_blocks(store, KEYS, NS, kv, 12) == 3
     assert store.puts == [(KEYS, False)]
@@ -106,6 +113,46 @@ def test_a_corrupt_block_stops_the_run_and_is_reported() -> None:
     assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "checksum"
     assert torch.equal(_bits(pool.kv[4]), _bits(kv[0]))
     assert _untouched(pool, 5, 6, 7)
+    assert loaded.rejected == (KEYS[1],) and store.removes == [[KEYS[1]]]  # the recomputed block can be put
+
+
+@pytest.mark.parametrize("scatter_store", [False, True], ids=["bytes", "in-place"])
+def test_blocks_with_nan_or_infinite_values_end_the_run_and_are_removed(scatter_store: bool) -> None:
+    """Well-formed blocks (right header, right checksums) whose values are not: a poisoned store."""
+    plain, pool = DictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]].clone()
+    kv[1, 1, 0, 2, 1, 3] = float("nan")
+    kv[2, 0, 1, 0, 0, 0] = float("-inf")
+    save_blocks(plain, KEYS, NS, kv, 12)
+    store = ScatterDictStore() if scatter_store else plain
+    store.blocks = plain.blocks
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "nonfinite"
+    assert loaded.rejected == (KEYS[1], KEYS[2]) and store.removes == [[KEYS[1], KEYS[2]]]
+    assert set(store.blocks) == {KEYS[0]}
+    assert torch.equal(_bits(pool.kv[4]), _bits(kv[0]))
+
+
+def test_a_tail_with_infinite_values_is_removed_and_the_full_blocks_kept() -> None:
+    plain, pool = DictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]].clone()
+    kv[2, 1, 1, 1, 0, 0] = float("inf")  # token 1 of the tail's 2
+    save_blocks(plain, KEYS[:2], NS, kv, 10, tail_key=TAIL)
+    saved = dict(plain.blocks)
+    for store in (plain, ScatterDictStore()):
+        store.blocks = dict(saved)
+        loaded = load_blocks(store, KEYS[:2], NS, pool, [4, 5, 6], (TAIL, 2))
+        assert loaded.num_tokens == 8 and loaded.error is not None and loaded.error.kind == "nonfinite"
+        assert loaded.rejected == (TAIL,) and TAIL not in store.blocks
+
+
+def test_finite_blocks_are_never_removed() -> None:
+    store, pool, kv = _saved(10, TAIL)
+    pool.kv[[0, 1, 2]] = torch.finfo(torch.float32).max / 4  # large, but finite: a sum may not overflow to a false alarm
+    store.blocks.clear()
+    save_blocks(store, KEYS[:2], NS, pool.kv[[0, 1, 2]], 10, tail_key=TAIL)
+    assert load_blocks(store, KEYS[:2], NS, pool, [4, 5, 6], (TAIL, 2)) == Loaded(10)
+    assert store.removes == []
 
 
 def test_a_block_of_another_shape_or_namespace_is_reported() -> None:
@@ -113,9 +160,12 @@ def test_a_block_of_another_shape_or_namespace_is_reported() -> None:
     store.blocks[KEYS[0]] = encode_block(torch.zeros(LAYERS, 2, BS, HEADS, DIM * 2), NS)
     loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
     assert loaded.num_tokens == 0 and loaded.error is not None and loaded.error.kind == "shape"
+    assert loaded.rejected == (KEYS[0],) and store.removes == [[KEYS[0]]] and KEYS[0] not in store.blocks
+    store, pool, _ = _saved()
     other = Namespace("cd" * 32, "float32", block_size=4, cache_salt="other")
     loaded = load_blocks(store, KEYS, other, pool, [4, 5, 6])
     assert loaded.num_tokens == 0 and loaded.error is not None and loaded.error.kind == "namespace"
+    assert loaded.rejected == (KEYS[0],) and store.removes == [[KEYS[0]]]
     assert _untouched(pool, 4, 5, 6, 7)
 
 

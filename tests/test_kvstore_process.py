@@ -119,3 +119,77 @@ def test_an_unusable_disk_path_leaves_the_memory_tiers_serving(tmp_path: Path) -
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _until(ok, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, "the store never got there"
+        time.sleep(0.05)
+
+
+def test_a_disk_that_fills_up_at_runtime_leaves_the_store_serving_with_honest_stats(tmp_path: Path) -> None:
+    # No file of the process may grow past 2 MiB (RLIMIT_FSIZE, as a disk that fills up): LMDB's writes
+    # fail once its data file reaches that, with 5 MB of blocks going down to disk. (No shared-memory
+    # arena: its segment is a file too.)
+    log = (tmp_path / "kvstore.log").open("w")
+    proc, port = start_process(["--host-capacity", "256KiB", "--disk-capacity", "64MiB", "--disk-path",
+                                str(tmp_path / "db"), "--no-shm"], max_file_bytes=2 << 20, stderr=log)
+    names = list(range(100))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            for i in names:
+                assert c.put([(key(i), payload(i, 50_000))]) == 1  # every put succeeds, disk or not
+            _until(lambda: not c.stats().tier("disk").available)
+            _until(lambda: c.stats().disk_write_failures > 0)
+            time.sleep(0.5)  # the writes already queued fail, and the store forgets their blocks
+            stats = c.stats()
+            on_disk = [i for i in names if c.lookup([key(i)]).tiers == ["disk"]]
+            assert stats.tier("disk").blocks == len(on_disk) > 0  # only what LMDB holds is counted
+            assert len(on_disk) + stats.disk_write_failures + stats.tier("host").blocks <= len(names)
+            for i in on_disk:  # what it holds is still read
+                assert c.get([key(i)]) == [payload(i, 50_000)]
+            assert c.put([(key("after"), payload("after", 50_000))]) == 1  # the memory tier takes the rest
+            assert c.get([key("after")]) == [payload("after", 50_000)]
+            assert c.stats().tier("host").available
+            assert c.stats().checksum_failures == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        log.close()
+    text = (tmp_path / "kvstore.log").read_text()
+    assert text.count("stopped taking blocks") == 1, text  # one line, not one a block
+    assert "durable=False" in text and "dropped" in text, text
+
+
+def test_a_data_file_truncated_under_a_running_store_kills_nothing(tmp_path: Path) -> None:
+    blocks = [(key(i), payload(i, 10_000)) for i in range(20)]  # most go down to disk
+    data = tmp_path / "db" / "data.mdb"
+    proc, port = start_process(args(tmp_path))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            assert c.put(blocks) == 20
+            on_disk = c.stats().tier("disk").blocks
+            assert on_disk > 0
+            _until(lambda: data.stat().st_size > on_disk * 10_000)  # committed
+            time.sleep(0.3)  # and the writer idle
+            os.truncate(data, data.stat().st_size // 3)
+            got = c.get([k for k, _ in blocks])  # LMDB's map past the file's end: SIGBUS, unless checked
+            assert proc.poll() is None
+            assert all(g is None or g == p for g, (_, p) in zip(got, blocks, strict=True))
+            assert sum(g is None for g in got) >= on_disk
+            _until(lambda: c.stats().tier("disk").blocks == 0)
+            assert not c.stats().tier("disk").available
+            assert c.put([(key("after"), payload("after", 10_000))]) == 1
+            assert c.get([key("after")]) == [payload("after", 10_000)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    proc, port = start_process(args(tmp_path))  # the damaged tier is moved aside at start
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            assert c.stats().tier("disk").available and c.put(blocks) == 20
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert len(list(tmp_path.glob("db.quarantined-*"))) == 1

@@ -310,8 +310,10 @@ def test_metrics_are_served(tmp_path: Path) -> None:
     assert 'kvserve_kvstore_blocks{tier="host"} 1.0' in text
     assert 'kvserve_kvstore_hits_total{tier="host"} 1.0' in text
     assert "kvserve_kvstore_leases 1.0" in text
-    for name in ("bytes", "misses_total", "evictions_total", "demotions_total", "promotions_total", "checksum_failures_total"):
+    for name in ("bytes", "misses_total", "evictions_total", "demotions_total", "promotions_total", "checksum_failures_total",
+                 "disk_write_failures_total", "removed_blocks_total"):
         assert f"kvserve_kvstore_{name}" in text
+    assert 'kvserve_kvstore_tier_available{tier="host"} 1.0' in text
 
 
 def test_client_follows_a_restarted_store_to_its_new_shm_dir(tmp_path: Path) -> None:
@@ -443,3 +445,83 @@ def test_idle_events_streams_never_take_the_workers_that_serve_lookups(tmp_path:
         c.put([(key(2), payload(2))])
         assert next(stream).kind == pb.Event.KIND_STORED
         stream.cancel()
+
+
+def test_remove_over_rpc_drops_announces_and_lets_the_block_be_stored_again(tmp_path: Path) -> None:
+    with running_server(tmp_path, host_capacity=1 * MiB) as server, KVStoreClient(server.address) as c:
+        c.put([(key(1), payload(1)), (key(2), payload(2))])
+        stream = c._stub.Events(pb.EventsRequest())
+        removed: list[bytes] = []
+        seen = threading.Event()
+
+        def listen() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                for ev in stream:
+                    if ev.kind == pb.Event.KIND_REMOVED:
+                        removed.extend(ev.hashes)
+                        seen.set()
+
+        threading.Thread(target=listen, daemon=True).start()
+        time.sleep(0.2)  # subscribed
+        assert c.remove([key(1), key(3)]) == 1 and c.remove([]) == 0
+        assert seen.wait(5)
+        stream.cancel()
+        assert removed == [key(1)]
+        assert c.get([key(1), key(2)]) == [None, payload(2)]
+        assert c.stats().removed_blocks == 1
+        assert c.put([(key(1), payload("recomputed"))]) == 1
+        assert c.get([key(1)]) == [payload("recomputed")]
+        assert status_of(lambda: c.remove([b"short"])) == grpc.StatusCode.INVALID_ARGUMENT
+        server.store.check_integrity()
+
+
+def test_max_block_bytes_and_the_longest_lease_are_enforced_over_rpc(tmp_path: Path) -> None:
+    with running_server(tmp_path, host_capacity=1 * MiB, max_block_bytes=1000, max_lease_ttl_s=5) as server, \
+            KVStoreClient(server.address, use_shm=False) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            c.put([(key(1), b"x" * 1001)])
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "block of 1001 bytes exceeds the store's --max-block-bytes (1000 bytes)" in info.value.details()
+        assert c.put([(key(1), b"x" * 1000)]) == 1
+        result = c.lookup([key(1)], lease_ttl_s=600)
+        assert result.lease_id and result.lease_ttl_s == 5  # granted, for the longest the store allows
+        assert c.lookup([key(1)]).lease_ttl_s is None
+        server.store.check_integrity()
+
+
+def test_a_caller_pinning_junk_up_to_its_cap_cannot_stop_another_callers_puts(tmp_path: Path) -> None:
+    """The attack: put junk, lease it for 600 s, again and again, until the tier is all pinned and
+    everyone else's Puts are RESOURCE_EXHAUSTED. Callers are told apart by address: this one comes
+    over IPv4, the legitimate one over IPv6 (a certificate's name, with mTLS)."""
+    config = StoreConfig(host_capacity=1 * MiB, shm_root=str(tmp_path), sweep_interval_s=0.05,
+                         max_pinned_bytes_per_caller=MiB // 4)
+    server = StoreServer(config, "[::]:0")
+    try:
+        port = server.start()
+    except RuntimeError:
+        pytest.skip("no IPv6 loopback here")
+    block = 64 * 1024
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as attacker, KVStoreClient(f"[::1]:{port}") as victim:
+            pinned, refused = 0, ""
+            for i in range(32):  # twice what the tier holds
+                attacker.put([(key(f"junk-{i}"), payload(f"junk-{i}", block))])
+                try:
+                    lease = attacker.lookup([key(f"junk-{i}")], lease_ttl_s=600)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    refused = exc.details()
+                    break
+                assert lease.lease_id
+                pinned += block
+            assert pinned == MiB // 4 and "--max-pinned-bytes-per-caller" in refused
+            assert server.store.stats().pinned_blocks == 4
+            for i in range(16):  # a tier's worth of legitimate blocks, each leased as prefill does
+                assert victim.put([(key(f"real-{i}"), payload(f"real-{i}", block))]) == 1
+                result = victim.lookup([key(f"real-{i}")], lease_ttl_s=30)
+                assert result.num_hits == 1 and result.lease_id
+                victim.release(result.lease_id)
+            assert victim.get([key("real-15")]) == [payload("real-15", block)]
+            server.store.check_integrity()
+    finally:
+        server.stop(0.5)

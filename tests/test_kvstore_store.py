@@ -413,3 +413,80 @@ def test_a_truncated_disk_tier_is_quarantined_and_counted(tmp_path: Path) -> Non
     registry.register(StoreCollector(store))
     assert b"kvserve_kvstore_disk_quarantined 1.0" in generate_latest(registry)
     store.close()
+
+
+# -- removal of bad blocks, limits per caller ------------------------------------------------------
+
+
+def test_remove_drops_blocks_from_every_tier_even_leased_and_a_put_stores_them_again(tmp_path: Path) -> None:
+    store = make_store(host=200, disk=1000, tmp=tmp_path)
+    sub = store.events.subscribe()
+    for name in "abc":
+        put(store, name)  # a goes down to disk
+    assert [store.tier_of(key(n)) for n in "abc"] == [DISK, HOST, HOST]
+    lease = store.lookup(keys("b"), lease_ttl_s=30).lease_id
+    assert lease is not None
+    sub.take(0)
+    assert store.remove(keys("a", "b", "zz")) == 2
+    store.check_integrity()
+    assert [(ev.stored, ev.key, ev.tier) for ev in sub.take(0)] == [(False, key("a"), DISK), (False, key("b"), HOST)]
+    assert store.lookup(keys("a")).num_hits == 0 and store.lookup(keys("b")).num_hits == 0
+    assert [b is None for b in store.get(keys("a", "b", "c"))] == [True, True, False]
+    assert store.stats().removed_blocks == 2 and store.stats().pinned_blocks == 0
+    assert put(store, "b", size=120)  # a first write again: the reader's recomputed block
+    store.release(lease)  # the lease held the removed block, never the new one
+    store.check_integrity()
+    assert read(store, "b") == payload("b", 120) and order(store) == keys("b")
+    store.close()
+
+
+def test_a_lease_longer_than_the_longest_allowed_gets_the_longest() -> None:
+    clock = FakeClock()
+    store = make_store(host=400, clock=clock, max_lease_ttl_s=10)
+    put(store, "a")
+    result = store.lookup(keys("a"), lease_ttl_s=600)
+    assert result.lease_id is not None and result.lease_ttl_s == 10
+    assert store.lookup(keys("a"), lease_ttl_s=4).lease_ttl_s == 4
+    assert store.lookup(keys("a")).lease_ttl_s is None
+    clock.advance(10.1)
+    store.sweep()
+    assert store.stats().leases == 0
+    with pytest.raises(InvalidRequest, match="0 \\(no lease\\) or more"):
+        store.lookup(keys("a"), lease_ttl_s=float("nan"))
+    store.check_integrity()
+
+
+def test_each_caller_pins_at_most_its_cap_and_gets_it_back_on_release_or_expiry() -> None:
+    clock = FakeClock()
+    store = make_store(host=1000, clock=clock, max_pinned_bytes_per_caller=300)
+    for i in range(8):
+        put(store, i)
+    first = store.lookup(keys(0, 1), lease_ttl_s=30, caller="10.0.0.1").lease_id
+    assert first is not None
+    store.lookup(keys(2), lease_ttl_s=5, caller="10.0.0.1")
+    with pytest.raises(StoreFull, match="10.0.0.1 holds leases on 300 bytes.*--max-pinned-bytes-per-caller"):
+        store.lookup(keys(3), lease_ttl_s=30, caller="10.0.0.1")
+    store.check_integrity()
+    assert store.lookup(keys(4, 5, 6), lease_ttl_s=30, caller="10.0.0.2").lease_id  # another caller's own cap
+    assert store.lookup(keys(3), caller="10.0.0.1").num_hits == 1  # no lease: never capped
+    assert store.lookup(keys(*range(8)), lease_ttl_s=30).lease_id  # in-process: no cap
+    store.release(first)
+    assert store.lookup(keys(3, 4), lease_ttl_s=30, caller="10.0.0.1").lease_id
+    clock.advance(6)  # the 5 s lease ends
+    assert store.lookup(keys(7), lease_ttl_s=30, caller="10.0.0.1").lease_id
+    store.check_integrity()
+    # A lease that would pass the cap alone is refused too (a prompt larger than the cap looks up without one).
+    with pytest.raises(StoreFull):
+        store.lookup(keys(*range(4)), lease_ttl_s=30, caller="10.0.0.3")
+
+
+def test_max_block_bytes_bounds_blocks_below_the_largest_tier(tmp_path: Path) -> None:
+    store = make_store(host=1000, shm=True, tmp=tmp_path, max_block_bytes=150)
+    assert store.max_block_bytes == 150
+    with pytest.raises(BlockTooLarge, match="block of 151 bytes exceeds the store's --max-block-bytes \\(150 bytes\\)"):
+        store.put(key(1), b"x" * 151)
+    with pytest.raises(BlockTooLarge, match="--max-block-bytes"):
+        store.reserve([151])
+    assert put(store, 1, size=150)
+    assert make_store(host=100, max_block_bytes=150).max_block_bytes == 100  # never above the largest tier
+    store.close()

@@ -207,7 +207,7 @@ def test_lookup_maps_hits_tiers_and_lease_and_release_ends_the_lease(kvstore: gr
     ("request_", "details"),
     [
         (kvstore_pb2.LookupRequest(hashes=[b"short"]), "32 bytes"),
-        (kvstore_pb2.LookupRequest(hashes=[key(1)], lease_ttl_s=1e9), "lease_ttl_s must be between 0 and"),
+        (kvstore_pb2.LookupRequest(hashes=[key(1)], lease_ttl_s=-1), "lease_ttl_s must be 0 (no lease) or more"),
     ],
     ids=["hash-length", "lease-ttl"],
 )

@@ -27,14 +27,16 @@ class LookupRequest(_message.Message):
     def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_hits", "tiers", "lease_id")
+    __slots__ = ("num_hits", "tiers", "lease_id", "lease_ttl_s")
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     num_hits: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     lease_id: str
-    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
     __slots__ = ("hash", "total_size", "checksum", "offset", "data", "shm_offset")
@@ -107,7 +109,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions")
+    __slots__ = ("tier", "blocks", "bytes", "capacity_bytes", "hits", "misses", "evictions", "demotions", "promotions", "unavailable")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +119,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     blocks: int
     bytes: int
@@ -126,19 +129,24 @@ class TierStats(_message.Message):
     evictions: int
     demotions: int
     promotions: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...
+    unavailable: bool
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "leases", "pinned_blocks", "checksum_failures")
+    __slots__ = ("tiers", "leases", "pinned_blocks", "checksum_failures", "disk_write_failures", "removed_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     leases: int
     pinned_blocks: int
     checksum_failures: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+    disk_write_failures: int
+    removed_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., disk_write_failures: _Optional[int] = ..., removed_blocks: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ()
@@ -161,6 +169,18 @@ class Event(_message.Message):
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     tier: Tier
     def __init__(self, kind: _Optional[_Union[Event.Kind, str]] = ..., hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("num_removed",)
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -70,6 +70,11 @@ class KVStoreStub:
                 request_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Remove = channel.unary_unary(
+                '/kvserve.v1.KVStore/Remove',
+                request_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.RemoveRequest.SerializeToString,
+                response_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.RemoveResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -124,6 +129,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Remove(self, request, context):
+        """Internal: drops blocks from every tier (a reader found them bad: corrupt, of another model or
+        shape, non-finite values), announced on Events; a later Put of the same hash is stored again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +174,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoRequest.FromString,
                     response_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoResponse.SerializeToString,
+            ),
+            'Remove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Remove,
+                    request_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.RemoveRequest.FromString,
+                    response_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.RemoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +371,33 @@ class KVStore:
             '/kvserve.v1.KVStore/Info',
             protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoRequest.SerializeToString,
             protos_dot_kvserve_dot_v1_dot_kvstore__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Remove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVStore/Remove',
+            protos_dot_kvserve_dot_v1_dot_kvstore__pb2.RemoveRequest.SerializeToString,
+            protos_dot_kvserve_dot_v1_dot_kvstore__pb2.RemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
