@@ -75,6 +75,7 @@ class TierWatch:
     def __init__(self, addr: str) -> None:
         self.addr, self.samples = addr, 0
         self.over: list[tuple[str, int, int]] = []
+        self.fullest: dict[str, float] = {}  # tier -> highest bytes / capacity seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -84,6 +85,8 @@ class TierWatch:
                 for t in store.stats().tiers:
                     if t.bytes > t.capacity_bytes:
                         self.over.append((t.tier, t.bytes, t.capacity_bytes))
+                    if t.capacity_bytes:
+                        self.fullest[t.tier] = max(self.fullest.get(t.tier, 0.0), t.bytes / t.capacity_bytes)
                 self.samples += 1
 
     def __enter__(self) -> TierWatch:
@@ -107,6 +110,11 @@ def test_many_clients_many_turns(stack: ProcessStack) -> None:
             if time.monotonic() >= deadline:
                 break
     after = {name: rss(p.process.pid) for name, p in procs.items()}
+    # The figures RELIABILITY.md quotes (pytest -s shows them).
+    print(f"\nload: {round_id} rounds of {CLIENTS} clients x {TURNS} turns, {round_id * CLIENTS * TURNS} requests; "
+          f"tiers at most {', '.join(f'{k} {v:.0%}' for k, v in watch.fullest.items())} full over "
+          f"{watch.samples} samples; RSS after warm-up (MiB): "
+          + ", ".join(f"{n} {base[n] / 2**20:.0f} -> {after[n] / 2**20:.0f}" for n in procs))
 
     assert watch.samples > 0 and not watch.over, f"tiers over capacity: {watch.over[:5]}"
     grown = {name: after[name] - base[name] for name in procs if after[name] - base[name] > RSS_SLACK_BYTES}
