@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,45 @@ def test_a_disk_that_fills_up_at_runtime_leaves_the_store_serving_with_honest_st
     text = (tmp_path / "kvstore.log").read_text()
     assert text.count("stopped taking blocks") == 1, text  # one line, not one a block
     assert "durable=False" in text and "dropped" in text, text
+
+
+@pytest.fixture()
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB filesystem (tmpfs), where this machine lets the tests mount one (root)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_real_filesystem_that_fills_up_leaves_the_store_serving_with_honest_stats(small_filesystem: Path) -> None:
+    """The same as above on a real full filesystem (ENOSPC), not a file-size limit."""
+    log = (small_filesystem.parent / "kvstore.log").open("w")
+    proc, port = start_process(["--host-capacity", "256KiB", "--disk-capacity", "64MiB", "--disk-path",
+                                str(small_filesystem / "db"), "--no-shm"], stderr=log)
+    names = list(range(100))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            for i in names:
+                assert c.put([(key(i), payload(i, 50_000))]) == 1
+            _until(lambda: not c.stats().tier("disk").available)
+            time.sleep(0.5)
+            stats = c.stats()
+            on_disk = [i for i in names if c.lookup([key(i)]).tiers == ["disk"]]
+            assert stats.tier("disk").blocks == len(on_disk) > 0 and stats.disk_write_failures > 0
+            for i in on_disk:
+                assert c.get([key(i)]) == [payload(i, 50_000)]
+            assert c.put([(key("after"), payload("after", 50_000))]) == 1
+            assert c.get([key("after")]) == [payload("after", 50_000)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        log.close()
+    text = (small_filesystem.parent / "kvstore.log").read_text()
+    assert text.count("stopped taking blocks") == 1 and "durable=False" in text, text
 
 
 def test_a_data_file_truncated_under_a_running_store_kills_nothing(tmp_path: Path) -> None:

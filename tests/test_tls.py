@@ -6,14 +6,8 @@ mTLS generates what Hugging Face does."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import signal
 import stat
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.cli import main as kvserve
+from client.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from serving.certs import flags, make_certs
@@ -32,7 +27,6 @@ from serving.cli import tls_from_args
 from serving.server import Server
 from serving.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
 
-REPO = Path(__file__).resolve().parent.parent
 NAMES = ("kvstore", "prefill", "decode", "client")
 KEY = BlockHash(b"k" * 32)
 
@@ -195,42 +189,18 @@ def test_the_front_door_serves_tls_without_client_certificates(certs: Path) -> N
         server.stop(0)
 
 
-def _start(module: str, args: list[str], log: Path, timeout_s: float = 120.0) -> tuple[subprocess.Popen[str], str]:
-    """`python -m module args` on port 0 of loopback; (process, address) once it prints LISTENING."""
-    proc = subprocess.Popen([sys.executable, "-m", module, "--listen", "127.0.0.1:0", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=log.open("a"),
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "KVSERVE_PARENT_PID": str(os.getpid())})
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if line.startswith("LISTENING "):
-                return proc, f"127.0.0.1:{int(line.split()[1])}"
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"{module} did not start (exit code {proc.returncode}); see {log}:\n{log.read_text()[-2000:]}")
-
-
-def _stop(*procs: subprocess.Popen[str]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _start(module: str, args: list[str], log: Path) -> Service:
+    """`python -m module args` on port 0 of loopback, once healthy (asked over TLS with its own certificate)."""
+    return start_service(module, module, ["--listen", "127.0.0.1:0", *args], log)
 
 
 @pytest.fixture(scope="module")
 def tls_store(certs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     d = tmp_path_factory.mktemp("store")
-    proc, addr = _start("kvstore", ["--host-capacity", "1MiB", "--shm-root", str(d), "--log-level", "WARNING",
-                                    *flags(certs, "kvstore")], d / "kvstore.log")
-    yield addr
-    _stop(proc)
+    store = _start("kvstore", ["--host-capacity", "1MiB", "--shm-root", str(d), "--log-level", "WARNING",
+                               *flags(certs, "kvstore")], d / "kvstore.log")
+    yield store.addr
+    stop_service(store)
 
 
 def _refused(addr: str, tls: TLSConfig | None) -> None:
@@ -276,17 +246,17 @@ def test_a_stack_with_mtls_generates_what_hugging_face_does(certs: Path, tmp_pat
     from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
 
     model = str(model_dir("llama"))
-    procs: list[subprocess.Popen[str]] = []
+    services: list[Service] = []
     try:
-        store, store_addr = _start("kvstore", ["--host-capacity", "8MiB", "--shm-root", str(tmp_path),
-                                               *flags(certs, "kvstore")], tmp_path / "kvstore.log")
-        procs.append(store)
-        common = ["--model", model, "--kvstore", store_addr, "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING"]
-        prefill, prefill_addr = _start("prefill_service", [*common, *flags(certs, "prefill")], tmp_path / "prefill.log")
-        procs.append(prefill)
-        decode, decode_addr = _start("decode_service", [*common, "--prefill", prefill_addr, *flags(certs, "decode")],
-                                     tmp_path / "decode.log")
-        procs.append(decode)
+        services.append(_start("kvstore", ["--host-capacity", "8MiB", "--shm-root", str(tmp_path),
+                                           *flags(certs, "kvstore")], tmp_path / "kvstore.log"))
+        common = ["--model", model, "--kvstore", services[0].addr, "--block-size", str(BLOCK_SIZE),
+                  "--log-level", "WARNING"]
+        services.append(_start("prefill_service", [*common, *flags(certs, "prefill")], tmp_path / "prefill.log"))
+        prefill_addr = services[1].addr
+        services.append(_start("decode_service", [*common, "--prefill", prefill_addr, *flags(certs, "decode")],
+                               tmp_path / "decode.log"))
+        decode_addr = services[2].addr
 
         with pytest.raises(grpc.RpcError) as info:  # prefill is internal: no plaintext callers
             _health(prefill_addr, None)
@@ -300,4 +270,5 @@ def test_a_stack_with_mtls_generates_what_hugging_face_does(certs: Path, tmp_pat
                 assert_greedy_matches(result.token_ids, want, logits)
                 assert result.usage.cached_tokens == cached
     finally:
-        _stop(*reversed(procs))
+        for service in reversed(services):
+            stop_service(service)
