@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return 2
+    server.start_sweeper()
     return serve(server.rpc, "kvstore", before_stop=[server.store.events.close], on_stop=[server.close_store],
                  grace_s=2.0)
 

@@ -373,10 +373,12 @@ class DiskTier(TierStorage):
         about a microsecond). A file cut short is damage: the tier stops for good."""
         if self._damaged:
             return False
+        # The need first: a commit that raises it meanwhile has already grown the file past it.
+        need = self._need
         size = os.fstat(self._data).st_size
-        if size >= self._need:
+        if size >= need:
             return True
-        self._fail(f"its data file was cut to {size} bytes while LMDB needs {self._need}", damaged=True)
+        self._fail(f"its data file was cut to {size} bytes while LMDB needs {need}", damaged=True)
         return False
 
     def _fail(self, reason: str, *, damaged: bool = False) -> None:

@@ -261,9 +261,13 @@ class StoreServer:
         return f"127.0.0.1:{self.rpc.port}"
 
     def start(self) -> int:
-        port = self.rpc.start()
+        self.start_sweeper()
+        return self.rpc.start()
+
+    def start_sweeper(self) -> None:
+        """Expires leases every `sweep_interval_s`, so that an idle store holds no pin past its TTL
+        (`start` does it; a caller that starts `rpc` itself, as `python -m kvstore` does, calls this)."""
         self._sweeper.start()
-        return port
 
     def stop(self, grace_s: float = 2.0) -> FlushResult | None:
         """Stops serving, flushes the memory tiers to disk and closes the store."""

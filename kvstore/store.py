@@ -385,6 +385,7 @@ class BlockStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
+            self._expire_leases()
             tiers = [
                 TierStats(s.tier.label, s.blocks, s.used, s.capacity, s.hits, s.misses, s.evictions, s.demotions, s.promotions,
                           available=s.storage.failure is None)

@@ -41,6 +41,21 @@ def test_sigterm_flushes_and_restart_is_warm(tmp_path: Path) -> None:
         proc.wait(timeout=30)
 
 
+def test_a_lease_lapses_on_its_ttl_while_the_store_is_idle(tmp_path: Path) -> None:
+    """A lease's pin ends on its TTL with no call to end it (the sweeper, and Stats itself, expire it)."""
+    proc, port = start_process(args(tmp_path))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}") as c:
+            assert c.put([(key(1), payload(1, 1000))]) == 1
+            assert c.lookup([key(1)], lease_ttl_s=0.5).lease_id
+            time.sleep(1.5)
+            stats = c.stats()
+            assert (stats.leases, stats.pinned_blocks) == (0, 0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_sigkill_never_corrupts_the_disk_tier(tmp_path: Path) -> None:
     proc, port = start_process(args(tmp_path))
     with KVStoreClient(f"127.0.0.1:{port}") as c:
