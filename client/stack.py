@@ -155,7 +155,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _port_in_use(host: str, port: int) -> bool:
+def port_in_use(host: str, port: int) -> bool:
     """Whether a server listens on `port` of `host`. A bind without SO_REUSEPORT fails where one
     does (gRPC servers set SO_REUSEPORT, and would share the port); SO_REUSEADDR lets the bind
     pass over connections of a stopped server that linger in TIME_WAIT."""
@@ -399,7 +399,7 @@ class Stack:
         if c.metrics_base_port is not None:
             ports |= {f"{name} metrics": c.metrics_base_port + i
                       for i, name in enumerate(("decode", "prefill", "store"))}
-        taken = [f"{name} port {port}" for name, port in ports.items() if port and _port_in_use(c.host, port)]
+        taken = [f"{name} port {port}" for name, port in ports.items() if port and port_in_use(c.host, port)]
         if taken:
             raise StackError(f"{', '.join(taken)} already in use on {c.host} (another `kvserve up`?); "
                              "stop it or choose other ports")

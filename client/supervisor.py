@@ -25,10 +25,10 @@ from client.stack import (
     Stack,
     StackError,
     StartFailed,
-    _port_in_use,
     describe_exit,
     flag_value,
     log_lines,
+    port_in_use,
     remove_shm_leftovers,
     wait_started,
 )
@@ -214,7 +214,7 @@ class Supervisor:
 
     def _start_again(self, child: _Child) -> None:
         host = self.stack.config.host
-        taken = [p for p in self.stack.specs[child.name].ports if _port_in_use(host, p)]
+        taken = [p for p in self.stack.specs[child.name].ports if port_in_use(host, p)]
         if taken:
             raise Unrecoverable(f"cannot start {child.name} again: port {taken[0]} on {host} is taken by "
                                 "another process")

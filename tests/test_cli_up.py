@@ -338,18 +338,18 @@ def test_port_check_passes_over_time_wait_of_a_stopped_server() -> None:
     """Right after a stack stops, its ports have connections in TIME_WAIT: not "in use"."""
     import socket
 
-    from client.stack import _port_in_use
+    from client.stack import port_in_use
 
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     port = listener.getsockname()[1]
-    assert _port_in_use("127.0.0.1", port)
+    assert port_in_use("127.0.0.1", port)
     client = socket.create_connection(("127.0.0.1", port))
     conn, _ = listener.accept()
     conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
     time.sleep(0.1)
     client.close()
     listener.close()
-    assert not _port_in_use("127.0.0.1", port)
+    assert not port_in_use("127.0.0.1", port)
