@@ -224,6 +224,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         disk_capacity=args.disk_capacity, block_size=args.block_size,
         extra_decode_args=[] if args.auth_tokens is None else ["--auth-tokens", str(args.auth_tokens)],
     )
+    if not args.tls and args.host.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
+        print(f"kvserve up: warning: the store and prefill take any caller that reaches {args.host}, and can be "
+              "read or written by it; pass --tls for mTLS between the services (and --auth-tokens for the front "
+              "door)", file=sys.stderr)
     if args.tls:
         config.tls_dir = args.data_dir / "certs"
         certs = importlib.import_module("serving.certs")
