@@ -117,7 +117,7 @@ def _nonfinite(pool: KVPool, blocks: Sequence[int], counts: Sequence[int]) -> li
     if bool(finite.all()):
         return []
     return [i for i, ok in enumerate(finite.tolist())
-            if not ok and not torch.isfinite(views[i].to(acc) if views[i].element_size() == 1 else views[i]).all()]
+            if not ok and not torch.isfinite(views[i].to(acc)).all()]
 
 
 def _load_in_place(
