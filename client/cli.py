@@ -42,6 +42,8 @@ FORWARDED = {
     ("decode",): "decode_service.__main__",
     ("certs",): "serving.tls",
     ("token",): "serving.auth",
+    ("router",): "router.__main__",
+    ("health",): "client.health",
 }
 
 
@@ -108,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
+    sub.add_parser("router", help="run the prefix-aware router in front of several decode replicas "
+                                  "(see `kvserve router --help`)")
+    sub.add_parser("health", help="ask a service's gRPC health endpoint; exit 0 when it serves "
+                                  "(see `kvserve health --help`)")
     sub.add_parser("certs", help="make a local CA and service certificates for mTLS (see `kvserve certs --help`)")
     sub.add_parser("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
     bench = sub.add_parser(

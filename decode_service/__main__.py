@@ -23,7 +23,9 @@ from serving.cli import (
     add_server_flags,
     configure_logging,
     engine_token_budget,
+    env_epilog,
     exit_with_parent,
+    parse_args,
     prepare_engine_process,
     serve,
     tls_from_args,
@@ -32,7 +34,7 @@ from serving.server import Server
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = argparse.ArgumentParser(epilog=env_epilog("decode"),
         prog="kvserve decode",
         description="The decode service, kvserve's front door: streams generated tokens for a prompt.",
     )
@@ -49,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
-    args = parser().parse_args(argv)
+    args = parse_args(parser(), argv, "decode")
     configure_logging("decode", args.log_level)
     tls = tls_from_args(args, "decode")
     prepare_engine_process(args.nice)

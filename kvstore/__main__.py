@@ -12,7 +12,9 @@ from kvstore.server import StoreServer
 from serving.cli import (
     add_server_flags,
     configure_logging,
+    env_epilog,
     exit_with_parent,
+    parse_args,
     parse_size,
     serve,
     tls_from_args,
@@ -20,7 +22,7 @@ from serving.cli import (
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvserve kvstore", description="Run the tiered KV block store (gRPC kvserve.v1.KVStore).")
+    p = argparse.ArgumentParser(epilog=env_epilog("kvstore"), prog="kvserve kvstore", description="Run the tiered KV block store (gRPC kvserve.v1.KVStore).")
     add_server_flags(p, listen="127.0.0.1:50053")
     p.add_argument("--device", choices=["off", "cpu", "cuda"], default="off",
                    help="device tier: cuda (GPU memory), cpu (CPU tensors, for tests) or off (default)")
@@ -50,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
-    args = parser().parse_args(argv)
+    args = parse_args(parser(), argv, "kvstore")
     configure_logging("kvstore", args.log_level)
     tls = tls_from_args(args, "kvstore")
     try:

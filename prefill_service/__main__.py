@@ -20,7 +20,9 @@ from serving.cli import (
     add_server_flags,
     configure_logging,
     engine_token_budget,
+    env_epilog,
     exit_with_parent,
+    parse_args,
     prepare_engine_process,
     serve,
     tls_from_args,
@@ -29,7 +31,7 @@ from serving.server import Server
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = argparse.ArgumentParser(epilog=env_epilog("prefill"),
         prog="kvserve prefill",
         description="The prefill service: computes the prompt KV the store lacks and leaves it there for decode.",
     )
@@ -44,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     exit_with_parent()
-    args = parser().parse_args(argv)
+    args = parse_args(parser(), argv, "prefill")
     configure_logging("prefill", args.log_level)
     tls = tls_from_args(args, "prefill")
     prepare_engine_process(args.nice)

@@ -30,6 +30,54 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def env_prefix(service: str) -> str:
+    """`KVSERVE_<SERVICE>_`: the prefix of the variables that set `service`'s flags."""
+    return f"KVSERVE_{service.upper()}_"
+
+
+def env_epilog(service: str) -> str:
+    """The line every service's --help ends with, naming its variables."""
+    return (f"Every flag can be set by an environment variable instead: {env_prefix(service)}<FLAG>, the flag's "
+            f"name in upper case with dashes as underscores (e.g. --log-level: {env_prefix(service)}LOG_LEVEL; "
+            f"a switch takes true or false). A flag on the command line wins over its variable.")
+
+
+def env_args(p: argparse.ArgumentParser, service: str, environ: dict[str, str] | None = None) -> list[str]:
+    """The command-line arguments the `KVSERVE_<SERVICE>_<FLAG>` variables of `environ` stand for."""
+    environ = dict(os.environ) if environ is None else environ
+    args: list[str] = []
+    for action in p._actions:
+        flags = [s for s in action.option_strings if s.startswith("--")]
+        if not flags or isinstance(action, argparse._HelpAction):
+            continue
+        flag = flags[0]
+        var = env_prefix(service) + flag[2:].upper().replace("-", "_")
+        value = environ.get(var, "")
+        if not value:
+            continue
+        if action.nargs == 0:  # a switch: --x, or --x/--no-x
+            word = value.strip().lower()
+            if word not in _TRUE | _FALSE:
+                p.error(f"{var}={value!r}: a switch takes true or false")
+            if word in _TRUE:
+                args.append(flag)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                args.append(f"--no-{flag[2:]}")
+        else:
+            args.append(f"{flag}={value}")
+    return args
+
+
+def parse_args(p: argparse.ArgumentParser, argv: Iterable[str] | None, service: str) -> argparse.Namespace:
+    """`p.parse_args(argv)` with every flag also readable from `KVSERVE_<SERVICE>_<FLAG>`; the command line
+    comes after the variables, so it wins."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return p.parse_args([*env_args(p, service), *argv])
+
+
 def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: int | None = None) -> None:
     """--listen, --metrics-port, --log-level, --tls-cert/--tls-key/--tls-ca, and --max-workers when the
     service takes it."""
