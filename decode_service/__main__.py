@@ -8,13 +8,15 @@ import sys
 from collections.abc import Sequence
 
 from decode_service.metrics import DecodeMetrics
+from decode_service.replica import SERVICE_NAME as REPLICA_SERVICE_NAME
+from decode_service.replica import DecodeReplicaServicer
 from decode_service.server import SERVICE_NAME, DecodeServicer
 from decode_service.service import DecodeService
 from engine.engine import Engine
 from engine.model import load_model
 from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
-from prefill_service.client import PrefillClient
+from prefill_service.client import PrefillReplicas
 from protos.kvserve.v1 import decode_pb2_grpc
 from serving.auth import AuthConfigError, add_auth_flags, auth_from_args
 from serving.cli import (
@@ -39,7 +41,11 @@ def parser() -> argparse.ArgumentParser:
         description="The decode service, kvserve's front door: streams generated tokens for a prompt.",
     )
     add_model_flags(ap, model_help="local Hugging Face model folder (the one prefill serves)")
-    ap.add_argument("--prefill", default="127.0.0.1:50052", help="prefill service address (default %(default)s)")
+    ap.add_argument("--prefill", default="127.0.0.1:50052",
+                    help="prefill service address, or several separated by commas (replicas sharing this "
+                         "service's store): each request goes to the one with the fewest requests in flight "
+                         "from here, one that is unavailable is skipped for 2 s and the request asked "
+                         "elsewhere (default %(default)s)")
     add_server_flags(ap, listen="127.0.0.1:50051", max_workers=64)
     add_engine_flags(ap, budget_cpu=64, budget_cuda=512,
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
@@ -78,10 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
-    prefill = PrefillClient(args.prefill, timeout_s=args.prefill_timeout_s, tls=tls)
+    prefill = PrefillReplicas.connect(args.prefill, timeout_s=args.prefill_timeout_s, tls=tls)
     service = DecodeService(engine, store, prefill, metrics)
-    server.add(decode_pb2_grpc.add_DecodeServicer_to_server,
-               DecodeServicer(service, tenant_salts=auth.salts if auth else None), SERVICE_NAME)
+    front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
+    server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
+               DecodeReplicaServicer(front, engine, store, metrics), REPLICA_SERVICE_NAME)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
 

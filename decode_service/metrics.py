@@ -43,3 +43,7 @@ class DecodeMetrics:
         self.waiting = Gauge(p + "waiting_requests", "Requests not yet in the decode engine (prefill, hand-off)",
                              registry=registry)
         self.engine = EngineMetrics(registry, p)
+
+    def running_and_waiting(self) -> tuple[int, int]:
+        get = self.registry.get_sample_value
+        return int(get("kvserve_decode_running_requests") or 0), int(get("kvserve_decode_waiting_requests") or 0)

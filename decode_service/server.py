@@ -43,7 +43,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.service = service
         self.tenant_salts = tenant_salts
 
-    def _scoped(self, options: RequestOptions) -> RequestOptions:
+    def scoped(self, options: RequestOptions) -> RequestOptions:
         if self.tenant_salts is None:
             return options
         tenant = current_tenant()
@@ -58,7 +58,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         job = GenerateJob(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt=prompt_from_proto(request.prompt),
-            options=self._scoped(options_from_proto(request.sampling, request.cache)),
+            options=self.scoped(options_from_proto(request.sampling, request.cache)),
             arrival=arrival,
             time_left_s=context.time_remaining(),
         )

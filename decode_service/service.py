@@ -23,7 +23,7 @@ from engine.model import max_new_tokens
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Finished, Sequence
 from kvstore import KVStoreClient
-from prefill_service.client import PrefillCall, PrefillCancelled, PrefillClient
+from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas
 from serving.cache_session import StoreSession
 from serving.errors import FailedPrecondition, ServiceError, Unavailable
 from serving.metrics import outcome_of
@@ -80,7 +80,7 @@ class RequestState:
 
 
 class DecodeService:
-    def __init__(self, engine: Engine, store: KVStoreClient, prefill: PrefillClient, metrics: DecodeMetrics) -> None:
+    def __init__(self, engine: Engine, store: KVStoreClient, prefill: PrefillReplicas, metrics: DecodeMetrics) -> None:
         self.engine = engine
         self.store = store
         self.prefill = prefill
@@ -128,7 +128,7 @@ class DecodeService:
             state.outcome = "cancelled"
             return
         t_prefilled = time.perf_counter()
-        self._check_same_deployment(handle)
+        self._check_same_deployment(handle, call.addr)
         prompt = handle.prompt_token_ids
         max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
         generation = Generation(
@@ -181,17 +181,23 @@ class DecodeService:
         )
 
     def _first_answer(self, job: GenerateJob, cancel: Cancellation) -> tuple[PrefillCall, PrefillHandle]:
-        """The prefill call and its first answer. A prefill service that is unavailable (restarting, its
-        connection dropped) is asked once more: the call is idempotent, it only fills a cache."""
-        for attempt in (1, 2):
-            call = self.prefill.start(job.request_id, job.prompt, job.options, time_left_s=job.time_left_s)
+        """The prefill call and its first answer. A prefill replica that is unavailable (restarting, its
+        connection dropped) is marked down and another asked, or the same one once more when it is the
+        only one: the call is idempotent, it only fills a cache."""
+        tried: list[str] = []
+        attempts = max(2, len(self.prefill.clients))
+        for attempt in range(1, attempts + 1):
+            call = self.prefill.start(job.request_id, job.prompt, job.options, time_left_s=job.time_left_s,
+                                      avoid=tried)
             cancel.on_cancel(call.cancel)
             try:
                 return call, call.first()
             except Unavailable as exc:
-                if attempt == 2:
+                if attempt == attempts:
                     raise
-                log.warning("prefill unavailable for %s (%s): asking once more", job.request_id, exc)
+                self.prefill.mark_down(call.addr)
+                tried.append(call.addr)
+                log.warning("prefill at %s unavailable for %s (%s): asking again", call.addr, job.request_id, exc)
         raise AssertionError("unreachable")
 
     def _kv_handle(self, call: PrefillCall, early: PrefillHandle) -> PrefillHandle:
@@ -206,7 +212,7 @@ class DecodeService:
                         early.request_id, exc)
             return early
 
-    def _check_same_deployment(self, handle: PrefillHandle) -> None:
+    def _check_same_deployment(self, handle: PrefillHandle, prefill_addr: str) -> None:
         """The prompt's token ids and first token come from prefill's model, its blocks from its block
         size: with another model here every token would be wrong, with another block size no block
         would ever be reused. Refused before anything is streamed."""
@@ -223,7 +229,7 @@ class DecodeService:
             return
         StoreSession(self.store, self._store_failed).release(handle.lease_id)
         raise DeploymentMismatch(
-            f"the prefill service at {self.prefill.addr} does not match this decode service: " + "; ".join(problems)
+            f"the prefill service at {prefill_addr} does not match this decode service: " + "; ".join(problems)
         )
 
     def _sampler(self, params: SamplingParams) -> Sampler:

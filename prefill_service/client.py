@@ -8,7 +8,10 @@ away can cancel it (the prefill service then skips the forward pass). Errors com
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import grpc
 
@@ -50,6 +53,14 @@ class PrefillCall:
         self._call = call
         self._addr = addr
         self._timeout_s = timeout_s
+
+    @property
+    def addr(self) -> str:
+        return self._addr
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Calls `fn` once the RPC has ended, however it ended."""
+        self._call.add_done_callback(lambda _: fn())  # type: ignore[attr-defined]
 
     def cancel(self) -> None:
         """Cancels the RPC; safe from any thread and after it has finished."""
@@ -113,3 +124,60 @@ class PrefillClient:
         )
         timeout = self.timeout_s if time_left_s is None else max(0.0, min(self.timeout_s, time_left_s))
         return PrefillCall(self._stub.PrefillStream(request, timeout=timeout), self.addr, timeout)
+
+
+class PrefillReplicas:
+    """Several prefill services of one deployment (sharing decode's store): each call goes to the one
+    with the fewest calls in flight from here among those not marked down, ties in turn. A replica
+    that answered UNAVAILABLE is marked down for `down_s` and the caller asks another (`avoid`)."""
+
+    def __init__(self, clients: Sequence[PrefillClient], down_s: float = 2.0) -> None:
+        if not clients:
+            raise ValueError("at least one prefill address is needed")
+        self.clients = list(clients)
+        self.down_s = down_s
+        self._in_flight = dict.fromkeys(range(len(clients)), 0)
+        self._down_until = dict.fromkeys(range(len(clients)), 0.0)
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, addrs: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None) -> PrefillReplicas:
+        """From a comma-separated list of addresses."""
+        return cls([PrefillClient(a.strip(), timeout_s, tls=tls) for a in addrs.split(",") if a.strip()])
+
+    @property
+    def addr(self) -> str:
+        return ",".join(c.addr for c in self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def start(self, request_id: str, prompt: PromptInput, options: RequestOptions, *,
+              time_left_s: float | None = None, avoid: Collection[str] = ()) -> PrefillCall:
+        """`PrefillClient.start` on the chosen replica; one in `avoid` only when every other is."""
+        i = self._pick(avoid)
+        call = self.clients[i].start(request_id, prompt, options, time_left_s=time_left_s)
+        call.on_done(lambda: self._done(i))
+        return call
+
+    def mark_down(self, addr: str) -> None:
+        with self._lock:
+            for i, c in enumerate(self.clients):
+                if c.addr == addr:
+                    self._down_until[i] = time.monotonic() + self.down_s
+
+    def _pick(self, avoid: Collection[str]) -> int:
+        now, turn, n = time.monotonic(), next(self._turn), len(self.clients)
+        with self._lock:
+            order = [(turn + k) % n for k in range(n)]
+            up = [i for i in order if self._down_until[i] <= now and self.clients[i].addr not in avoid]
+            fallback = [i for i in order if self.clients[i].addr not in avoid] or order
+            i = min(up, key=self._in_flight.__getitem__) if up else min(fallback, key=self._down_until.__getitem__)
+            self._in_flight[i] += 1
+            return i
+
+    def _done(self, i: int) -> None:
+        with self._lock:
+            self._in_flight[i] -= 1

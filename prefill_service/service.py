@@ -18,16 +18,16 @@ from engine.hashing import Namespace, prefix_hashes
 from engine.kv_codec import BlockError
 from engine.kv_pool import KVPool
 from engine.kv_transfer import load_blocks, save_blocks
-from engine.model import Model, encode_prompt, max_new_tokens
+from engine.model import max_new_tokens
 from engine.sampling import Sampler
 from engine.sequence import Finished, Sequence, Status, TokenEvent
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
 from protos.block_hash import BlockHash
 from serving.cache_session import StoreSession
-from serving.errors import Cancelled, DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
+from serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from serving.metrics import count_outcome
-from serving.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
+from serving.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions, encode
 
 DEFAULT_LEASE_TTL_S = 30.0
 LIVENESS_POLL_S = 0.05  # how often a waiting request checks that its caller is still there
@@ -58,22 +58,6 @@ def request_scoped_keys(root: BlockHash, request_id: str, num_blocks: int) -> tu
     base = hashlib.sha256(b"kvserve/request\x00" + root + os.urandom(16) + request_id.encode()).digest()
     blocks = [BlockHash(hashlib.sha256(base + b"block" + i.to_bytes(4, "little")).digest()) for i in range(num_blocks)]
     return blocks, BlockHash(hashlib.sha256(base + b"tail").digest())
-
-
-def encode(model: Model, prompt: PromptInput) -> list[int]:
-    """Token ids of the prompt; a bad prompt (token id outside the vocabulary...) is InvalidArgument."""
-    messages = None
-    if prompt.messages is not None:
-        messages = [{"role": role, "content": content} for role, content in prompt.messages]
-    try:
-        return encode_prompt(
-            model,
-            text=prompt.text,
-            messages=messages,
-            token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
-        )
-    except ValueError as exc:
-        raise InvalidArgument(str(exc)) from exc
 
 
 class PrefillKV:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.model import Model, encode_prompt
 from engine.sampling import SamplingParams
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import common_pb2, prefill_pb2
@@ -72,6 +73,22 @@ class PrefillHandle:
     lease_id: str = ""
     model_fingerprint: str = ""
     kv_pending: bool = False
+
+
+def encode(model: Model, prompt: PromptInput) -> list[int]:
+    """Token ids of the prompt; a bad prompt (token id outside the vocabulary...) is InvalidArgument."""
+    messages = None
+    if prompt.messages is not None:
+        messages = [{"role": role, "content": content} for role, content in prompt.messages]
+    try:
+        return encode_prompt(
+            model,
+            text=prompt.text,
+            messages=messages,
+            token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 
 def prompt_from_proto(prompt: common_pb2.Prompt) -> PromptInput:

@@ -210,7 +210,7 @@ class LocalStack:
         from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
         from decode_service.service import DecodeService
-        from prefill_service.client import PrefillClient
+        from prefill_service.client import PrefillClient, PrefillReplicas
         from prefill_service.metrics import PrefillMetrics
         from prefill_service.server import SERVICE_NAME as PREFILL
         from prefill_service.server import PrefillServicer
@@ -242,7 +242,7 @@ class LocalStack:
         if wrap_prefill_client is not None:
             prefill_client = wrap_prefill_client(prefill_client)
         self.decode = DecodeService(
-            decode_engine, self.store, prefill_client, self.decode_metrics,  # type: ignore[arg-type]
+            decode_engine, self.store, PrefillReplicas([prefill_client]), self.decode_metrics,  # type: ignore[arg-type]
         )
         self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), DECODE)
         self.decode.start()

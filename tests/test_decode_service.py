@@ -16,7 +16,7 @@ import pytest
 from client import Client
 from client.client import Chunk, KVServeError, Result, build_request
 from engine.hashing import prefix_hashes
-from prefill_service.client import PrefillClient
+from prefill_service.client import PrefillClient, PrefillReplicas
 from protos.kvserve.v1 import decode_pb2_grpc
 from serving.errors import Unavailable
 from tests.model_faults import FaultyForward, at_position, never
@@ -114,34 +114,54 @@ def test_prefill_failing_after_the_first_token_leaves_decode_to_compute_the_prom
     assert "prefill failed after the first token" in caplog.text
 
 
-class FirstCallToADeadPrefill:
-    """Decode's PrefillClient, whose first call goes to a port where nothing listens (a prefill service
-    restarting): UNAVAILABLE, as a dropped connection gives."""
-
-    def __init__(self, real: PrefillClient) -> None:
-        self.real, self.addr = real, real.addr
-        self.dead = PrefillClient("127.0.0.1:1", timeout_s=5)
-        self.calls = 0
-
-    def start(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return (self.dead if self.calls == 1 else self.real).start(*args, **kwargs)
-
-    def close(self) -> None:
-        self.dead.close()
-
-
-def test_an_unavailable_prefill_is_asked_once_more(stack: LocalStack, client: Client,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unavailable_prefill_replica_is_skipped(stack: LocalStack, client: Client,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica where nothing listens (a prefill service restarting) answers UNAVAILABLE: it is marked
+    down and the request asked of the next one; later requests skip it while it is down."""
     ids = tokens(2 * BLOCK_SIZE + 3, seed=19)
     want, logits = oracle(ARCH, ids, 6)
-    flaky = FirstCallToADeadPrefill(stack.decode.prefill)
-    monkeypatch.setattr(stack.decode, "prefill", flaky)
+    real = stack.decode.prefill.clients[0]
+    dead = PrefillClient("127.0.0.1:1", timeout_s=5)
+    replicas = PrefillReplicas([dead, real], down_s=60)
+    started = {dead.addr: 0, real.addr: 0}
+    for c in (dead, real):
+        monkeypatch.setattr(c, "start", counted(c.start, started, c.addr))
+    monkeypatch.setattr(stack.decode, "prefill", replicas)
+    try:
+        for _ in range(3):
+            assert_greedy_matches(greedy(client, ids, 6).token_ids, want, logits)
+    finally:
+        dead.close()
+    assert started == {dead.addr: 1, real.addr: 3}
+
+
+def test_the_only_prefill_is_asked_once_more_when_unavailable(stack: LocalStack, client: Client,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tokens(2 * BLOCK_SIZE + 3, seed=20)
+    want, logits = oracle(ARCH, ids, 6)
+    real = stack.decode.prefill.clients[0]
+    dead = PrefillClient("127.0.0.1:1", timeout_s=5)
+    calls: list[str] = []
+    real_start = real.start
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append("call")
+        return (dead.start if len(calls) == 1 else real_start)(*args, **kwargs)
+
+    monkeypatch.setattr(stack.decode, "prefill", PrefillReplicas([real]))
+    monkeypatch.setattr(real, "start", flaky)
     try:
         assert_greedy_matches(greedy(client, ids, 6).token_ids, want, logits)
     finally:
-        flaky.close()
-    assert flaky.calls == 2
+        dead.close()
+    assert len(calls) == 2
+
+
+def counted(fn: Any, counts: dict[str, int], key: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        counts[key] += 1
+        return fn(*args, **kwargs)
+    return call
 
 
 def test_store_down_still_answers(stack: LocalStack, client: Client) -> None:

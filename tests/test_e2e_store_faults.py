@@ -84,6 +84,8 @@ class CallThen:
     def __init__(self, call: PrefillCall, action: Callable[[], None]) -> None:
         self._call = call
         self._action = action
+        self.addr = call.addr
+        self.on_done = call.on_done
 
     def cancel(self) -> None:
         self._call.cancel()

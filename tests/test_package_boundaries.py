@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "client")
+PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "router", "client")
 PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore", "prefill", "decode")
           for grpc in ("", "_grpc")}
 SERVING = {"serving.auth", "serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
@@ -27,12 +27,15 @@ ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "engine": {"protos.block_hash"},
     "kvstore": {"protos.block_hash", "serving.cli", "serving.server", "serving.tls"} | PROTOS,
-    # requests: the contract names engine's SamplingParams; metrics: the engine's StepStats;
+    # requests: the contract names engine's SamplingParams and encodes a prompt with the model's
+    # tokenizer (prefill for its forward, decode for a router's prefix hashes); metrics: the engine's StepStats;
     # cache_session: the store's public client.
-    "serving": {"protos.block_hash", "engine.sampling", "engine.engine", "kvstore"} | PROTOS,
+    "serving": {"protos.block_hash", "engine.model", "engine.sampling", "engine.engine", "kvstore"} | PROTOS,
     "prefill_service": {"protos.block_hash", "kvstore"} | ENGINE_FOR_SERVICES | SERVING | PROTOS,
     "decode_service": {"protos.block_hash", "kvstore", "prefill_service.client"}
     | ENGINE_FOR_SERVICES | SERVING | PROTOS,
+    # the router holds no model: the shared server code without the request contract (which names the engine's)
+    "router": {"protos.block_hash", "serving.cli", "serving.errors", "serving.server", "serving.tls"} | PROTOS,
     "client": set(PROTOS),
 }
 # Modules allowed more than the rest of their package: the pytest plugin hands its users a client
@@ -41,6 +44,7 @@ ALLOWED_IN_MODULE: dict[str, set[str]] = {"client/pytest_plugin.py": {"kvstore"}
 FORBIDDEN_THIRD_PARTY = {
     "engine": {"grpc"},
     "serving": {"torch", "transformers"},
+    "router": {"torch", "transformers"},
     "client": {"torch", "transformers"},
 }
 TORCH_IN_KVSTORE = {"device_tier.py"}  # torch (or cupy) only in the device tier

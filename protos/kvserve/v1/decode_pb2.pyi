@@ -1,4 +1,5 @@
 from protos.kvserve.v1 import common_pb2 as _common_pb2
+from protos.kvserve.v1 import kvstore_pb2 as _kvstore_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -50,3 +51,25 @@ class GenerateResponse(_message.Message):
     token: TokenChunk
     result: GenerateResult
     def __init__(self, token: _Optional[_Union[TokenChunk, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ...) -> None: ...
+
+class PrefixHashesResponse(_message.Message):
+    __slots__ = ("hashes", "prompt_tokens", "block_size")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt_tokens: int
+    block_size: int
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("running", "waiting")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.kvserve.v1 import decode_pb2 as protos_dot_kvserve_dot_v1_dot_decode__pb2
+from protos.kvserve.v1 import kvstore_pb2 as protos_dot_kvserve_dot_v1_dot_kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -89,6 +90,172 @@ class Decode:
             '/kvserve.v1.Decode/Generate',
             protos_dot_kvserve_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
             protos_dot_kvserve_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class DecodeReplicaStub:
+    """Internal: what `kvserve router` asks of each decode replica, on the replica's own port.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PrefixHashes = channel.unary_unary(
+                '/kvserve.v1.DecodeReplica/PrefixHashes',
+                request_serializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.PrefixHashesResponse.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvserve.v1.DecodeReplica/Load',
+                request_serializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.LoadRequest.SerializeToString,
+                response_deserializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.LoadResponse.FromString,
+                _registered_method=True)
+        self.Events = channel.unary_stream(
+                '/kvserve.v1.DecodeReplica/Events',
+                request_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.EventsRequest.SerializeToString,
+                response_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.Event.FromString,
+                _registered_method=True)
+
+
+class DecodeReplicaServicer:
+    """Internal: what `kvserve router` asks of each decode replica, on the replica's own port.
+    """
+
+    def PrefixHashes(self, request, context):
+        """The prompt's prefix block hashes in the namespace the same Generate would use here (its tenant's
+        with auth on, and its cache_salt): one per full block, in order. Empty with prefix_cache off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
+        """How busy the replica is now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Events(self, request, context):
+        """The blocks this replica's node gains and loses (its store's Events; every full block in the
+        replica's KV pool is saved there too), as the store sends them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeReplicaServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PrefixHashes': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefixHashes,
+                    request_deserializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.PrefixHashesResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.LoadRequest.FromString,
+                    response_serializer=protos_dot_kvserve_dot_v1_dot_decode__pb2.LoadResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_stream_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.EventsRequest.FromString,
+                    response_serializer=protos_dot_kvserve_dot_v1_dot_kvstore__pb2.Event.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvserve.v1.DecodeReplica', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvserve.v1.DecodeReplica', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DecodeReplica:
+    """Internal: what `kvserve router` asks of each decode replica, on the replica's own port.
+    """
+
+    @staticmethod
+    def PrefixHashes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.DecodeReplica/PrefixHashes',
+            protos_dot_kvserve_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+            protos_dot_kvserve_dot_v1_dot_decode__pb2.PrefixHashesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.DecodeReplica/Load',
+            protos_dot_kvserve_dot_v1_dot_decode__pb2.LoadRequest.SerializeToString,
+            protos_dot_kvserve_dot_v1_dot_decode__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserve.v1.DecodeReplica/Events',
+            protos_dot_kvserve_dot_v1_dot_kvstore__pb2.EventsRequest.SerializeToString,
+            protos_dot_kvserve_dot_v1_dot_kvstore__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,74 @@
+"""`python -m router` / `kvserve router --decode ADDR[,ADDR...]`: the prefix-aware router."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from protos.kvserve.v1 import decode_pb2_grpc
+from router.router import DECODE_SERVICE, POLICIES, Router
+from router.server import RouterMetrics, RouterServicer
+from serving.cli import (
+    add_server_flags,
+    configure_logging,
+    env_epilog,
+    exit_with_parent,
+    parse_args,
+    serve,
+    tls_from_args,
+)
+from serving.server import Server
+
+TOKEN_ENV = "KVSERVE_TOKEN"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvserve router", epilog=env_epilog("router"),
+        description="Serves the kvserve.v1.Decode API in front of several decode replicas, sending each "
+                    "request to the replica whose node already holds the most of its prompt's leading KV "
+                    "blocks, balanced against load; a replica that fails before the first token is "
+                    "replaced by another.")
+    add_server_flags(p, listen="127.0.0.1:50050", max_workers=128)
+    p.add_argument("--decode", required=True,
+                   help="decode replicas: HOST:PORT, several separated by commas; a host name that resolves to "
+                        "several addresses (a Kubernetes headless Service) is that many replicas, resolved "
+                        "again every 10 s")
+    p.add_argument("--policy", choices=POLICIES, default="prefix",
+                   help="prefix: fewest blocks left to compute plus --load-weight per sequence on the replica; "
+                        "least-loaded: fewest sequences; round-robin: in turn (default %(default)s)")
+    p.add_argument("--load-weight", type=float, default=4.0,
+                   help="blocks of prompt to compute that one sequence on a replica weighs as much as, under "
+                        "--policy prefix (default %(default)s)")
+    p.add_argument("--token", default=None,
+                   help=f"bearer token for the router's own calls to replicas that require one (their load and "
+                        f"events); requests pass on their callers' tokens (default ${TOKEN_ENV})")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_parent()
+    args = parse_args(parser(), argv, "router")
+    configure_logging("router", args.log_level)
+    tls = tls_from_args(args, "router")
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
+                    require_client_cert=False)  # the front door, as decode's
+    metrics = RouterMetrics(server.registry)
+    try:
+        router = Router([t.strip() for t in args.decode.split(",") if t.strip()], policy=args.policy,
+                        load_weight=args.load_weight, tls=tls,
+                        metadata=[("authorization", f"Bearer {token}")] if token else [],
+                        on_route=metrics.observe)
+    except ValueError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    router.start()
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, RouterServicer(router), DECODE_SERVICE)
+    return serve(server, "router", on_stop=[router.close])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

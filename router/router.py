@@ -1,0 +1,360 @@
+"""Placing requests on decode replicas (DESIGN.md, "Router").
+
+Each replica is watched by two threads: one polls its health and load, the other follows its
+Events (blocks its node stored and removed) into an index of the block hashes it holds. A request
+goes to the healthy replica with the lowest cost:
+
+- `prefix`: blocks left to compute (the prompt's full blocks past the leading ones the replica
+  holds) + `load_weight` × its sequences (running and waiting), so a prefix pulls a request to the
+  replica that has it until that replica is that much busier than the others;
+- `least-loaded`: its sequences;
+- `round-robin`: in turn.
+
+The prompt's block hashes come from one replica (`DecodeReplica.PrefixHashes`), which tokenizes and
+scopes them to the caller's tenant exactly as the replica serving the request will; a router holds
+no model and no tenant secret. A replica's index also learns a request's blocks when the router
+sends it there, before its store says so, so that a burst of turns of one chat stays together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.block_hash import BlockHash
+from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from serving.errors import ServiceError, Unavailable
+from serving.server import CLIENT_CHANNEL_OPTIONS
+from serving.tls import TLSConfig, channel
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+Metadata = Sequence[tuple[str, str]]
+
+
+class Upstream(ServiceError):
+    """A replica's own status, passed on to the caller as it came."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BlockIndex:
+    """The block hashes one replica's node holds, oldest first; at most `capacity`, the oldest forgotten."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: dict[BlockHash, None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._blocks.pop(BlockHash(h), None)
+                self._blocks[BlockHash(h)] = None
+            while len(self._blocks) > self.capacity:
+                del self._blocks[next(iter(self._blocks))]
+
+    def remove(self, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._blocks.pop(BlockHash(h), None)
+
+    def leading(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading `hashes` are held."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class Replica:
+    """One decode replica: its channel, whether it is healthy, how busy, and which blocks it holds."""
+
+    def __init__(self, addr: str, tls: TLSConfig | None, metadata: Metadata, index_capacity: int,
+                 poll_s: float, target_name: str | None = None) -> None:
+        self.addr = addr
+        options: list[tuple[str, Any]] = list(CLIENT_CHANNEL_OPTIONS)
+        if tls is not None and target_name is not None:  # an address resolved from a name: check the name
+            options.append(("grpc.ssl_target_name_override", target_name))
+        self._channel = channel(addr, options, tls)
+        self.decode = decode_pb2_grpc.DecodeStub(self._channel)
+        self.replica = decode_pb2_grpc.DecodeReplicaStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = list(metadata)
+        self.index = BlockIndex(index_capacity)
+        self.healthy = False
+        self.polled_load = 0  # running + waiting, as the replica last said
+        self.in_flight = 0  # requests this router has sent there and not seen end
+        self._lock = threading.Lock()
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._events_call: Any = None
+        self._threads = [threading.Thread(target=self._poll, name=f"poll {addr}", daemon=True),
+                         threading.Thread(target=self._follow_events, name=f"events {addr}", daemon=True)]
+
+    @property
+    def load(self) -> int:
+        return max(self.polled_load, self.in_flight)
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._events_call is not None:
+            self._events_call.cancel()
+        self._channel.close()
+
+    def started(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def ended(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def mark_down(self) -> None:
+        self.healthy = False
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE),
+                                            timeout=max(1.0, self._poll_s))
+                load = self.replica.Load(decode_pb2.LoadRequest(), timeout=max(1.0, self._poll_s),
+                                         metadata=self._metadata)
+                healthy = status.status == health_pb2.HealthCheckResponse.SERVING
+                self.polled_load = int(load.running + load.waiting)
+            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
+                healthy = False
+            if healthy != self.healthy:
+                log.info("decode replica %s is %s", self.addr, "healthy" if healthy else "unhealthy")
+            self.healthy = healthy
+            self._stop.wait(self._poll_s)
+
+    def _follow_events(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                self._events_call = self.replica.Events(kvstore_pb2.EventsRequest(), metadata=self._metadata)
+                for event in self._events_call:
+                    backoff = 0.5
+                    if event.kind == kvstore_pb2.Event.KIND_STORED:
+                        self.index.add(event.hashes)
+                    elif event.kind == kvstore_pb2.Event.KIND_REMOVED:
+                        self.index.remove(event.hashes)
+            except (grpc.RpcError, ValueError) as exc:
+                if self._stop.is_set():
+                    return
+                code = exc.code().name if isinstance(exc, grpc.Call) else str(exc)
+                log.debug("events of %s ended (%s); following again in %.1f s", self.addr, code, backoff)
+            self._stop.wait(backoff)
+            backoff = min(2 * backoff, 5.0)
+
+
+def resolve(target: str) -> list[tuple[str, str | None]]:
+    """`host:port` -> every address it names, as (`ip:port`, host name or None for a literal): a
+    Kubernetes headless Service names all its pods. A name that does not resolve names none."""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"replica address {target!r} is not HOST:PORT")
+    host = host.strip("[]")
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        return [(target, None)]
+    except OSError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    addrs = sorted({(f"[{i[4][0]}]" if i[0] == socket.AF_INET6 else i[4][0]) + f":{port}" for i in infos})
+    if host == "localhost":  # one replica, whatever the resolver says
+        return [(target, None)]
+    return [(a, host) for a in addrs]
+
+
+class Router:
+    def __init__(self, targets: Sequence[str], *, policy: str = "prefix", load_weight: float = 4.0,
+                 tls: TLSConfig | None = None, metadata: Metadata = (), index_capacity: int = 1_000_000,
+                 poll_s: float = 0.5, resolve_every_s: float = 10.0,
+                 on_route: Callable[[str, str, int], None] | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if not targets:
+            raise ValueError("at least one decode replica address is needed")
+        self.targets = list(targets)
+        self.policy = policy
+        self.load_weight = load_weight
+        self._tls = tls
+        self._metadata = list(metadata)
+        self._index_capacity = index_capacity
+        self._poll_s = poll_s
+        self._resolve_every_s = resolve_every_s
+        self._on_route = on_route
+        self.replicas: dict[str, Replica] = {}
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self._resolve()
+        self._resolver = threading.Thread(target=self._keep_resolving, name="resolve", daemon=True)
+
+    def start(self) -> None:
+        self._resolver.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            replicas, self.replicas = list(self.replicas.values()), {}
+        for r in replicas:
+            r.close()
+
+    def wait_healthy(self, n: int, timeout_s: float) -> bool:
+        """Whether `n` replicas are healthy within `timeout_s` (for tests and start-up logs)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sum(r.healthy for r in self._all()) >= n:
+                return True
+            time.sleep(0.05)
+        return False
+
+    # -- placing a request ---------------------------------------------------------------------
+
+    def prefix_hashes(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
+                      timeout_s: float) -> list[BlockHash]:
+        """The prompt's block hashes from a healthy replica; [] when none answers (the request is then
+        placed by load alone). A status about the request itself (a bad prompt, a missing token) is
+        the caller's, raised as it came."""
+        for replica in self._healthy()[:2]:
+            try:
+                reply = replica.replica.PrefixHashes(request, metadata=metadata, timeout=timeout_s)
+                return [BlockHash(h) for h in reply.hashes]
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.UNIMPLEMENTED):
+                    raise Upstream(code, exc.details() if isinstance(exc, grpc.Call) else str(exc)) from exc
+                log.warning("prefix hashes from %s failed (%s): placing by load", replica.addr, code.name)
+        return []
+
+    def choose(self, hashes: Sequence[BlockHash], avoid: Sequence[str] = ()) -> tuple[Replica, int] | None:
+        """The replica to send a request to and how many of its leading blocks it holds; None when no
+        replica outside `avoid` is healthy."""
+        candidates = [r for r in self._healthy() if r.addr not in avoid]
+        if not candidates:
+            return None
+        if self.policy == "round-robin":
+            return candidates[0], candidates[0].index.leading(hashes)
+        held = {r.addr: r.index.leading(hashes) for r in candidates}
+        if self.policy == "prefix":
+            def cost(r: Replica) -> float:
+                return (len(hashes) - held[r.addr]) + self.load_weight * r.load
+        else:
+            def cost(r: Replica) -> float:
+                return r.load
+        best = min(candidates, key=cost)  # candidates come in turn: ties go round
+        return best, held[best.addr]
+
+    def generate(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
+                 time_left: Callable[[], float | None],
+                 on_call: Callable[[Any], None]) -> Iterator[decode_pb2.GenerateResponse]:
+        """Streams the answer from the chosen replica. A replica that fails before its first response
+        (it died, it is draining) is marked down and the request sent to the next; after the first
+        response its status is the caller's. `on_call` receives each upstream call (to cancel it)."""
+        hashes = (self.prefix_hashes(request, metadata, _bounded(time_left(), 5.0))
+                  if self.policy == "prefix" else [])
+        tried: list[str] = []
+        while True:
+            chosen = self.choose(hashes, tried)
+            if chosen is None:
+                why = f" ({', '.join(tried)} failed)" if tried else ""
+                raise Unavailable(f"no healthy decode replica among {', '.join(self.targets)}{why}; "
+                                  "check `kvserve health` on each")
+            replica, held = chosen
+            call = replica.decode.Generate(request, metadata=metadata, timeout=time_left())
+            on_call(call)
+            replica.started()
+            try:
+                try:
+                    first = next(call)
+                except StopIteration:
+                    raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {replica.addr} ended "
+                                   "without an answer") from None
+                except grpc.RpcError as exc:
+                    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+                    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                    if code != grpc.StatusCode.UNAVAILABLE:
+                        raise Upstream(code, details or code.name) from exc
+                    log.warning("decode replica %s failed before the first token (%s): trying another",
+                                replica.addr, details)
+                    replica.mark_down()
+                    tried.append(replica.addr)
+                    continue
+                replica.index.add(hashes)  # it will hold them: the next turn should find them here
+                if self._on_route is not None:
+                    self._on_route(replica.addr, self.policy, held)
+                yield first
+                try:
+                    yield from call
+                except grpc.RpcError as exc:
+                    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+                    raise Upstream(code, exc.details() if isinstance(exc, grpc.Call) else str(exc)) from exc
+                return
+            finally:
+                replica.ended()
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    def _all(self) -> list[Replica]:
+        with self._lock:
+            return list(self.replicas.values())
+
+    def _healthy(self) -> list[Replica]:
+        """Healthy replicas, starting at the next one in turn."""
+        up = [r for r in self._all() if r.healthy]
+        if not up:
+            return []
+        k = next(self._turn) % len(up)
+        return up[k:] + up[:k]
+
+    def _resolve(self) -> None:
+        wanted: dict[str, str | None] = {}
+        for target in self.targets:
+            wanted.update(resolve(target))
+        with self._lock:
+            gone = [r for a, r in self.replicas.items() if a not in wanted]
+            new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name)
+                   for a, name in wanted.items() if a not in self.replicas}
+            self.replicas = {a: r for a, r in {**self.replicas, **new}.items() if a in wanted}
+        for r in gone:
+            log.info("decode replica %s is gone from %s", r.addr, ", ".join(self.targets))
+            r.close()
+        for r in new.values():
+            log.info("decode replica %s", r.addr)
+            r.start()
+
+    def _keep_resolving(self) -> None:
+        while not self._stop.wait(self._resolve_every_s):
+            self._resolve()
+
+
+def _bounded(time_left: float | None, most: float) -> float:
+    return most if time_left is None else max(0.0, min(most, time_left))

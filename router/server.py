@@ -1,0 +1,43 @@
+"""The router's Decode servicer: the front door's API, each call passed to a replica."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
+from router.router import Router
+
+FORWARDED_METADATA = ("authorization",)
+HELD_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "kvserve_router_"
+        self.routed = Counter(p + "requests", "Requests sent to a decode replica, by replica and policy",
+                              ["replica", "policy"], registry=registry)
+        self.held_blocks = Histogram(p + "held_blocks", "Leading prompt blocks the chosen replica held",
+                                     buckets=HELD_BUCKETS, registry=registry)
+
+    def observe(self, replica: str, policy: str, held: int) -> None:
+        self.routed.labels(replica=replica, policy=policy).inc()
+        self.held_blocks.observe(held)
+
+
+class RouterServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def Generate(  # noqa: N802 - gRPC method name
+        self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.GenerateResponse]:
+        metadata = [(k, v) for k, v in context.invocation_metadata() if k in FORWARDED_METADATA]
+
+        def on_call(call: Any) -> None:
+            context.add_callback(call.cancel)  # the caller went away: so does the replica's work
+
+        yield from self.router.generate(request, metadata, context.time_remaining, on_call)
