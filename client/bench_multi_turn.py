@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from client import bench_routing
 from client.bench_report import (
     Column,
     Line,
@@ -243,13 +244,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="users start 1/RATE seconds apart; 0 starts them all at once (default %(default)s)")
     ap.add_argument("--baseline-repeats", type=int, default=3, help="median of this many (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="of the random prompts (default %(default)s)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="more than 1: that many nodes behind `kvserve router`, the session run once per --policy "
+                         "and once straight to one node, instead of with and without the cache (default %(default)s)")
+    ap.add_argument("--policy", action="append", choices=["prefix", "least-loaded", "round-robin"],
+                    help="with --replicas: a router policy to measure; repeatable (default: prefix and round-robin)")
     add_output_flags(ap)
     args = ap.parse_args(argv)
-    if min(args.users, args.rounds, args.question_tokens, args.answer_tokens) < 1 or args.rate < 0:
-        ap.error("--users, --rounds, --question-tokens and --answer-tokens must be >= 1, --rate >= 0")
+    if min(args.users, args.rounds, args.question_tokens, args.answer_tokens, args.replicas) < 1 or args.rate < 0:
+        ap.error("--users, --rounds, --question-tokens, --answer-tokens and --replicas must be >= 1, --rate >= 0")
     ensure_model(args.model)
     s = Settings(args.users, args.rounds, args.system_tokens, args.question_tokens, args.answer_tokens, args.rate,
                  args.seed)
+    if args.replicas > 1:
+        report = bench_routing.run(args, s)
+        emit(args, report, bench_routing.report_text(report), lambda: bench_routing.panels(report),
+             "kvserve bench multi-turn, routed")
+        return 0
     report = run(args, s)
     emit(args, report, report_text(report), lambda: panels(report), "kvserve bench multi-turn")
     return 0

@@ -56,15 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
     server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
                     require_client_cert=False)  # the front door, as decode's
-    metrics = RouterMetrics(server.registry)
     try:
         router = Router([t.strip() for t in args.decode.split(",") if t.strip()], policy=args.policy,
                         load_weight=args.load_weight, tls=tls,
-                        metadata=[("authorization", f"Bearer {token}")] if token else [],
-                        on_route=metrics.observe)
+                        metadata=[("authorization", f"Bearer {token}")] if token else [])
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
+    router.on_route = RouterMetrics(server.registry, router).observe
     router.start()
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, RouterServicer(router), DECODE_SERVICE)
     return serve(server, "router", on_stop=[router.close])

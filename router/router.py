@@ -22,7 +22,6 @@ import itertools
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -209,15 +208,20 @@ class Router:
         self._index_capacity = index_capacity
         self._poll_s = poll_s
         self._resolve_every_s = resolve_every_s
-        self._on_route = on_route
+        self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
         self._lock = threading.Lock()
         self._turn = itertools.count()
         self._stop = threading.Event()
+        self._started = False
         self._resolve()
         self._resolver = threading.Thread(target=self._keep_resolving, name="resolve", daemon=True)
 
     def start(self) -> None:
+        """Starts watching the replicas (health, load, events) and resolving their names again."""
+        self._started = True
+        for r in self._all():
+            r.start()
         self._resolver.start()
 
     def close(self) -> None:
@@ -227,14 +231,9 @@ class Router:
         for r in replicas:
             r.close()
 
-    def wait_healthy(self, n: int, timeout_s: float) -> bool:
-        """Whether `n` replicas are healthy within `timeout_s` (for tests and start-up logs)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if sum(r.healthy for r in self._all()) >= n:
-                return True
-            time.sleep(0.05)
-        return False
+    @property
+    def num_healthy(self) -> int:
+        return sum(r.healthy for r in self._all())
 
     # -- placing a request ---------------------------------------------------------------------
 
@@ -309,8 +308,8 @@ class Router:
                     tried.append(replica.addr)
                     continue
                 replica.index.add(hashes)  # it will hold them: the next turn should find them here
-                if self._on_route is not None:
-                    self._on_route(replica.addr, self.policy, held)
+                if self.on_route is not None:
+                    self.on_route(replica.addr, self.policy, held)
                 yield first
                 try:
                     yield from call
@@ -349,7 +348,8 @@ class Router:
             r.close()
         for r in new.values():
             log.info("decode replica %s", r.addr)
-            r.start()
+            if self._started:
+                r.start()
 
     def _keep_resolving(self) -> None:
         while not self._stop.wait(self._resolve_every_s):

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
 from router.router import Router
@@ -16,8 +16,12 @@ HELD_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, router: Router) -> None:
         p = "kvserve_router_"
+        Gauge(p + "healthy_replicas", "Decode replicas that answer health checks and load",
+              registry=registry).set_function(lambda: router.num_healthy)
+        Gauge(p + "replicas", "Decode replicas the --decode addresses name", registry=registry
+              ).set_function(lambda: len(router.replicas))
         self.routed = Counter(p + "requests", "Requests sent to a decode replica, by replica and policy",
                               ["replica", "policy"], registry=registry)
         self.held_blocks = Histogram(p + "held_blocks", "Leading prompt blocks the chosen replica held",

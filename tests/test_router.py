@@ -1,0 +1,97 @@
+"""The router's parts on their own: the block index, name resolution and the placement policies
+(replicas whose state a test sets; nothing listens at their addresses). The router in front of real
+replicas is tests/test_router_deployment.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from protos.block_hash import BlockHash
+from router.__main__ import parser
+from router.router import BlockIndex, Router, resolve
+from serving.cli import env_args
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(hashlib.sha256(i.to_bytes(4, "little")).digest())
+
+
+def test_the_index_counts_leading_blocks_and_forgets_the_oldest() -> None:
+    index = BlockIndex(capacity=3)
+    index.add([h(1), h(2), h(3)])
+    assert index.leading([h(1), h(2), h(3), h(4)]) == 3
+    assert index.leading([h(2), h(3)]) == 2
+    assert index.leading([h(9), h(1)]) == 0  # leading only
+    index.add([h(1)])  # seen again: now the newest
+    index.add([h(4)])  # over capacity: h(2), the oldest, goes
+    assert index.leading([h(1)]) == 1 and index.leading([h(2)]) == 0 and len(index) == 3
+    index.remove([h(1), h(42)])
+    assert index.leading([h(1)]) == 0 and len(index) == 2
+
+
+def test_resolve_names_every_address_of_a_name() -> None:
+    assert resolve("10.1.2.3:50051") == [("10.1.2.3:50051", None)]
+    assert resolve("[::1]:50051") == [("[::1]:50051", None)]
+    assert resolve("localhost:50051") == [("localhost:50051", None)]
+    assert resolve("no-such-host.invalid:50051") == []
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        resolve("decode")
+
+
+def router(policy: str, n: int = 3, load_weight: float = 4.0) -> Router:
+    r = Router([f"127.0.0.1:{1 + i}" for i in range(n)], policy=policy, load_weight=load_weight)
+    for replica in r.replicas.values():
+        replica.healthy = True
+    return r
+
+
+def test_prefix_goes_where_the_leading_blocks_are_until_that_replica_is_much_busier() -> None:
+    r = router("prefix")
+    a, b, c = r.replicas.values()
+    prompt = [h(i) for i in range(10)]
+    b.index.add(prompt[:6])
+    c.index.add(prompt[:2])
+    for _ in range(6):  # whichever replica's turn it is
+        assert r.choose(prompt) == (b, 6)
+    b.polled_load = 1  # 4 blocks left + 4 x 1 = 8 < 10 (a) and 8 (c): ties go round
+    assert r.choose(prompt)[0] in (b, c)
+    b.in_flight = 3  # the router's own count when it is above what the replica last said
+    assert r.choose(prompt) == (c, 2)
+    b.healthy = c.healthy = False
+    assert r.choose(prompt) == (a, 0)
+    assert r.choose(prompt, avoid=[a.addr]) is None
+
+
+def test_without_a_prefix_every_policy_spreads_requests() -> None:
+    for policy in ("prefix", "least-loaded", "round-robin"):
+        r = router(policy)
+        chosen = {r.choose([h(1)])[0].addr for _ in range(6)}  # type: ignore[index]
+        assert chosen == set(r.replicas), policy
+
+
+def test_least_loaded_ignores_prefixes_and_round_robin_ignores_load() -> None:
+    r = router("least-loaded")
+    a, b, c = r.replicas.values()
+    a.index.add([h(1)])
+    a.polled_load, b.polled_load, c.polled_load = 5, 0, 2
+    assert r.choose([h(1)])[0] is b
+    rr = router("round-robin", n=2)
+    x, y = rr.replicas.values()
+    x.polled_load = 100
+    assert [rr.choose([])[0].addr for _ in range(4)].count(x.addr) == 2  # type: ignore[index]
+
+
+def test_unknown_policy_and_missing_replicas_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        Router(["127.0.0.1:1"], policy="random")
+    with pytest.raises(ValueError, match="at least one"):
+        Router([])
+
+
+def test_every_router_flag_reads_its_variable() -> None:
+    env = {"KVSERVE_ROUTER_DECODE": "a:1,b:2", "KVSERVE_ROUTER_POLICY": "round-robin",
+           "KVSERVE_ROUTER_LOAD_WEIGHT": "2.5"}
+    args = parser().parse_args(env_args(parser(), "router", env))
+    assert (args.decode, args.policy, args.load_weight) == ("a:1,b:2", "round-robin", 2.5)
