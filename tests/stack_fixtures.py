@@ -207,6 +207,8 @@ class LocalStack:
         wrap_prefill_client: Callable[[Any], Any] | None = None,
     ) -> None:
         from decode_service.metrics import DecodeMetrics
+        from decode_service.replica import SERVICE_NAME as REPLICA
+        from decode_service.replica import DecodeReplicaServicer
         from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
         from decode_service.service import DecodeService
@@ -244,7 +246,11 @@ class LocalStack:
         self.decode = DecodeService(
             decode_engine, self.store, PrefillReplicas([prefill_client]), self.decode_metrics,  # type: ignore[arg-type]
         )
-        self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(self.decode), DECODE)
+        front = DecodeServicer(self.decode)
+        self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, DECODE)
+        self.decode_server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
+                               DecodeReplicaServicer(front, decode_engine, self.store, self.decode_metrics),  # type: ignore[arg-type]
+                               REPLICA)
         self.decode.start()
         self.addr = f"127.0.0.1:{self.decode_server.start()}"
 

@@ -1,17 +1,27 @@
 """The router's parts on their own: the block index, name resolution and the placement policies
-(replicas whose state a test sets; nothing listens at their addresses). The router in front of real
-replicas is tests/test_router_deployment.py."""
+(replicas whose state a test sets; nothing listens at their addresses), then the router in front of
+prefill and decode in this process. A deployment of real processes is tests/test_router_deployment.py."""
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Iterator
 
 import pytest
 
+from client import Client
+from client.client import InvalidArgumentError, build_request
 from protos.block_hash import BlockHash
+from protos.kvserve.v1 import decode_pb2_grpc
 from router.__main__ import parser
-from router.router import BlockIndex, Router, resolve
+from router.router import DECODE_SERVICE, BlockIndex, Router, resolve
+from router.server import RouterServicer
 from serving.cli import env_args
+from serving.server import Server
+from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
+
+ARCH = "llama"
 
 
 def h(i: int) -> BlockHash:
@@ -95,3 +105,73 @@ def test_every_router_flag_reads_its_variable() -> None:
            "KVSERVE_ROUTER_LOAD_WEIGHT": "2.5"}
     args = parser().parse_args(env_args(parser(), "router", env))
     assert (args.decode, args.policy, args.load_weight) == ("a:1,b:2", "round-robin", 2.5)
+
+
+# --- in front of a replica in this process ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[LocalStack]:
+    s = LocalStack(ARCH)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def routed(replica: LocalStack) -> Iterator[tuple[Router, Client]]:
+    """A router in front of the replica and of an address where nothing listens."""
+    router = Router(["127.0.0.1:1", replica.addr], policy="prefix", poll_s=0.1)
+    router.start()
+    server = Server("127.0.0.1:0")
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, RouterServicer(router), DECODE_SERVICE)
+    port = server.start()
+    deadline = time.monotonic() + 10
+    while router.num_healthy < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
+        yield router, client
+    server.stop(0)
+    router.close()
+
+
+def test_answers_through_the_router_are_the_replicas(routed: tuple[Router, Client]) -> None:
+    _, client = routed
+    ids = tokens(3 * BLOCK_SIZE + 5, seed=41)
+    want, logits = oracle(ARCH, ids, 8)
+    result = client.generate(token_ids=ids, max_tokens=8, ignore_eos=True)
+    assert_greedy_matches(list(result.token_ids), want, logits)
+    streamed = [c.token_id for c in client.stream(token_ids=ids, max_tokens=8, ignore_eos=True)
+                if hasattr(c, "token_id")]
+    assert streamed == list(result.token_ids)
+
+
+def test_the_router_learns_where_a_prompt_went(routed: tuple[Router, Client], replica: LocalStack) -> None:
+    router, client = routed
+    ids = tokens(4 * BLOCK_SIZE + 1, seed=42)
+    client.generate(token_ids=ids, max_tokens=2, ignore_eos=True)
+    req = build_request(token_ids=ids, max_tokens=2)
+    hashes = router.prefix_hashes(req, [], 5.0)
+    assert len(hashes) == 4
+    assert router.choose(hashes) == (router.replicas[replica.addr], 4)
+
+
+def test_the_callers_errors_come_back_as_the_replica_gave_them(routed: tuple[Router, Client]) -> None:
+    _, client = routed
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        client.generate(token_ids=[5, 1 << 20])
+    with pytest.raises(InvalidArgumentError, match="top_p"):
+        client.generate("hi", top_p=2.0)
+
+
+def test_a_replica_that_fails_before_the_first_token_is_replaced(replica: LocalStack) -> None:
+    router = Router(["127.0.0.1:1", replica.addr], policy="round-robin", poll_s=60)
+    for r in router.replicas.values():
+        r.healthy = True  # the dead one too, as before a health check has noticed
+    req = build_request(token_ids=tokens(BLOCK_SIZE, seed=43), max_tokens=3, ignore_eos=True)
+    try:
+        for _ in range(2):  # whichever comes first in turn
+            out = list(router.generate(req, [], lambda: 30.0, lambda call: None))
+            assert out[-1].WhichOneof("kind") == "result"
+        assert not router.replicas["127.0.0.1:1"].healthy
+    finally:
+        router.close()
