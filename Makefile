@@ -9,8 +9,13 @@ MODEL_DIR ?= data/models/tiny-llama
 
 setup: $(STAMP)
 
+# redis-server: the remote tier's tests start their own (apt-get, with sudo unless root).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+APT_REDIS := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
+
 # torch==2.13.0 is the CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	command -v redis-server >/dev/null || $(APT_REDIS) || ($(SUDO) apt-get update -q && $(APT_REDIS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
@@ -27,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy engine kvstore serving prefill_service decode_service client
+	$(VENV)/bin/mypy engine kvstore serving prefill_service decode_service router client
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q

@@ -416,6 +416,9 @@ def _stats_dict(reply: Any) -> dict[str, Any]:
          **{k: (v if isinstance(v, bool) else int(v)) for k, v in td.items() if k != "tier"}}
         for t, td in zip(reply.tiers, d.get("tiers", []), strict=True)
     ]
+    if reply.HasField("remote"):
+        remote = {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d["remote"].items()}
+        d["remote"] = {**remote, "breaker": str(remote["breaker"]).removeprefix("BREAKER_").lower()}
     return {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in d.items()}
 
 
@@ -460,6 +463,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         name = kvstore_pb2.Tier.Name(t.tier).removeprefix("TIER_").lower()
         print(f"{name:8s} {t.blocks:8d} {t.bytes:14d} {t.capacity_bytes:14d} {t.hits:8d} {t.misses:8d} "
               f"{t.evictions:8d} {t.demotions:8d} {t.promotions:8d}" + ("  UNAVAILABLE" if t.unavailable else ""))
+    if reply.HasField("remote"):
+        r = report["kvstore"]["remote"]
+        print(f"remote {r['url']}: breaker {r['breaker']}, hits {r['hits']}, misses {r['misses']}, errors "
+              f"{r['read_errors']} read / {r['write_errors']} write, checksum failures {r['checksum_failures']}, "
+              f"read {r['read_bytes']} bytes, written {r['written_blocks']} blocks ({r['written_bytes']} bytes), "
+              f"dropped writes {r['dropped_writes']}, queued {r['queued_blocks']} blocks, mean read "
+              f"{1000 * r['read_seconds'] / max(1, r['read_calls']):.2f} ms")
     for url, samples in report["services"].items():
         print(f"\n{url}")
         for name, value in samples.items():

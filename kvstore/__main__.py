@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvstore.config import MAX_BLOCK_BYTES, StoreConfig
+from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
 from kvstore.leases import MAX_TTL_S
 from kvstore.server import StoreServer
 from serving.cli import (
@@ -47,7 +47,46 @@ def parser() -> argparse.ArgumentParser:
                    help="bytes one caller's leases may pin at once; past it a Lookup with a lease is "
                         "RESOURCE_EXHAUSTED. Callers are told apart by certificate with mTLS, else by host "
                         "(default: a quarter of the top tier, at least 64MiB)")
+    remote = p.add_argument_group(
+        "remote tier", "A Redis or Valkey shared by every node's store, under the local tiers: blocks stored here are "
+        "written behind to it (never blocking a Put), and a local miss asks it once before computing. Its errors "
+        "and timeouts are misses; after 3 in a row a circuit breaker stops calling it for 1 s, doubling to 30 s. "
+        "Run it as a cache: maxmemory set (e.g. --maxmemory 8gb), --maxmemory-policy allkeys-lru, no persistence "
+        "(--save '' --appendonly no). See docs/REMOTE-TIER.md")
+    remote.add_argument("--remote-url", default=None, metavar="URL",
+                        help="redis://[:PASSWORD@]HOST:PORT/DB, or rediss://... for TLS (off by default). redis-py's "
+                             "query parameters work too (e.g. ?ssl_cert_reqs=none). Put a password in the "
+                             "environment (KVSERVE_KVSTORE_REMOTE_URL) rather than on the command line; logs and "
+                             "stats show the URL without it")
+    remote.add_argument("--remote-cluster", action="store_true",
+                        help="the URL names one node of a Redis Cluster (keys spread over its masters)")
+    remote.add_argument("--remote-ttl-s", type=float, default=86400.0,
+                        help="expiry of each block written (default %(default)g)")
+    remote.add_argument("--remote-timeout-s", type=float, default=0.1,
+                        help="timeout of each call (connect, read, write): past it the call is a miss "
+                             "(default %(default)g)")
+    remote.add_argument("--remote-key-prefix", default="kvserve",
+                        help="keys are PREFIX:v<record version>:<block hash hex> (default %(default)s)")
+    remote.add_argument("--remote-queue-bytes", type=parse_size, default=parse_size("256MiB"),
+                        help="blocks waiting to be written; past it the oldest are dropped and counted "
+                             "(default 256MiB)")
+    remote.add_argument("--remote-tls-ca", default=None, metavar="PEM",
+                        help="with rediss://: the CA that signed Redis's certificate (default: the system's)")
+    remote.add_argument("--remote-tls-cert", default=None, metavar="PEM",
+                        help="with rediss://: a client certificate, for a Redis that requires one (tls-auth-clients)")
+    remote.add_argument("--remote-tls-key", default=None, metavar="PEM", help="the client certificate's key")
     return p
+
+
+def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
+    if args.remote_url is None:
+        if args.remote_cluster or args.remote_tls_ca or args.remote_tls_cert or args.remote_tls_key:
+            raise ValueError("--remote-cluster and --remote-tls-* need --remote-url")
+        return None
+    return RemoteConfig(args.remote_url, cluster=args.remote_cluster, ttl_s=args.remote_ttl_s,
+                        timeout_s=args.remote_timeout_s, key_prefix=args.remote_key_prefix,
+                        queue_bytes=args.remote_queue_bytes, tls_ca=args.remote_tls_ca,
+                        tls_cert=args.remote_tls_cert, tls_key=args.remote_tls_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             device_capacity=args.device_capacity if args.device != "off" else 0, device=args.device,
             shm=args.shm, shm_root=args.shm_root, flush_timeout_s=args.flush_timeout,
             max_block_bytes=args.max_block_bytes, max_lease_ttl_s=args.max_lease_ttl_s,
-            max_pinned_bytes_per_caller=args.max_pinned_bytes_per_caller,
+            max_pinned_bytes_per_caller=args.max_pinned_bytes_per_caller, remote=remote_config(args),
         )
         server = StoreServer(config, args.listen, metrics_port=args.metrics_port, tls=tls)
     except ValueError as exc:

@@ -1,4 +1,5 @@
-"""The stored form of a block, on disk and in shared memory: a small header, then the payload.
+"""The stored form of a block, on disk, in shared memory and in the remote tier: a small header, then
+the payload.
 
 Header (32 bytes, little endian): magic b"KVSR" (KV store record), flags u32, xxh3-64 checksum u64,
 payload size u64, write sequence u64 (restores LRU order after a restart).
@@ -12,6 +13,7 @@ from typing import NamedTuple
 import xxhash
 
 RECORD_MAGIC = b"KVSR"
+RECORD_VERSION = 1  # of this layout; a change bumps it (the remote tier's keys carry it: no old record is read as new)
 _HEADER = struct.Struct("<4sIQQQ")
 HEADER_BYTES = _HEADER.size
 FLAG_EPHEMERAL = 1
@@ -55,3 +57,17 @@ def verify(header: BlockHeader, payload: bytes | memoryview) -> None:
         raise CorruptBlock(f"payload is {len(payload)} bytes, header says {header.size}")
     if checksum(payload) != header.checksum:
         raise CorruptBlock("payload checksum does not match its header")
+
+
+def pack_record(payload: bytes | bytearray | memoryview, checksum_: int) -> bytes:
+    """Header and payload as one value (the remote tier's)."""
+    return b"".join((pack_header(len(payload), checksum_), payload))
+
+
+def unpack_record(data: bytes | memoryview) -> tuple[memoryview, int]:
+    """The verified payload of a record and its checksum; raises CorruptBlock."""
+    view = memoryview(data)
+    header = unpack_header(view)
+    payload = view[HEADER_BYTES:]
+    verify(header, payload)
+    return payload, header.checksum

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -22,7 +22,7 @@ from kvstore.arena import PUT as LOCAL_PUT
 from kvstore.arena import RESERVE as LOCAL_RESERVE
 from kvstore.arena import ArenaMap, LocalCallError, host_id
 from kvstore.block_format import checksum
-from kvstore.types import Buffer, LookupResult, Payload, StoreStats, Tier, TierStats
+from kvstore.types import Buffer, Latency, LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
@@ -59,6 +59,13 @@ class BlockEvent(NamedTuple):
 
 def _tier_name(value: int) -> str:
     return Tier(value).label if value else "unknown"
+
+
+def _remote_stats(r: pb.RemoteStats) -> RemoteStats:
+    breaker = pb.RemoteStats.Breaker.Name(r.breaker).removeprefix("BREAKER_").lower()
+    return RemoteStats(r.url, breaker, r.hits, r.misses, r.read_errors, r.write_errors, r.checksum_failures,
+                       r.read_bytes, r.written_blocks, r.written_bytes, r.dropped_writes, r.queued_blocks,
+                       r.queued_bytes, Latency(r.read_calls, r.read_seconds), Latency(r.write_calls, r.write_seconds))
 
 
 class KVStoreClient:
@@ -185,7 +192,8 @@ class KVStoreClient:
             for t in r.tiers
         ]
         return StoreStats(tiers, int(r.leases), int(r.pinned_blocks), int(r.checksum_failures),
-                          int(r.disk_write_failures), int(r.removed_blocks))
+                          int(r.disk_write_failures), int(r.removed_blocks),
+                          _remote_stats(r.remote) if r.HasField("remote") else None)
 
     # -- extras --------------------------------------------------------------------------------
 
@@ -197,6 +205,10 @@ class KVStoreClient:
         """Blocks stored and removed, as they happen (no deadline; cancel by closing the client)."""
         for ev in self._stub.Events(pb.EventsRequest()):
             yield BlockEvent(ev.kind == pb.Event.KIND_STORED, list(ev.hashes), _tier_name(ev.tier) if ev.tier else None)
+
+    def watch_events(self) -> Any:
+        """The Events call itself, for a relay: iterate it for `pb.Event`s, `cancel()` it when done."""
+        return self._stub.Events(pb.EventsRequest())
 
     def shm_dir(self) -> Path | None:
         """The server's shared-memory dir when this client maps its arena, else None."""

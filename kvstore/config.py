@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import lmdb
 
@@ -13,12 +15,44 @@ from kvstore.host_tier import ArenaHostTier, MemoryHostTier
 from kvstore.leases import MAX_TTL_S
 from kvstore.tier import TierStorage
 
+if TYPE_CHECKING:
+    from kvstore.remote_tier import RemoteTier
+
 log = logging.getLogger(__name__)
 
 _MiB = 1024**2
 _GiB = 1024**3
 MAX_BLOCK_BYTES = 256 * _MiB  # a 16-token block of a 405B model is 8 MiB
 MIN_PIN_CAP = 64 * _MiB  # the default per-caller cap never goes below: leases must fit a long prompt
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """The shared remote tier (kvstore/remote_tier.py): Redis or Valkey at `url`, one node of a cluster
+    when `cluster`."""
+
+    url: str
+    cluster: bool = False
+    ttl_s: float = 86400.0  # each key's expiry
+    timeout_s: float = 0.1  # of each call (connect, read, write)
+    key_prefix: str = "kvserve"
+    queue_bytes: int = 256 * _MiB  # blocks waiting to be written; past it the oldest are dropped
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in ("redis", "rediss", "unix") or (self.cluster and scheme == "unix"):
+            raise ValueError(f"--remote-url must be redis://HOST:PORT/DB or rediss://... (TLS), not {self.url!r}")
+        if self.ttl_s <= 0 or self.timeout_s <= 0 or self.queue_bytes <= 0:
+            raise ValueError("--remote-ttl-s, --remote-timeout-s and --remote-queue-bytes must be > 0")
+        if not self.key_prefix or any(c.isspace() for c in self.key_prefix):
+            raise ValueError(f"--remote-key-prefix must be a word without spaces, not {self.key_prefix!r}")
+        if (self.tls_ca or self.tls_cert or self.tls_key) and scheme != "rediss":
+            raise ValueError("--remote-tls-ca, --remote-tls-cert and --remote-tls-key need a rediss:// --remote-url")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--remote-tls-cert and --remote-tls-key go together")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +71,7 @@ class StoreConfig:
     max_block_bytes: int = MAX_BLOCK_BYTES  # and never more than the largest tier
     max_lease_ttl_s: float = MAX_TTL_S  # a longer lease gets this much
     max_pinned_bytes_per_caller: int | None = None  # None: a quarter of the top tier, at least MIN_PIN_CAP
+    remote: RemoteConfig | None = None  # a shared remote tier under the local ones
 
     def __post_init__(self) -> None:
         if self.device not in ("off", "cpu", "cuda"):
@@ -58,6 +93,14 @@ def pinned_bytes_cap(config: StoreConfig, tiers: list[tuple[TierStorage, int]]) 
     if config.max_pinned_bytes_per_caller is not None:
         return config.max_pinned_bytes_per_caller
     return max(tiers[0][1] // 4, MIN_PIN_CAP)
+
+
+def build_remote(config: StoreConfig) -> RemoteTier | None:
+    if config.remote is None:
+        return None
+    from kvstore.remote_tier import RemoteTier  # redis only when a remote tier is on
+
+    return RemoteTier(config.remote)
 
 
 def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore.store import BlockStore
+from kvstore.types import LATENCY_BUCKETS_S, RemoteStats
 
 _PER_TIER: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
     (GaugeMetricFamily, "blocks", "Blocks held per tier"),
@@ -18,6 +19,18 @@ _PER_TIER: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, 
     (CounterMetricFamily, "evictions", "Blocks dropped from the store by the tier"),
     (CounterMetricFamily, "demotions", "Blocks moved down out of the tier"),
     (CounterMetricFamily, "promotions", "Blocks moved up out of the tier on a hit"),
+]
+_REMOTE: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
+    (CounterMetricFamily, "hits", "Blocks missing locally that the remote tier had (promoted into the local tiers)"),
+    (CounterMetricFamily, "misses", "Blocks missing locally that the remote tier did not give (absent, bad, or an error)"),
+    (CounterMetricFamily, "checksum_failures", "Remote values that failed their check (misses)"),
+    (CounterMetricFamily, "read_bytes", "Bytes read from the remote tier"),
+    (CounterMetricFamily, "written_blocks", "Blocks written to the remote tier"),
+    (CounterMetricFamily, "written_bytes", "Bytes written to the remote tier"),
+    (CounterMetricFamily, "dropped_writes",
+     "Blocks never written to the remote tier: its queue was full, the write failed, or the block was gone"),
+    (GaugeMetricFamily, "queued_blocks", "Blocks waiting to be written to the remote tier"),
+    (GaugeMetricFamily, "queued_bytes", "Bytes waiting to be written to the remote tier"),
 ]
 
 
@@ -56,3 +69,31 @@ class StoreCollector(Collector):
                                 "1 when the disk tier found at start was damaged, moved aside and started empty",
                                 value=int(quarantined))
         yield GaugeMetricFamily("kvserve_kvstore_pinned_blocks", "Blocks pinned by leases", value=stats.pinned_blocks)
+        if stats.remote is not None:
+            yield from _remote_metrics(stats.remote)
+
+
+def _remote_metrics(remote: RemoteStats) -> Iterator[Metric]:
+    for family, name, doc in _REMOTE:  # name: a RemoteStats field
+        yield family(f"kvserve_kvstore_remote_{name}", doc, value=getattr(remote, name))
+    errors = CounterMetricFamily("kvserve_kvstore_remote_errors", "Calls to the remote tier that failed or timed out",
+                                 labels=["op"])
+    errors.add_metric(["read"], remote.read_errors)
+    errors.add_metric(["write"], remote.write_errors)
+    yield errors
+    breaker = GaugeMetricFamily("kvserve_kvstore_remote_breaker",
+                                "1 for the remote tier's circuit breaker state: closed (calls go through), open "
+                                "(failing: no calls for a cool-down), half_open (one probe let through)",
+                                labels=["state"])
+    for state in ("closed", "open", "half_open"):
+        breaker.add_metric([state], int(remote.breaker == state))
+    yield breaker
+    latency = HistogramMetricFamily("kvserve_kvstore_remote_latency_seconds",
+                                    "Seconds of each call to the remote tier (a read, or a pipelined batch of writes)",
+                                    labels=["op"])
+    for op, lat in (("read", remote.read_latency), ("write", remote.write_latency)):
+        counts = lat.buckets or (0,) * (len(LATENCY_BUCKETS_S) + 1)
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        bounds = [*(f"{b:g}" for b in LATENCY_BUCKETS_S), "+Inf"]
+        latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), lat.seconds)
+    yield latency

@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry
 
 from kvstore import arena
 from kvstore.arena import host_id
-from kvstore.config import StoreConfig, build_tiers, pinned_bytes_cap
+from kvstore.config import StoreConfig, build_remote, build_tiers, pinned_bytes_cap
 from kvstore.errors import InvalidRequest, StoreFull
 from kvstore.events import StoreEvent
 from kvstore.metrics import StoreCollector
 from kvstore.store import BlockStore, FlushResult
-from kvstore.types import Tier
+from kvstore.types import RemoteStats, Tier
 from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
@@ -130,7 +130,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(
             tiers=tiers, leases=stats.leases, pinned_blocks=stats.pinned_blocks,
             checksum_failures=stats.checksum_failures, disk_write_failures=stats.disk_write_failures,
-            removed_blocks=stats.removed_blocks,
+            removed_blocks=stats.removed_blocks, remote=_pb_remote(stats.remote),
         )
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
@@ -209,6 +209,20 @@ def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:
     return list(request.staged)
 
 
+def _pb_remote(remote: RemoteStats | None) -> pb.RemoteStats | None:
+    if remote is None:
+        return None
+    r = remote
+    return pb.RemoteStats(
+        url=r.url, breaker=cast(pb.RemoteStats.Breaker, pb.RemoteStats.Breaker.Value("BREAKER_" + r.breaker.upper())),
+        hits=r.hits, misses=r.misses, read_errors=r.read_errors, write_errors=r.write_errors,
+        checksum_failures=r.checksum_failures, read_bytes=r.read_bytes, written_blocks=r.written_blocks,
+        written_bytes=r.written_bytes, dropped_writes=r.dropped_writes, queued_blocks=r.queued_blocks,
+        queued_bytes=r.queued_bytes, read_calls=r.read_latency.calls, read_seconds=r.read_latency.seconds,
+        write_calls=r.write_latency.calls, write_seconds=r.write_latency.seconds,
+    )
+
+
 def _pb_tier(tier: Tier | str | None) -> pb.Tier:
     if tier is None:
         return cast(pb.Tier, 0)
@@ -238,7 +252,8 @@ class StoreServer:
         self.config = config
         tiers = build_tiers(config)
         self.store = BlockStore(tiers, max_block_bytes=config.max_block_bytes, max_lease_ttl_s=config.max_lease_ttl_s,
-                                max_pinned_bytes_per_caller=pinned_bytes_cap(config, tiers))
+                                max_pinned_bytes_per_caller=pinned_bytes_cap(config, tiers),
+                                remote=build_remote(config))
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(self.store))
         # An internal server: with a CA, only callers with a certificate from it.

@@ -15,6 +15,11 @@ Limits per caller: a block above `max_block_bytes` is refused, a lease longer th
 (callers are named by the server; in-process calls name none and are not capped). A tier that fails
 at runtime (a disk that fills up, turns read-only or is damaged) takes no more blocks; the blocks it
 could not write are forgotten, so stats never count what is not held.
+
+A remote tier (Redis or Valkey, shared by every node) sits under the local tiers, outside the index:
+each block stored here (but ephemeral ones) is written behind to it, and on a local miss Lookup and Get
+ask it for the blocks they lack, without the lock, and promote its hits into the local tiers. Such a
+hit counts as a miss in every local tier and as a hit of the remote (kvstore/remote_tier.py).
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.block_format import CorruptBlock, checksum
 from kvstore.disk_tier import DiskTier
@@ -38,6 +43,9 @@ from kvstore.leases import MAX_TTL_S, LeaseTable
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
 from protos.block_hash import HASH_BYTES, BlockHash
+
+if TYPE_CHECKING:
+    from kvstore.remote_tier import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +129,10 @@ class BlockStore:
         max_block_bytes: int | None = None,
         max_lease_ttl_s: float = MAX_TTL_S,
         max_pinned_bytes_per_caller: int | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
-        """`max_block_bytes`: None, the largest tier's capacity. `max_pinned_bytes_per_caller`: None, no cap."""
+        """`max_block_bytes`: None, the largest tier's capacity. `max_pinned_bytes_per_caller`: None, no cap.
+        `remote`: a shared tier under the local ones, started here and closed by `close`."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         if max_lease_ttl_s <= 0 or (max_block_bytes is not None and max_block_bytes <= 0):
@@ -144,6 +154,9 @@ class BlockStore:
         if self._disk is not None:
             self._rebuild_from_disk(len(self.tiers) - 1)
             self._disk.on_lost = self._forget_lost
+        self.remote = remote
+        if remote is not None:
+            remote.start(self._peek)
 
     @property
     def max_block_bytes(self) -> int:
@@ -262,6 +275,7 @@ class BlockStore:
             raise InvalidRequest(f"lease_ttl_s must be 0 (no lease) or more, got {lease_ttl_s:g}")
         if lease_ttl_s:
             lease_ttl_s = min(lease_ttl_s, self.max_lease_ttl_s)
+        fetched = self._fetch_remote(keys, prefix=True)
         with self._lock:
             self._expire_leases()
             hits: list[tuple[BlockHash, Entry]] = []
@@ -270,7 +284,7 @@ class BlockStore:
                 if entry is None:
                     self._count_miss()
                     break
-                self._count_hit(entry.level)
+                self._count_hit(entry.level, remote=key in fetched)
                 hits.append((key, entry))
             self._touch_chain([k for k, _ in hits])
             lease_id = None
@@ -302,14 +316,16 @@ class BlockStore:
         return removed
 
     def get(self, keys: Sequence[BlockHash], *, via_shm: bool = False) -> Iterator[BlockRead | None]:
-        """Reads blocks one by one (lazily), after touching them as a chain."""
+        """Reads blocks one by one (lazily), after touching them as a chain (and fetching those missing here
+        from the remote tier)."""
         for key in keys:
             check_key(key)
+        fetched = self._fetch_remote(keys, prefix=False)
         with self._lock:
             self._expire_leases()
             self._touch_chain(keys)
         for key in keys:
-            yield self._read(key, via_shm=via_shm)
+            yield self._read(key, via_shm=via_shm, fetched=key in fetched)
 
     def locate(self, keys: Sequence[BlockHash]) -> list[tuple[int, int, int] | None]:
         """Where each block lies in the arena, for a same-host client to copy it: (offset, size, checksum),
@@ -332,7 +348,7 @@ class BlockStore:
                 out.append((found[0], entry.size, entry.checksum))
         return out
 
-    def _read(self, key: BlockHash, *, via_shm: bool = False) -> BlockRead | None:
+    def _read(self, key: BlockHash, *, via_shm: bool = False, fetched: bool = False) -> BlockRead | None:
         """One block, or None for a miss (a corrupt block is deleted and counted, then a miss)."""
         for _ in range(_READ_RETRIES):
             with self._lock:
@@ -345,7 +361,7 @@ class BlockStore:
                 if via_shm and isinstance(slot.storage, ArenaHostTier):
                     found = slot.storage.slot(key)
                     if found is not None:
-                        self._count_hit(level)
+                        self._count_hit(level, remote=fetched)
                         return BlockRead(None, found[0], entry.size, entry.checksum, slot.tier)
             try:
                 payload = slot.storage.read(key)
@@ -358,12 +374,57 @@ class BlockStore:
             with self._lock:
                 if self._index.get(key) is not entry:
                     continue  # dropped and stored again meanwhile: read the block now there
-                self._count_hit(level)
+                self._count_hit(level, remote=fetched)
             if level > 0:
                 self._promote(key, entry, payload)
             return BlockRead(payload, None, entry.size, entry.checksum, slot.tier)
         with self._lock:
             self._count_miss()
+        return None
+
+    def _fetch_remote(self, keys: Sequence[BlockHash], *, prefix: bool) -> set[BlockHash]:
+        """Asks the remote tier for the blocks missing here (for a prefix, those after the leading local
+        hits, until its first gap) and places its hits in the local tiers; returns their keys. Never
+        under the lock."""
+        if self.remote is None:
+            return set()
+        with self._lock:
+            if prefix:
+                first = next((i for i, key in enumerate(keys) if key not in self._index), len(keys))
+                missing = list(keys[first:])
+            else:
+                missing = [key for key in dict.fromkeys(keys) if key not in self._index]
+        if not missing:
+            return set()
+        found = self.remote.get_prefix(missing) if prefix else self.remote.get(missing)
+        fetched: set[BlockHash] = set()
+        for key, block in zip(missing, found, strict=False):
+            if block is None:
+                continue
+            payload, csum = block
+            try:
+                self._check_size(len(payload))
+                if self._insert(key, len(payload), csum, False, self._writer(key, payload, csum, False), share=False):
+                    fetched.add(key)
+            except (BlockTooLarge, StoreFull):
+                if prefix:
+                    break
+        return fetched
+
+    def _peek(self, key: BlockHash) -> tuple[Buffer, int] | None:
+        """A block's payload and checksum, without counting or promoting it (for the remote tier's writer)."""
+        for _ in range(_READ_RETRIES):
+            with self._lock:
+                entry = self._index.get(key)
+                if entry is None:
+                    return None
+                slot = self.tiers[entry.level]
+            try:
+                payload = slot.storage.read(key)
+            except CorruptBlock:
+                return None  # its next reader drops it
+            if payload is not None:
+                return payload, entry.checksum
         return None
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
@@ -393,8 +454,9 @@ class BlockStore:
             ]
             pinned = sum(1 for e in self._index.values() if e.pins > 0)
             failed_writes = self._disk.failed_writes if self._disk is not None else 0
-            return StoreStats(tiers, len(self._leases), pinned, self.checksum_failures, failed_writes,
-                              self.removed_blocks)
+            stats = StoreStats(tiers, len(self._leases), pinned, self.checksum_failures, failed_writes,
+                               self.removed_blocks)
+        return stats if self.remote is None else replace(stats, remote=self.remote.stats())
 
     def tier_of(self, key: BlockHash) -> Tier | None:
         with self._lock:
@@ -444,7 +506,10 @@ class BlockStore:
         return FlushResult(moved, left, durable)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Closes every tier, waiting at most about timeout_s for pending disk writes."""
+        """Closes every tier, waiting at most about timeout_s for pending disk writes (and a little for the
+        remote tier's)."""
+        if self.remote is not None:
+            self.remote.close()
         self.events.close()
         for slot in self.tiers:
             slot.storage.close(timeout_s)
@@ -487,7 +552,9 @@ class BlockStore:
         return write
 
     def _insert(self, key: BlockHash, size: int, csum: int, ephemeral: bool, write: Write,
-                reserved: int | None = None) -> bool:
+                reserved: int | None = None, share: bool = True) -> bool:
+        """Places a new block (False: it was there). `share`: written behind to the remote tier, unless
+        ephemeral (a block from the remote is not)."""
         shm = self.shm_tier
         with self._lock:
             self._expire_leases()
@@ -511,6 +578,8 @@ class BlockStore:
             self._account(slot, key, entry, +1)
             self.events.publish(StoreEvent(True, key, slot.tier))
         self._backpressure()
+        if share and not ephemeral and self.remote is not None:
+            self.remote.write_behind(key, size)
         return True
 
     def _make_room(self, level: int, size: int, have_slot: bool = False) -> bool:
@@ -672,7 +741,10 @@ class BlockStore:
             self.checksum_failures += 1
             return None
 
-    def _count_hit(self, level: int) -> None:
+    def _count_hit(self, level: int, remote: bool = False) -> None:
+        if remote:  # just promoted from the remote tier: a miss in every local one
+            self._count_miss()
+            return
         for slot in self.tiers[:level]:
             slot.misses += 1
         self.tiers[level].hits += 1

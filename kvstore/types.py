@@ -44,6 +44,41 @@ class TierStats:
     available: bool = True  # False: the tier failed at runtime (disk full, read-only, damaged) and takes no blocks
 
 
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """Calls and the seconds they took; `buckets`: how many took at most each of LATENCY_BUCKETS_S (not
+    cumulative), then how many took longer."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    buckets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    """The remote tier's figures. Hits and misses count blocks asked for after a local miss; an error
+    (a failed or timed-out call) is also a miss, or lost writes."""
+
+    url: str  # without password
+    breaker: str  # "closed" | "open" (calls skipped) | "half_open" (one probe let through)
+    hits: int = 0
+    misses: int = 0
+    read_errors: int = 0
+    write_errors: int = 0
+    checksum_failures: int = 0
+    read_bytes: int = 0
+    written_blocks: int = 0
+    written_bytes: int = 0
+    dropped_writes: int = 0  # blocks never written: the queue was full, the write failed, or the block was gone
+    queued_blocks: int = 0
+    queued_bytes: int = 0
+    read_latency: Latency = field(default_factory=Latency)
+    write_latency: Latency = field(default_factory=Latency)
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     tiers: list[TierStats] = field(default_factory=list)
@@ -52,6 +87,7 @@ class StoreStats:
     checksum_failures: int = 0
     disk_write_failures: int = 0  # blocks the disk tier failed to write, and so does not hold
     removed_blocks: int = 0  # removed because a reader found them bad
+    remote: RemoteStats | None = None  # None: no remote tier
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.tier == name)

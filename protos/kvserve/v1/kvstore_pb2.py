@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/kvserve/v1/kvstore.proto\x12\nkvserve.v1\"4\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x02\"j\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvserve.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x02\"\x8c\x01\n\nBlockChunk\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x17\n\nshm_offset\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shm_offsetJ\x04\x08\x06\x10\x07\"\x86\x01\n\nPutRequest\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x11\n\tephemeral\x18\x02 \x01(\x08\x12&\n\x06staged\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\"4\n\x0bPutResponse\x12\x0f\n\x07num_new\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\"-\n\nGetRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07via_shm\x18\x02 \x01(\x08\"\x8a\x01\n\x0bGetResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12%\n\x05slots\x18\x04 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xcf\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tdemotions\x18\x08 \x01(\x04\x12\x12\n\npromotions\x18\t \x01(\x04\x12\x13\n\x0bunavailable\x18\n \x01(\x08\"\xac\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvserve.v1.TierStats\x12\x0e\n\x06leases\x18\x02 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x03 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x04 \x01(\x04\x12\x1b\n\x13\x64isk_write_failures\x18\x05 \x01(\x04\x12\x16\n\x0eremoved_blocks\x18\x06 \x01(\x04\"\x0f\n\rEventsRequest\"\x9e\x01\n\x05\x45vent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvserve.v1.Event.Kind\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\"?\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\"\x1f\n\rRemoveRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"%\n\x0eRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"V\n\x0cInfoResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rena_socket\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05\"/\n\x0eReserveRequest\x12\r\n\x05sizes\x18\x01 \x03(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"J\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x08*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xf6\x03\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvserve.v1.LookupRequest\x1a\x1a.kvserve.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvserve.v1.PutRequest\x1a\x17.kvserve.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvserve.v1.GetRequest\x1a\x17.kvserve.v1.GetResponse0\x01\x12\x42\n\x07Release\x12\x1a.kvserve.v1.ReleaseRequest\x1a\x1b.kvserve.v1.ReleaseResponse\x12<\n\x05Stats\x12\x18.kvserve.v1.StatsRequest\x1a\x19.kvserve.v1.StatsResponse\x12\x38\n\x06\x45vents\x12\x19.kvserve.v1.EventsRequest\x1a\x11.kvserve.v1.Event0\x01\x12\x39\n\x04Info\x12\x17.kvserve.v1.InfoRequest\x1a\x18.kvserve.v1.InfoResponse\x12?\n\x06Remove\x12\x19.kvserve.v1.RemoveRequest\x1a\x1a.kvserve.v1.RemoveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/kvserve/v1/kvstore.proto\x12\nkvserve.v1\"4\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x02\"j\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvserve.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x04 \x01(\x02\"\x8c\x01\n\nBlockChunk\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x17\n\nshm_offset\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_shm_offsetJ\x04\x08\x06\x10\x07\"\x86\x01\n\nPutRequest\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x11\n\tephemeral\x18\x02 \x01(\x08\x12&\n\x06staged\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\"4\n\x0bPutResponse\x12\x0f\n\x07num_new\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\"-\n\nGetRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07via_shm\x18\x02 \x01(\x08\"\x8a\x01\n\x0bGetResponse\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.BlockChunk\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12%\n\x05slots\x18\x04 \x03(\x0b\x32\x16.kvserve.v1.BlockChunk\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xcf\x01\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvserve.v1.Tier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tdemotions\x18\x08 \x01(\x04\x12\x12\n\npromotions\x18\t \x01(\x04\x12\x13\n\x0bunavailable\x18\n \x01(\x08\"\xd5\x01\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvserve.v1.TierStats\x12\x0e\n\x06leases\x18\x02 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x03 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x04 \x01(\x04\x12\x1b\n\x13\x64isk_write_failures\x18\x05 \x01(\x04\x12\x16\n\x0eremoved_blocks\x18\x06 \x01(\x04\x12\'\n\x06remote\x18\x07 \x01(\x0b\x32\x17.kvserve.v1.RemoteStats\"\xef\x03\n\x0bRemoteStats\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x30\n\x07\x62reaker\x18\x02 \x01(\x0e\x32\x1f.kvserve.v1.RemoteStats.Breaker\x12\x0c\n\x04hits\x18\x03 \x01(\x04\x12\x0e\n\x06misses\x18\x04 \x01(\x04\x12\x13\n\x0bread_errors\x18\x05 \x01(\x04\x12\x14\n\x0cwrite_errors\x18\x06 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x07 \x01(\x04\x12\x12\n\nread_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ewritten_blocks\x18\t \x01(\x04\x12\x15\n\rwritten_bytes\x18\n \x01(\x04\x12\x16\n\x0e\x64ropped_writes\x18\x0b \x01(\x04\x12\x15\n\rqueued_blocks\x18\x0c \x01(\x04\x12\x14\n\x0cqueued_bytes\x18\r \x01(\x04\x12\x12\n\nread_calls\x18\x0e \x01(\x04\x12\x14\n\x0cread_seconds\x18\x0f \x01(\x01\x12\x13\n\x0bwrite_calls\x18\x10 \x01(\x04\x12\x15\n\rwrite_seconds\x18\x11 \x01(\x01\"_\n\x07\x42reaker\x12\x17\n\x13\x42REAKER_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x42REAKER_CLOSED\x10\x01\x12\x10\n\x0c\x42REAKER_OPEN\x10\x02\x12\x15\n\x11\x42REAKER_HALF_OPEN\x10\x03\"\x0f\n\rEventsRequest\"\x9e\x01\n\x05\x45vent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvserve.v1.Event.Kind\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.kvserve.v1.Tier\"?\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_STORED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\"\x1f\n\rRemoveRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"%\n\x0eRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\"\r\n\x0bInfoRequest\"V\n\x0cInfoResponse\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rena_socket\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\rJ\x04\x08\x04\x10\x05\"/\n\x0eReserveRequest\x12\r\n\x05sizes\x18\x01 \x03(\x04\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"J\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0e\n\x06stored\x18\x03 \x03(\x08*K\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x32\xf6\x03\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvserve.v1.LookupRequest\x1a\x1a.kvserve.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvserve.v1.PutRequest\x1a\x17.kvserve.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvserve.v1.GetRequest\x1a\x17.kvserve.v1.GetResponse0\x01\x12\x42\n\x07Release\x12\x1a.kvserve.v1.ReleaseRequest\x1a\x1b.kvserve.v1.ReleaseResponse\x12<\n\x05Stats\x12\x18.kvserve.v1.StatsRequest\x1a\x19.kvserve.v1.StatsResponse\x12\x38\n\x06\x45vents\x12\x19.kvserve.v1.EventsRequest\x1a\x11.kvserve.v1.Event0\x01\x12\x39\n\x04Info\x12\x17.kvserve.v1.InfoRequest\x1a\x18.kvserve.v1.InfoResponse\x12?\n\x06Remove\x12\x19.kvserve.v1.RemoveRequest\x1a\x1a.kvserve.v1.RemoveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvserve.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1665
-  _globals['_TIER']._serialized_end=1740
+  _globals['_TIER']._serialized_start=2204
+  _globals['_TIER']._serialized_end=2279
   _globals['_LOOKUPREQUEST']._serialized_start=47
   _globals['_LOOKUPREQUEST']._serialized_end=99
   _globals['_LOOKUPRESPONSE']._serialized_start=101
@@ -56,25 +56,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERSTATS']._serialized_start=803
   _globals['_TIERSTATS']._serialized_end=1010
   _globals['_STATSRESPONSE']._serialized_start=1013
-  _globals['_STATSRESPONSE']._serialized_end=1185
-  _globals['_EVENTSREQUEST']._serialized_start=1187
-  _globals['_EVENTSREQUEST']._serialized_end=1202
-  _globals['_EVENT']._serialized_start=1205
-  _globals['_EVENT']._serialized_end=1363
-  _globals['_EVENT_KIND']._serialized_start=1300
-  _globals['_EVENT_KIND']._serialized_end=1363
-  _globals['_REMOVEREQUEST']._serialized_start=1365
-  _globals['_REMOVEREQUEST']._serialized_end=1396
-  _globals['_REMOVERESPONSE']._serialized_start=1398
-  _globals['_REMOVERESPONSE']._serialized_end=1435
-  _globals['_INFOREQUEST']._serialized_start=1437
-  _globals['_INFOREQUEST']._serialized_end=1450
-  _globals['_INFORESPONSE']._serialized_start=1452
-  _globals['_INFORESPONSE']._serialized_end=1538
-  _globals['_RESERVEREQUEST']._serialized_start=1540
-  _globals['_RESERVEREQUEST']._serialized_end=1587
-  _globals['_RESERVERESPONSE']._serialized_start=1589
-  _globals['_RESERVERESPONSE']._serialized_end=1663
-  _globals['_KVSTORE']._serialized_start=1743
-  _globals['_KVSTORE']._serialized_end=2245
+  _globals['_STATSRESPONSE']._serialized_end=1226
+  _globals['_REMOTESTATS']._serialized_start=1229
+  _globals['_REMOTESTATS']._serialized_end=1724
+  _globals['_REMOTESTATS_BREAKER']._serialized_start=1629
+  _globals['_REMOTESTATS_BREAKER']._serialized_end=1724
+  _globals['_EVENTSREQUEST']._serialized_start=1726
+  _globals['_EVENTSREQUEST']._serialized_end=1741
+  _globals['_EVENT']._serialized_start=1744
+  _globals['_EVENT']._serialized_end=1902
+  _globals['_EVENT_KIND']._serialized_start=1839
+  _globals['_EVENT_KIND']._serialized_end=1902
+  _globals['_REMOVEREQUEST']._serialized_start=1904
+  _globals['_REMOVEREQUEST']._serialized_end=1935
+  _globals['_REMOVERESPONSE']._serialized_start=1937
+  _globals['_REMOVERESPONSE']._serialized_end=1974
+  _globals['_INFOREQUEST']._serialized_start=1976
+  _globals['_INFOREQUEST']._serialized_end=1989
+  _globals['_INFORESPONSE']._serialized_start=1991
+  _globals['_INFORESPONSE']._serialized_end=2077
+  _globals['_RESERVEREQUEST']._serialized_start=2079
+  _globals['_RESERVEREQUEST']._serialized_end=2126
+  _globals['_RESERVERESPONSE']._serialized_start=2128
+  _globals['_RESERVERESPONSE']._serialized_end=2202
+  _globals['_KVSTORE']._serialized_start=2282
+  _globals['_KVSTORE']._serialized_end=2784
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,115 @@
+"""End to end, two nodes sharing one Redis: each node runs its own store, prefill and decode as real
+processes, and the stores share blocks through the remote tier. A prompt computed on node A is cached
+on node B with the tokens Hugging Face generates, and a Redis stopped mid-run fails no request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from client import Client
+from engine.hashing import Namespace, prefix_hashes
+from engine.model import model_fingerprint
+from kvstore import KVStoreClient
+from kvstore.block_format import RECORD_VERSION
+from kvstore.types import RemoteStats
+from tests.redis_fixtures import RedisServer, needs_redis
+from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, model_dir, oracle, tokens
+
+pytestmark = [pytest.mark.slow, needs_redis]
+
+ARCH = "llama"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer.start(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def nodes(redis_server: RedisServer) -> Iterator[tuple[ProcessStack, ProcessStack]]:
+    # The URL through the environment, as a deployment with a password would pass it.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVSERVE_KVSTORE_REMOTE_URL", redis_server.url)
+        a = ProcessStack("remote-a", [ARCH], ["--remote-timeout-s", "2"])
+        try:
+            b = ProcessStack("remote-b", [ARCH], ["--remote-timeout-s", "2"])
+        except BaseException:
+            a.stop()
+            raise
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def remote_stats(node: ProcessStack) -> RemoteStats:
+    with KVStoreClient(node.store.addr) as store:
+        stats = store.stats().remote
+    assert stats is not None
+    return stats
+
+
+def generate(node: ProcessStack, ids: list[int]) -> tuple[tuple[int, ...], int]:
+    """The oracle-checked answer of `node` to `ids`, and its cached tokens."""
+    want, logits = oracle(ARCH, ids, MAX_TOKENS)
+    with Client(node.decode[ARCH].addr, timeout_s=60) as client:
+        got = client.generate(token_ids=ids, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert_greedy_matches(got.token_ids, want, logits)
+    return got.token_ids, got.usage.cached_tokens
+
+
+def wait_written(redis_server: RedisServer, ids: list[int], timeout_s: float = 30.0) -> None:
+    """Until every full block of the prompt is in Redis (the stores write behind)."""
+    root = Namespace(model_fingerprint(model_dir(ARCH)), "float32", BLOCK_SIZE).root()
+    names = [f"kvserve:v{RECORD_VERSION}:{h.hex()}" for h in prefix_hashes(ids, BLOCK_SIZE, root)]
+    client = redis_server.client()
+    deadline = time.monotonic() + timeout_s
+    while client.exists(*names) < len(names):
+        assert time.monotonic() < deadline, "the store did not write the prompt's blocks to Redis"
+        time.sleep(0.05)
+
+
+def test_a_prompt_computed_on_one_node_is_cached_on_the_other(
+        nodes: tuple[ProcessStack, ProcessStack], redis_server: RedisServer) -> None:
+    a, b = nodes
+    ids = tokens(5 * BLOCK_SIZE + 3, seed=700)
+    on_a, cached_a = generate(a, ids)
+    assert cached_a == 0
+    wait_written(redis_server, ids)
+
+    on_b, cached_b = generate(b, ids)
+    assert cached_b == 5 * BLOCK_SIZE  # every full block; the last prompt token is always computed
+    assert on_b == on_a
+    stats = remote_stats(b)
+    assert stats.hits >= 5 and stats.breaker == "closed" and stats.read_errors == 0
+
+
+def test_a_redis_stopped_mid_run_fails_no_request(
+        nodes: tuple[ProcessStack, ProcessStack], redis_server: RedisServer) -> None:
+    a, b = nodes
+    redis_server.stop()
+    try:
+        for i, node in enumerate([a, b, a, b, b]):
+            generate(node, tokens(3 * BLOCK_SIZE + 5, seed=710 + i))  # each checked against the oracle
+        assert remote_stats(b).read_errors > 0 and remote_stats(b).breaker != "closed"
+        assert remote_stats(a).write_errors > 0
+    finally:
+        redis_server.restart()
+
+    # Back (empty): once the breakers let a probe through, what A computes reaches B again.
+    deadline = time.monotonic() + 60
+    for seed in range(720, 10_000):
+        ids = tokens(3 * BLOCK_SIZE + 5, seed=seed)
+        generate(a, ids)
+        try:
+            wait_written(redis_server, ids, timeout_s=2.0)
+        except AssertionError:
+            assert time.monotonic() < deadline, "node A never wrote to Redis again"
+            continue
+        if generate(b, ids)[1] == 3 * BLOCK_SIZE:
+            break
+        assert time.monotonic() < deadline, "node B never read from Redis again"
