@@ -134,16 +134,24 @@ class Replica:
         self.healthy = False
 
     def _poll(self) -> None:
+        warned = False
         while not self._stop.is_set():
+            timeout = max(1.0, self._poll_s)
             try:
-                status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE),
-                                            timeout=max(1.0, self._poll_s))
-                load = self.replica.Load(decode_pb2.LoadRequest(), timeout=max(1.0, self._poll_s),
-                                         metadata=self._metadata)
+                status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE), timeout=timeout)
                 healthy = status.status == health_pb2.HealthCheckResponse.SERVING
-                self.polled_load = int(load.running + load.waiting)
             except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
                 healthy = False
+            if healthy:
+                try:
+                    load = self.replica.Load(decode_pb2.LoadRequest(), timeout=timeout, metadata=self._metadata)
+                    self.polled_load = int(load.running + load.waiting)
+                except grpc.RpcError as exc:  # the load stays as last known; requests still go there
+                    if not warned and isinstance(exc, grpc.Call) and exc.code() in (
+                            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
+                        log.warning("decode replica %s does not tell its load (%s): give the router --token "
+                                    "when the replicas require one", self.addr, exc.details())
+                        warned = True
             if healthy != self.healthy:
                 log.info("decode replica %s is %s", self.addr, "healthy" if healthy else "unhealthy")
             self.healthy = healthy
@@ -211,7 +219,8 @@ class Router:
         self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
         self._lock = threading.Lock()
-        self._turn = itertools.count()
+        self._turn = itertools.count()  # where choose starts among equals
+        self._hash_turn = itertools.count()  # which replica prefix_hashes asks
         self._stop = threading.Event()
         self._started = False
         self._resolve()
@@ -242,7 +251,7 @@ class Router:
         """The prompt's block hashes from a healthy replica; [] when none answers (the request is then
         placed by load alone). A status about the request itself (a bad prompt, a missing token) is
         the caller's, raised as it came."""
-        for replica in self._healthy()[:2]:
+        for replica in self._healthy(self._hash_turn)[:2]:
             try:
                 reply = replica.replica.PrefixHashes(request, metadata=metadata, timeout=timeout_s)
                 return [BlockHash(h) for h in reply.hashes]
@@ -257,7 +266,7 @@ class Router:
     def choose(self, hashes: Sequence[BlockHash], avoid: Sequence[str] = ()) -> tuple[Replica, int] | None:
         """The replica to send a request to and how many of its leading blocks it holds; None when no
         replica outside `avoid` is healthy."""
-        candidates = [r for r in self._healthy() if r.addr not in avoid]
+        candidates = [r for r in self._healthy(self._turn) if r.addr not in avoid]
         if not candidates:
             return None
         if self.policy == "round-robin":
@@ -326,12 +335,12 @@ class Router:
         with self._lock:
             return list(self.replicas.values())
 
-    def _healthy(self) -> list[Replica]:
-        """Healthy replicas, starting at the next one in turn."""
+    def _healthy(self, turn: Iterator[int]) -> list[Replica]:
+        """Healthy replicas, starting at the next one in `turn`."""
         up = [r for r in self._all() if r.healthy]
         if not up:
             return []
-        k = next(self._turn) % len(up)
+        k = next(turn) % len(up)
         return up[k:] + up[:k]
 
     def _resolve(self) -> None:

@@ -391,3 +391,23 @@ def test_decode_refuses_to_start_with_tokens_but_no_secret(tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2, done.stderr
     assert f"decode: no server secret at {tokens_file}.secret" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_router_passes_each_callers_token_to_the_replica(auth_stack: AuthStack, tmp_path: Path) -> None:
+    """The router holds no token table: the replica authenticates each request (and scopes its prefix
+    hashes to the tenant); the router's own calls (load, events) use its --token."""
+    from client.stack import start_service, stop_service
+
+    router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", auth_stack.addr,
+                                                "--token", auth_stack.globex], tmp_path / "router.log")
+    try:
+        _wait_for(lambda: "is healthy" in (tmp_path / "router.log").read_text(), "the router to see its replica")
+        for token in ("", "not-a-token"):
+            with Client(router.addr, timeout_s=60, token=token) as c, pytest.raises(UnauthenticatedError):
+                c.generate(token_ids=[1, 2, 3], max_tokens=1)
+        with Client(router.addr, timeout_s=60, token=auth_stack.acme) as c:
+            assert len(c.generate(token_ids=list(range(40)), max_tokens=3, ignore_eos=True).token_ids) == 3
+    finally:
+        stop_service(router)
+    assert "does not tell its load" not in (tmp_path / "router.log").read_text()
