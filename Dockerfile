@@ -1,7 +1,16 @@
 FROM python:3.11-slim
+# The CPU build of torch by default; a bare `pip install torch` pulls the multi-GB CUDA build, which is
+# what docker-compose.gpu.yml asks for (TORCH_INDEX="").
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
+# One unprivileged user for every service: the store's same-host arena serves only callers of its own
+# user. The folders that compose and Kubernetes mount volumes on belong to it, so that new volumes do too.
+RUN useradd --uid 10001 --create-home kvserve && mkdir -p /models /data /certs \
+    && chown kvserve:kvserve /models /data /certs
 WORKDIR /app
-# The CPU build of torch; a bare `pip install torch` would pull a multi-GB CUDA build.
-RUN pip install --no-cache-dir torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
 COPY . .
-RUN pip install --no-cache-dir . && kvserve model init /models/tiny-llama --arch llama
+RUN pip install --no-cache-dir .
+USER 10001
+# The models come from a volume: compose's model-init service and the Kubernetes pods' init container
+# build the tiny test model there (`kvserve model init`), or mount your own model folder.
 ENTRYPOINT ["kvserve"]

@@ -83,8 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
+    try:
+        prefill = PrefillReplicas.connect(args.prefill, timeout_s=args.prefill_timeout_s, tls=tls)
+    except ValueError as exc:
+        print(f"decode: --prefill: {exc}", file=sys.stderr)
+        return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
-    prefill = PrefillReplicas.connect(args.prefill, timeout_s=args.prefill_timeout_s, tls=tls)
     service = DecodeService(engine, store, prefill, metrics)
     front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)

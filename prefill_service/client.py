@@ -12,10 +12,12 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+from serving.addresses import resolve, split_targets
 from serving.errors import ServiceError, Unavailable
 from serving.requests import (
     PrefillHandle,
@@ -105,10 +107,16 @@ class PrefillCall:
 class PrefillClient:
     """A channel to one prefill service; every call carries a deadline of at most `timeout_s`."""
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None) -> None:
+    def __init__(self, addr: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None,
+                 target_name: str | None = None) -> None:
+        """`target_name`: the host name to check the server's certificate against, where `addr` is an
+        address resolved from it."""
         self.addr = addr
         self.timeout_s = timeout_s
-        self._channel = channel(addr, CLIENT_CHANNEL_OPTIONS, tls)
+        options: list[tuple[str, Any]] = list(CLIENT_CHANNEL_OPTIONS)
+        if tls is not None and target_name is not None:
+            options.append(("grpc.ssl_target_name_override", target_name))
+        self._channel = channel(addr, options, tls)
         self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
 
     def close(self) -> None:
@@ -127,24 +135,39 @@ class PrefillClient:
 
 
 class PrefillReplicas:
-    """Several prefill services of one deployment (sharing decode's store): each call goes to the one
-    with the fewest calls in flight from here among those not marked down, ties in turn. A replica
-    that answered UNAVAILABLE is marked down for `down_s` and the caller asks another (`avoid`)."""
+    """The prefill replicas of one node (sharing decode's store): each call goes to the one with the
+    fewest calls in flight from here among those not marked down, ties in turn. A replica that
+    answered UNAVAILABLE is marked down for `down_s` and the caller asks another (`avoid`). Built by
+    `connect` from addresses, a host name that resolves to several addresses is that many replicas,
+    resolved again every `resolve_every_s`."""
 
-    def __init__(self, clients: Sequence[PrefillClient], down_s: float = 2.0) -> None:
-        if not clients:
-            raise ValueError("at least one prefill address is needed")
-        self.clients = list(clients)
+    def __init__(self, clients: Sequence[PrefillClient], down_s: float = 2.0, *,
+                 resolve: Callable[[], Sequence[PrefillClient]] | None = None, resolve_every_s: float = 10.0) -> None:
         self.down_s = down_s
-        self._in_flight = dict.fromkeys(range(len(clients)), 0)
-        self._down_until = dict.fromkeys(range(len(clients)), 0.0)
-        self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._turn = itertools.count()
+        self._in_flight: dict[str, int] = {}
+        self._down_until: dict[str, float] = {}
+        self.clients: list[PrefillClient] = []
+        self._set(clients)
+        self._resolve, self._resolve_every_s = resolve, resolve_every_s
+        self._resolved_at = time.monotonic()
 
     @classmethod
-    def connect(cls, addrs: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None) -> PrefillReplicas:
-        """From a comma-separated list of addresses."""
-        return cls([PrefillClient(a.strip(), timeout_s, tls=tls) for a in addrs.split(",") if a.strip()])
+    def connect(cls, addrs: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None,
+                resolve_every_s: float = 10.0) -> PrefillReplicas:
+        """From a comma-separated list of HOST:PORT."""
+        targets = split_targets(addrs)
+        known: dict[str, PrefillClient] = {}
+
+        def clients() -> list[PrefillClient]:
+            wanted = [(a, name) for t in targets for a, name in resolve(t)]
+            for a, name in wanted:
+                if a not in known:
+                    known[a] = PrefillClient(a, timeout_s, tls=tls, target_name=name)
+            return [known[a] for a, _ in wanted]
+
+        return cls(clients(), resolve=clients, resolve_every_s=resolve_every_s)
 
     @property
     def addr(self) -> str:
@@ -157,27 +180,39 @@ class PrefillReplicas:
     def start(self, request_id: str, prompt: PromptInput, options: RequestOptions, *,
               time_left_s: float | None = None, avoid: Collection[str] = ()) -> PrefillCall:
         """`PrefillClient.start` on the chosen replica; one in `avoid` only when every other is."""
-        i = self._pick(avoid)
-        call = self.clients[i].start(request_id, prompt, options, time_left_s=time_left_s)
-        call.on_done(lambda: self._done(i))
+        client = self._pick(avoid)
+        call = client.start(request_id, prompt, options, time_left_s=time_left_s)
+        call.on_done(lambda: self._done(client.addr))
         return call
 
     def mark_down(self, addr: str) -> None:
         with self._lock:
-            for i, c in enumerate(self.clients):
-                if c.addr == addr:
-                    self._down_until[i] = time.monotonic() + self.down_s
+            self._down_until[addr] = time.monotonic() + self.down_s
 
-    def _pick(self, avoid: Collection[str]) -> int:
-        now, turn, n = time.monotonic(), next(self._turn), len(self.clients)
-        with self._lock:
-            order = [(turn + k) % n for k in range(n)]
-            up = [i for i in order if self._down_until[i] <= now and self.clients[i].addr not in avoid]
-            fallback = [i for i in order if self.clients[i].addr not in avoid] or order
-            i = min(up, key=self._in_flight.__getitem__) if up else min(fallback, key=self._down_until.__getitem__)
-            self._in_flight[i] += 1
-            return i
+    def _set(self, clients: Sequence[PrefillClient]) -> None:
+        self.clients = list(clients)
+        for c in clients:
+            self._in_flight.setdefault(c.addr, 0)
+            self._down_until.setdefault(c.addr, 0.0)
 
-    def _done(self, i: int) -> None:
+    def _pick(self, avoid: Collection[str]) -> PrefillClient:
+        now = time.monotonic()
+        if self._resolve is not None and (now - self._resolved_at > self._resolve_every_s or not self.clients):
+            self._resolved_at = now
+            with self._lock:
+                self._set(self._resolve())  # a replica gone keeps its channel: calls in flight end on it
         with self._lock:
-            self._in_flight[i] -= 1
+            if not self.clients:
+                raise Unavailable("no prefill replica: the prefill address resolves to no address (yet)")
+            k = next(self._turn) % len(self.clients)
+            order = self.clients[k:] + self.clients[:k]
+            up = [c for c in order if self._down_until[c.addr] <= now and c.addr not in avoid]
+            fallback = [c for c in order if c.addr not in avoid] or order
+            client = (min(up, key=lambda c: self._in_flight[c.addr]) if up
+                      else min(fallback, key=lambda c: self._down_until[c.addr]))
+            self._in_flight[client.addr] += 1
+            return client
+
+    def _done(self, addr: str) -> None:
+        with self._lock:
+            self._in_flight[addr] -= 1

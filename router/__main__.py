@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from protos.kvserve.v1 import decode_pb2_grpc
 from router.router import DECODE_SERVICE, POLICIES, Router
 from router.server import RouterMetrics, RouterServicer
+from serving.addresses import split_targets
 from serving.cli import (
     add_server_flags,
     configure_logging,
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
                     require_client_cert=False)  # the front door, as decode's
     try:
-        router = Router([t.strip() for t in args.decode.split(",") if t.strip()], policy=args.policy,
+        router = Router(split_targets(args.decode), policy=args.policy,
                         load_weight=args.load_weight, tls=tls,
                         metadata=[("authorization", f"Bearer {token}")] if token else [])
     except ValueError as exc:

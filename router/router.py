@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from serving.addresses import resolve
 from serving.errors import ServiceError, Unavailable
 from serving.server import CLIENT_CHANNEL_OPTIONS
 from serving.tls import TLSConfig, channel
@@ -99,8 +99,9 @@ class Replica:
         self._metadata = list(metadata)
         self.index = BlockIndex(index_capacity)
         self.healthy = False
-        self.polled_load = 0  # running + waiting, as the replica last said
+        self.others_load = 0  # sequences there that are not this router's, when it last asked
         self.in_flight = 0  # requests this router has sent there and not seen end
+        self.last_chosen = 0  # the router's number of the last request placed here
         self._lock = threading.Lock()
         self._poll_s = poll_s
         self._stop = threading.Event()
@@ -110,7 +111,9 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return max(self.polled_load, self.in_flight)
+        """Sequences running or waiting there: this router's own, counted as they start and end, and the
+        others' (other routers', direct callers') as of the last poll."""
+        return self.in_flight + self.others_load
 
     def start(self) -> None:
         for t in self._threads:
@@ -144,8 +147,9 @@ class Replica:
                 healthy = False
             if healthy:
                 try:
+                    mine = self.in_flight
                     load = self.replica.Load(decode_pb2.LoadRequest(), timeout=timeout, metadata=self._metadata)
-                    self.polled_load = int(load.running + load.waiting)
+                    self.others_load = max(0, int(load.running + load.waiting) - mine)
                 except grpc.RpcError as exc:  # the load stays as last known; requests still go there
                     if not warned and isinstance(exc, grpc.Call) and exc.code() in (
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
@@ -177,28 +181,6 @@ class Replica:
             backoff = min(2 * backoff, 5.0)
 
 
-def resolve(target: str) -> list[tuple[str, str | None]]:
-    """`host:port` -> every address it names, as (`ip:port`, host name or None for a literal): a
-    Kubernetes headless Service names all its pods. A name that does not resolve names none."""
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"replica address {target!r} is not HOST:PORT")
-    host = host.strip("[]")
-    try:
-        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
-        return [(target, None)]
-    except OSError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except OSError:
-        return []
-    addrs = sorted({(f"[{i[4][0]}]" if i[0] == socket.AF_INET6 else i[4][0]) + f":{port}" for i in infos})
-    if host == "localhost":  # one replica, whatever the resolver says
-        return [(target, None)]
-    return [(a, host) for a in addrs]
-
-
 class Router:
     def __init__(self, targets: Sequence[str], *, policy: str = "prefix", load_weight: float = 4.0,
                  tls: TLSConfig | None = None, metadata: Metadata = (), index_capacity: int = 1_000_000,
@@ -219,7 +201,7 @@ class Router:
         self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
         self._lock = threading.Lock()
-        self._turn = itertools.count()  # where choose starts among equals
+        self._choices = itertools.count(1)  # numbers each choice: among equals, the least recently chosen goes
         self._hash_turn = itertools.count()  # which replica prefix_hashes asks
         self._stop = threading.Event()
         self._started = False
@@ -266,19 +248,18 @@ class Router:
     def choose(self, hashes: Sequence[BlockHash], avoid: Sequence[str] = ()) -> tuple[Replica, int] | None:
         """The replica to send a request to and how many of its leading blocks it holds; None when no
         replica outside `avoid` is healthy."""
-        candidates = [r for r in self._healthy(self._turn) if r.addr not in avoid]
+        candidates = [r for r in self._all() if r.healthy and r.addr not in avoid]
         if not candidates:
             return None
-        if self.policy == "round-robin":
-            return candidates[0], candidates[0].index.leading(hashes)
         held = {r.addr: r.index.leading(hashes) for r in candidates}
-        if self.policy == "prefix":
-            def cost(r: Replica) -> float:
+
+        def cost(r: Replica) -> float:
+            if self.policy == "prefix":
                 return (len(hashes) - held[r.addr]) + self.load_weight * r.load
-        else:
-            def cost(r: Replica) -> float:
-                return r.load
-        best = min(candidates, key=cost)  # candidates come in turn: ties go round
+            return r.load if self.policy == "least-loaded" else 0
+
+        best = min(candidates, key=lambda r: (cost(r), r.last_chosen))
+        best.last_chosen = next(self._choices)
         return best, held[best.addr]
 
     def generate(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
@@ -335,7 +316,7 @@ class Router:
         with self._lock:
             return list(self.replicas.values())
 
-    def _healthy(self, turn: Iterator[int]) -> list[Replica]:
+    def _healthy(self, turn: itertools.count[int]) -> list[Replica]:
         """Healthy replicas, starting at the next one in `turn`."""
         up = [r for r in self._all() if r.healthy]
         if not up:

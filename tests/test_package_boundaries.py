@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "router", "client")
 PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore", "prefill", "decode")
           for grpc in ("", "_grpc")}
-SERVING = {"serving.auth", "serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
+SERVING = {"serving.addresses", "serving.auth", "serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
            "serving.server", "serving.tls"}
 ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.kv_pool", "engine.kv_transfer",
                        "engine.model", "engine.sampling", "engine.scheduler", "engine.sequence"}
@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "decode_service": {"protos.block_hash", "kvstore", "prefill_service.client"}
     | ENGINE_FOR_SERVICES | SERVING | PROTOS,
     # the router holds no model: the shared server code without the request contract (which names the engine's)
-    "router": {"protos.block_hash", "serving.cli", "serving.errors", "serving.server", "serving.tls"} | PROTOS,
+    "router": {"protos.block_hash", "serving.addresses", "serving.cli", "serving.errors", "serving.server", "serving.tls"} | PROTOS,
     "client": set(PROTOS),
 }
 # Modules allowed more than the rest of their package: the pytest plugin hands its users a client

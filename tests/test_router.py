@@ -5,6 +5,7 @@ prefill and decode in this process. A deployment of real processes is tests/test
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 from collections.abc import Iterator
 
@@ -12,11 +13,13 @@ import pytest
 
 from client import Client
 from client.client import InvalidArgumentError, build_request
+from prefill_service.client import PrefillReplicas
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2_grpc
 from router.__main__ import parser
-from router.router import DECODE_SERVICE, BlockIndex, Router, resolve
+from router.router import DECODE_SERVICE, BlockIndex, Router
 from router.server import RouterServicer
+from serving.addresses import resolve
 from serving.cli import env_args
 from serving.server import Server
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
@@ -50,6 +53,30 @@ def test_resolve_names_every_address_of_a_name() -> None:
         resolve("decode")
 
 
+def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = {"decode.kvserve.svc": ["10.0.0.7", "10.0.0.5"]}
+
+    def getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        if host not in answers:
+            raise socket.gaierror("not found")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert resolve("decode.kvserve.svc:50051") == [("10.0.0.5:50051", "decode.kvserve.svc"),
+                                                   ("10.0.0.7:50051", "decode.kvserve.svc")]
+    replicas = PrefillReplicas.connect("decode.kvserve.svc:50052, 10.0.0.9:50052", resolve_every_s=0)
+    try:
+        assert [c.addr for c in replicas.clients] == ["10.0.0.5:50052", "10.0.0.7:50052", "10.0.0.9:50052"]
+        answers["decode.kvserve.svc"] = ["10.0.0.7"]  # scaled down: the next pick resolves again
+        replicas.mark_down("10.0.0.9:50052")
+        assert replicas._pick(()).addr == "10.0.0.7:50052"
+        assert [c.addr for c in replicas.clients] == ["10.0.0.7:50052", "10.0.0.9:50052"]
+    finally:
+        replicas.close()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        PrefillReplicas.connect("prefill")
+
+
 def router(policy: str, n: int = 3, load_weight: float = 4.0) -> Router:
     r = Router([f"127.0.0.1:{1 + i}" for i in range(n)], policy=policy, load_weight=load_weight)
     for replica in r.replicas.values():
@@ -65,9 +92,9 @@ def test_prefix_goes_where_the_leading_blocks_are_until_that_replica_is_much_bus
     c.index.add(prompt[:2])
     for _ in range(6):  # whichever replica's turn it is
         assert r.choose(prompt) == (b, 6)
-    b.polled_load = 1  # 4 blocks left + 4 x 1 = 8 < 10 (a) and 8 (c): ties go round
+    b.others_load = 1  # 4 blocks left + 4 x 1 = 8 < 10 (a) and 8 (c): ties go round
     assert r.choose(prompt)[0] in (b, c)
-    b.in_flight = 3  # the router's own count when it is above what the replica last said
+    b.in_flight = 2  # the router's own requests come on top: 4 + 4 x 3 = 16 > 8 (c)
     assert r.choose(prompt) == (c, 2)
     b.healthy = c.healthy = False
     assert r.choose(prompt) == (a, 0)
@@ -81,15 +108,27 @@ def test_without_a_prefix_every_policy_spreads_requests() -> None:
         assert chosen == set(r.replicas), policy
 
 
+def test_new_chats_of_two_turns_spread_and_each_stays_where_it_began() -> None:
+    r = router("prefix", n=2)
+    first_turns = []
+    for chat in range(4):
+        prompt = [h(100 * chat + i) for i in range(8)]
+        first, _ = r.choose(prompt)  # type: ignore[misc]
+        first.index.add(prompt)  # as generate does once the replica answers
+        first_turns.append(first.addr)
+        assert r.choose([*prompt, h(100 * chat + 50)])[0] is first  # type: ignore[index]
+    assert sorted(first_turns) == sorted(list(r.replicas) * 2)
+
+
 def test_least_loaded_ignores_prefixes_and_round_robin_ignores_load() -> None:
     r = router("least-loaded")
     a, b, c = r.replicas.values()
     a.index.add([h(1)])
-    a.polled_load, b.polled_load, c.polled_load = 5, 0, 2
+    a.others_load, b.others_load, c.others_load = 5, 0, 2
     assert r.choose([h(1)])[0] is b
     rr = router("round-robin", n=2)
     x, y = rr.replicas.values()
-    x.polled_load = 100
+    x.others_load = 100
     assert [rr.choose([])[0].addr for _ in range(4)].count(x.addr) == 2  # type: ignore[index]
 
 

@@ -1,0 +1,589 @@
+"""The deployment files, checked offline (no Docker engine, no cluster here).
+
+- The compose files, alone and merged as `docker compose -f A -f B` merges them, against the Compose
+  Specification's JSON schema (the copy check-jsonschema ships as vendor.compose-spec), and their wiring:
+  every setting a KVSERVE_<SERVICE>_<FLAG> variable that the service's own parser reads.
+- The Kubernetes overlays, built by `kubectl kustomize`, every object against the API schemas of the
+  newest Kubernetes kubernetes-validate ships, strictly (an unknown field fails), and their wiring.
+- Every flag of every service readable from its variable.
+- (slow) The compose file's services run as local processes, with their own commands, variables and
+  health checks, form a stack that answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from cryptography import x509
+
+from serving.cli import env_args, env_prefix, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+OVERRIDES = {"tls": ROOT / "docker-compose.tls.yml", "gpu": ROOT / "docker-compose.gpu.yml"}
+KUSTOMIZE = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("trial", "production")
+KUBERNETES_VERSION = "1.37"  # the newest kubernetes-validate 1.37 ships schemas for
+SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__main__",
+            "decode": "decode_service.__main__", "router": "router.__main__"}
+SHARED_VARS = {"KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA", "KVSERVE_AUTH_TOKENS", "KVSERVE_TOKEN"}
+PORTS = {"kvstore": 50053, "prefill": 50052, "decode": 50051, "router": 50050}
+
+
+# -- the services' flags ------------------------------------------------------------------------------
+
+def service_parser(service: str) -> argparse.ArgumentParser:
+    """The service's own parser; skips the test while the service has none (the router, until it lands)."""
+    try:
+        module = importlib.import_module(SERVICES[service])
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and SERVICES[service].startswith(exc.name):
+            pytest.skip(f"{SERVICES[service]} does not exist yet")
+        raise
+    if not hasattr(module, "parser"):
+        pytest.skip(f"{SERVICES[service]} has no parser() yet")
+    return module.parser()  # type: ignore[no-any-return]
+
+
+def flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in p._actions
+            if any(s.startswith("--") for s in a.option_strings) and not isinstance(a, argparse._HelpAction)]
+
+
+def flag_var(service: str, action: argparse.Action) -> str:
+    flag = next(s for s in action.option_strings if s.startswith("--"))
+    return env_prefix(service) + flag[2:].upper().replace("-", "_")
+
+
+def _sample(action: argparse.Action) -> tuple[str, Any]:
+    """A variable's value for the flag and what the parsed namespace must then hold: never the default."""
+    if action.nargs == 0:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return ("false", False) if action.default else ("true", True)
+        return "true", action.const  # store_true, store_false, store_const
+    if action.choices is not None:
+        choice = next(c for c in action.choices if c != action.default)
+        return str(choice), choice
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str  # type: ignore[assignment]
+    for text in ("7", "2.5", "3MiB", "/tmp/kvserve-env-check", "env-check"):
+        try:
+            value = convert(text)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            continue
+        if value != action.default:
+            return text, [value] if isinstance(action, argparse._AppendAction) else value
+    raise AssertionError(f"no sample value for {action.option_strings}")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_flag_is_readable_from_its_variable(service: str) -> None:
+    """Table-driven: for each flag, its KVSERVE_<SERVICE>_<FLAG> variable alone (with the required flags'
+    variables) sets it to a value other than its default."""
+    p = service_parser(service)
+    actions = flag_actions(p)
+    required = {flag_var(service, a): _sample(a)[0] for a in actions if a.required}
+    assert {a.dest for a in actions} >= {"listen", "metrics_port", "log_level", "tls_cert"}
+    wrong = []
+    for action in actions:
+        text, expected = _sample(action)
+        var = flag_var(service, action)
+        args = p.parse_args(env_args(p, service, {**required, var: text}))
+        if getattr(args, action.dest) != expected:
+            wrong.append(f"{var}={text!r}: {action.dest} is {getattr(args, action.dest)!r}, not {expected!r}")
+    assert wrong == []
+
+
+def _known_vars(service: str) -> set[str]:
+    return {flag_var(service, a) for a in flag_actions(service_parser(service))}
+
+
+def assert_vars_name_flags(names: set[str], where: str) -> None:
+    """Every KVSERVE_* variable set by a deployment file is a flag of its service, or a shared one."""
+    unknown = set()
+    for name in names - SHARED_VARS:
+        service = next((s for s in SERVICES if name.startswith(env_prefix(s))), None)
+        if service is None or name not in _known_vars(service):
+            unknown.add(name)
+    assert unknown == set(), f"{where}: variables no service reads (a typo?): {sorted(unknown)}"
+
+
+# -- compose --------------------------------------------------------------------------------------------
+
+_INTERPOLATION = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$\$")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """What compose makes of ${NAME:-default}, ${NAME} and $$ with `env` as the shell and .env."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, str):
+        return _INTERPOLATION.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1]) or (m[2] or ""), value)
+    return value
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """What `docker compose -f base -f override` gives for the keys our files use: mappings merge, lists
+    (volumes, ports) add up, scalars and a mapping over a scalar (build) replace."""
+    out = copy.deepcopy(base)
+    for name, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(name), dict):
+            out[name] = merged(base[name], value)
+        elif isinstance(value, list) and isinstance(base.get(name), list) and name != "command":
+            out[name] = [*base[name], *value]
+        else:
+            out[name] = copy.deepcopy(value)
+    return out
+
+
+def compose(*overrides: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    spec = yaml.safe_load(COMPOSE.read_text())
+    for name in overrides:
+        spec = merged(spec, yaml.safe_load(OVERRIDES[name].read_text()))
+    return interpolate(spec, env or {})  # type: ignore[no-any-return]
+
+
+def compose_schema() -> jsonschema.protocols.Validator:
+    schema = json.loads((files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
+    return jsonschema.validators.validator_for(schema)(schema)  # type: ignore[no-any-return]
+
+
+def schema_errors(validator: jsonschema.protocols.Validator, spec: dict[str, Any]) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(spec)]
+
+
+@pytest.mark.parametrize("overrides", [(), ("tls",), ("gpu",), ("gpu", "tls")], ids=lambda o: "+".join(o) or "base")
+def test_the_compose_files_follow_the_compose_specification(overrides: tuple[str, ...]) -> None:
+    validator = compose_schema()
+    for path in [COMPOSE, *(OVERRIDES[o] for o in overrides)]:
+        assert schema_errors(validator, yaml.safe_load(path.read_text())) == [], path.name
+    spec = compose(*overrides)
+    assert schema_errors(validator, spec) == []
+    assert "${" not in json.dumps(spec)  # every variable has its default
+    typo = copy.deepcopy(spec)
+    typo["services"]["decode"]["enviroment"] = typo["services"]["decode"].pop("environment")
+    assert schema_errors(validator, typo) != []  # the schema does check the services' keys
+
+
+def service_args(service: str, spec: dict[str, Any]) -> argparse.Namespace:
+    """The flags the compose service's command and variables give its process."""
+    p = service_parser(service)
+    assert spec["command"] == [service]  # the image's entrypoint is `kvserve`
+    env = {k: str(v) for k, v in spec.get("environment", {}).items()}
+    return p.parse_args(env_args(p, service, env))
+
+
+def test_the_compose_services_are_wired_through_their_variables() -> None:
+    services = compose()["services"]
+    assert set(services) == {"model-init", "redis", *SERVICES}
+    args = {name: service_args(name, services[name]) for name in SERVICES}
+    for name, port in PORTS.items():
+        spec = services[name]
+        assert args[name].listen == f"0.0.0.0:{port}"
+        assert spec["healthcheck"]["test"] == ["CMD", "kvserve", "health", f"127.0.0.1:{port}"]
+        assert all(k.startswith(env_prefix(name)) for k in spec["environment"])  # no stray variables
+        for dep, condition in spec.get("depends_on", {}).items():
+            if dep == "model-init":
+                assert condition == {"condition": "service_completed_successfully"}
+            else:
+                assert condition == {"condition": "service_healthy"} and "healthcheck" in services[dep]
+    assert args["prefill"].kvstore == args["decode"].kvstore == "kvstore:50053"
+    assert args["decode"].prefill == "prefill:50052" and args["router"].decode == "decode:50051"
+    assert args["prefill"].model == args["decode"].model == "/models/tiny-llama"
+    assert args["decode"].nice == 10
+    # Same-host shared memory needs one IPC namespace for the store and its clients.
+    assert services["kvstore"]["ipc"] == "shareable"
+    assert services["prefill"]["ipc"] == services["decode"]["ipc"] == "service:kvstore"
+    assert "models:/models:ro" in services["prefill"]["volumes"] and "models:/models:ro" in services["decode"]["volumes"]
+    assert args["kvstore"].disk_path == Path("/data/kvstore") and "kvstore-data:/data" in services["kvstore"]["volumes"]
+    init = services["model-init"]
+    assert init["volumes"] == ["models:/models"] and init["entrypoint"] == ["sh", "-c"]
+    assert "test -f /models/tiny-llama/config.json ||" in init["command"][0]
+    assert "kvserve model init" in init["command"][0]
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in redis
+    assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"
+    if "remote_url" in args["kvstore"]:
+        assert args["kvstore"].remote_url == "redis://redis:6379/0"
+
+
+def test_compose_settings_come_from_the_environment_or_env_file() -> None:
+    """An operator changes a setting with a variable (or .env) and nothing else."""
+    services = compose(env={"KVSERVE_KVSTORE_HOST_CAPACITY": "8GiB", "KVSERVE_MODEL": "/models/mine",
+                            "KVSERVE_DECODE_MAX_NUM_SEQS": "128"})["services"]
+    args = {name: service_args(name, services[name]) for name in ("kvstore", "prefill", "decode")}
+    assert args["kvstore"].host_capacity == parse_size("8GiB")
+    assert args["prefill"].model == args["decode"].model == "/models/mine"
+    assert args["decode"].max_num_seqs == 128
+    assert args["decode"].kv_cache_memory is None  # an empty variable leaves the default
+
+
+def test_compose_variables_name_real_flags() -> None:
+    for overrides in [(), ("tls",), ("gpu",)]:
+        names = {k for spec in compose(*overrides)["services"].values() for k in spec.get("environment", {})}
+        assert_vars_name_flags(names, f"compose {overrides}")
+
+
+def test_the_gpu_override_reserves_gpus_and_selects_cuda() -> None:
+    services = compose("gpu")["services"]
+    for name in ("kvstore", "prefill", "decode"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+        assert service_args(name, services[name]).device == "cuda"
+    images = {spec.get("image") for spec in services.values() if "build" in spec}
+    assert len(images) == 1  # one image, built once, with torch's CUDA build
+    assert all(spec["build"]["args"]["TORCH_INDEX"] == "" for spec in services.values() if "build" in spec)
+    assert re.search(r"^ARG TORCH_INDEX=", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+
+
+def test_the_tls_override_starts_every_service_with_mtls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docker-compose.tls.yml: its one-shot `certs` command writes what the services' KVSERVE_TLS_*
+    variables name; with them each service loads a certificate for every host it is dialled by, and
+    its health check (`kvserve health 127.0.0.1:PORT`, which reads the same variables) passes TLS."""
+    from serving.certs import main as certs_main
+    from serving.cli import tls_from_args
+
+    services = compose("tls")["services"]
+    command, certs_dir, *certs_argv = services["certs"]["command"]
+    assert command == "certs" and f"kvserve-certs:{certs_dir}" in services["certs"]["volumes"]
+    assert certs_main([str(tmp_path), *certs_argv]) == 0  # the one-shot service, here
+    assert services["kvstore"]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+
+    def hosts(name: str) -> list[str]:
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{name}.pem").read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return [*sans.get_values_for_type(x509.DNSName), *map(str, sans.get_values_for_type(x509.IPAddress))]
+
+    for name in SERVICES:
+        spec = services[name]
+        assert f"kvserve-certs:{certs_dir}:ro" in spec["volumes"]
+        for var in ("KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA"):
+            path = spec["environment"].pop(var)
+            assert path.startswith(f"{certs_dir}/")
+            monkeypatch.setenv(var, str(tmp_path / path.removeprefix(f"{certs_dir}/")))
+        args = service_args(name, spec)
+        tls = tls_from_args(args, name)
+        assert tls is not None and tls.has_identity and tls.ca == (tmp_path / "ca.pem").read_bytes()
+        assert args.tls_cert == str(tmp_path / f"{name}.pem")  # its own certificate
+        assert "127.0.0.1" in hosts(name)  # what its health check dials
+        for peer in ("kvstore", "prefill", "decode"):  # the host it dials a peer by is in the peer's certificate
+            if (addr := getattr(args, peer, None)) and name != peer:
+                assert addr.rsplit(":", 1)[0] in hosts(peer)
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------------
+
+KUBECTL = shutil.which("kubectl")
+
+
+def kustomize(overlay: str) -> list[dict[str, Any]]:
+    assert KUBECTL is not None
+    out = subprocess.run([KUBECTL, "kustomize", str(KUSTOMIZE / "overlays" / overlay)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def k8s_errors(obj: dict[str, Any]) -> str | None:
+    from kubernetes_validate import utils
+
+    try:
+        utils.validate(obj, KUBERNETES_VERSION, strict=True)
+    except utils.ValidationError as exc:
+        return f"{obj['kind']}/{obj['metadata']['name']}: {exc}"
+    return None
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def pod_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def env_value(container: dict[str, Any], name: str) -> Any:
+    return next(e for e in container.get("env", []) if e["name"] == name)
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    """An overlay's name and the objects `kubectl kustomize` builds from it."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed (its kustomize builds the overlays); Debian's kubernetes-client "
+                    "is too old for them, so `make setup` does not install it")
+    return request.param, kustomize(request.param)
+
+
+def config_map(objects: list[dict[str, Any]]) -> dict[str, str]:
+    return next(o for o in objects if o["kind"] == "ConfigMap"  # type: ignore[no-any-return]
+                and o["metadata"]["name"].startswith("kvserve-config"))["data"]
+
+
+def test_the_kubernetes_overlay_builds_and_validates(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = overlay
+    assert [e for e in map(k8s_errors, objects) if e] == []
+    assert {o["metadata"]["namespace"] for o in objects if o["kind"] != "Namespace"} == {"kvserve"}
+    config = next(o for o in objects if o["kind"] == "ConfigMap")
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "DaemonSet", "Job")]
+    for obj in workloads:
+        for c in pod_containers(obj):
+            where = f"{obj['metadata']['name']}/{c['name']}"
+            for kind in ("requests", "limits"):  # requests and limits everywhere
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), where
+            for ref in c.get("envFrom", []):  # the generated name, hash and all
+                assert ref["configMapRef"]["name"] == config["metadata"]["name"], where
+    assert_vars_name_flags(set(config_map(objects)), f"{name} ConfigMap")
+
+
+def test_each_kubernetes_service_serves_and_is_probed_on_its_port(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = overlay
+    config = config_map(objects)
+    kinds = {"kvstore": "DaemonSet", "prefill": "Deployment", "decode": "Deployment", "router": "Deployment"}
+    for service, kind in kinds.items():
+        container = find(objects, kind, f"kvserve-{service}")["spec"]["template"]["spec"]["containers"][0]
+        assert container["args"] == [service]  # the image's entrypoint is `kvserve`
+        assert {"configMapRef": {"name": next(o for o in objects if o["kind"] == "ConfigMap")["metadata"]["name"]}} \
+            in container["envFrom"]
+        assert config[f"{env_prefix(service)}LISTEN"] == f"0.0.0.0:{PORTS[service]}"
+        for probe in ("readinessProbe", "livenessProbe"):  # Kubernetes' native gRPC health probe
+            assert container[probe]["grpc"] == {"port": PORTS[service]}
+        assert_vars_name_flags({e["name"] for e in container.get("env", []) if e["name"].startswith("KVSERVE_")},
+                               f"{name} kvserve-{service}")
+
+
+def test_prefill_and_decode_pods_share_their_nodes_store(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Each prefill and decode pod calls its own node's store (NODE_IP and the store's hostPort), maps its
+    arena through the same /dev/shm as the same user, and reads the model volume; decode calls the prefill
+    pods of its own node, and is scheduled only beside one."""
+    _, objects = overlay
+    config = config_map(objects)
+    store = find(objects, "DaemonSet", "kvserve-kvstore")["spec"]["template"]["spec"]
+    host_port = next(p["hostPort"] for p in store["containers"][0]["ports"] if p["name"] == "grpc")
+    shm = next(v for v in store["volumes"] if v["name"] == "shm")
+    for service in ("prefill", "decode"):
+        pod = find(objects, "Deployment", f"kvserve-{service}")["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert env_value(container, "NODE_IP")["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+        assert env_value(container, f"{env_prefix(service)}KVSTORE")["value"] == f"$(NODE_IP):{host_port}"
+        assert next(v for v in pod["volumes"] if v["name"] == "shm") == shm
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert pod["securityContext"]["runAsUser"] == store["securityContext"]["runAsUser"]  # the arena's check
+        assert f"USER {pod['securityContext']['runAsUser']}\n" in (ROOT / "Dockerfile").read_text()  # the image's
+        assert config[f"{env_prefix(service)}MODEL"].startswith("/models/")
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+        init = pod["initContainers"][0]["command"][-1]
+        assert "test -f /models/tiny-llama/config.json" in init and "kvserve model init" in init
+    host, port = config["KVSERVE_DECODE_PREFILL"].split(":")
+    local = find(objects, "Service", host)["spec"]
+    assert local["internalTrafficPolicy"] == "Local" and local["ports"][0]["port"] == int(port) == PORTS["prefill"]
+    assert local["selector"]["app.kubernetes.io/component"] == "prefill"
+    affinity = find(objects, "Deployment", "kvserve-decode")["spec"]["template"]["spec"]["affinity"]
+    assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "kvserve", "app.kubernetes.io/component": "prefill"}}}]
+
+
+def test_the_router_fronts_every_decode_replica(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = overlay
+    host, port = config_map(objects)["KVSERVE_ROUTER_DECODE"].split(":")
+    replicas = find(objects, "Service", host)["spec"]  # headless: one address per ready decode pod
+    assert replicas["clusterIP"] == "None" and replicas["ports"][0]["port"] == int(port) == PORTS["decode"]
+    assert replicas["selector"]["app.kubernetes.io/component"] == "decode"
+    front = find(objects, "Service", "kvserve")["spec"]
+    assert front["selector"]["app.kubernetes.io/component"] == "router"
+    assert front["ports"][0]["port"] == PORTS["router"]
+
+
+def test_the_overlays_remote_tier_replicas_and_devices(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, objects = overlay
+    config = config_map(objects)
+    remote = config["KVSERVE_KVSTORE_REMOTE_URL"]
+    if name == "trial":  # its own Valkey, an LRU cache without persistence
+        args = find(objects, "Deployment", "kvserve-redis")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in args
+        assert args[args.index("--save") + 1] == "" and args[args.index("--appendonly") + 1] == "no"
+        port = find(objects, "Service", "kvserve-redis")["spec"]["ports"][0]["port"]
+        assert remote == f"redis://kvserve-redis:{port}/0"
+    else:  # an external Redis, more replicas, a GPU per prefill and decode pod
+        assert remote.startswith("redis") and not any(o["kind"] == "Service" and o["metadata"]["name"] in remote
+                                                      for o in objects)
+        for deployment in ("kvserve-prefill", "kvserve-decode", "kvserve-router"):
+            assert find(objects, "Deployment", deployment)["spec"]["replicas"] > 1
+        for deployment in ("kvserve-prefill", "kvserve-decode"):
+            container = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert config["KVSERVE_PREFILL_DEVICE"] == config["KVSERVE_DECODE_DEVICE"] == "cuda"
+
+
+def test_the_kubernetes_schema_check_can_fail() -> None:
+    """Strict validation: a misspelt field, which a cluster would silently drop, is an error."""
+    deployment = next(yaml.safe_load_all((KUSTOMIZE / "base" / "router.yaml").read_text()))
+    assert k8s_errors(deployment) is None
+    deployment["spec"]["template"]["spec"]["containers"][0]["readynessProbe"] = {"grpc": {"port": 50050}}
+    assert k8s_errors(deployment) is not None
+
+
+def test_the_kubernetes_settings_name_real_flags() -> None:
+    """Without kubectl too: the base's and the overlays' settings files."""
+    for path in KUSTOMIZE.rglob("*.env"):
+        names = {line.split("=", 1)[0] for line in path.read_text().splitlines() if line and not line.startswith("#")}
+        assert names and all(n.startswith("KVSERVE_") for n in names), path
+        assert_vars_name_flags(names, str(path.relative_to(ROOT)))
+
+
+# -- the compose stack as local processes ----------------------------------------------------------------
+
+class LocalCompose:
+    """Runs compose services as local processes: each service's `command` (the image's entrypoint is
+    `kvserve`) with its `environment`, host names rewritten to 127.0.0.1, ports to free ones and volume
+    paths to folders under `tmp`."""
+
+    def __init__(self, spec: dict[str, Any], tmp: Path) -> None:
+        from tests.redis_fixtures import free_ports
+
+        self.services = spec["services"]
+        self.tmp = tmp
+        self.volumes = {name: tmp / "volumes" / name for name in spec["volumes"]}
+        for d in self.volumes.values():
+            d.mkdir(parents=True)
+        (tmp / "logs").mkdir()
+        self._free_ports = free_ports
+        self.ports: dict[tuple[str, int], int] = {}
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        names = "|".join(re.escape(n) for n in self.services)
+        self._addr = re.compile(rf"(?<![\w.-])(0\.0\.0\.0|127\.0\.0\.1|{names}):(\d+)")
+
+    def port(self, service: str, port: int) -> int:
+        if (service, port) not in self.ports:
+            self.ports[service, port] = self._free_ports(1)[0]
+        return self.ports[service, port]
+
+    def rewrite(self, service: str, key: str, value: str) -> str:
+        if key.endswith("_METRICS_PORT"):
+            return str(self.port(service, int(value)))
+        value = self._addr.sub(lambda m: f"127.0.0.1:{self.port(service if m[1][0].isdigit() else m[1], int(m[2]))}",
+                               value)
+        for mount in self.services[service].get("volumes", []):
+            volume, target = mount.split(":")[:2]
+            value = value.replace(target, str(self.volumes[volume]))
+        return value
+
+    def env(self, service: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+        env.update(PYTHONUNBUFFERED="1", KVSERVE_PARENT_PID=str(os.getpid()),
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        env.update({k: self.rewrite(service, k, str(v)) for k, v in self.services[service].get("environment", {}).items()})
+        return env
+
+    def command(self, service: str, argv: list[str]) -> list[str]:
+        """`kvserve ...` as this interpreter runs it; other commands as they are."""
+        argv = [self.rewrite(service, "", a) for a in argv]
+        return [sys.executable, "-m", "client.cli", *argv[1:]] if argv[0] == "kvserve" else argv
+
+    def run_once(self, service: str) -> None:
+        spec = self.services[service]
+        argv = [*spec.get("entrypoint", ["kvserve"]), *spec["command"]]
+        done = subprocess.run(self.command(service, argv), env=self.env(service), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{service}: {done.stdout}{done.stderr}"
+
+    def start(self, service: str) -> None:
+        spec = self.services[service]
+        with open(self.tmp / "logs" / f"{service}.log", "wb") as log:
+            self.processes[service] = subprocess.Popen(self.command(service, ["kvserve", *spec["command"]]),
+                                                       env=self.env(service), stdout=log, stderr=subprocess.STDOUT)
+        test = spec["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        deadline = time.monotonic() + 300
+        while subprocess.run(self.command(service, test[1:]), env=self.env(service), capture_output=True).returncode:
+            if self.processes[service].poll() is not None or time.monotonic() > deadline:
+                log_text = (self.tmp / "logs" / f"{service}.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"{service} did not become healthy:\n{log_text}")
+            time.sleep(0.5)
+
+    def addr(self, service: str) -> str:
+        return f"127.0.0.1:{self.port(service, PORTS[service])}"
+
+    def stop(self) -> None:
+        from client.stack import remove_shm_leftovers
+
+        for service, proc in reversed(self.processes.items()):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if service == "kvstore":
+                remove_shm_leftovers(proc.pid)
+
+
+def _order(services: dict[str, Any]) -> list[str]:
+    """The services in an order that starts each after what it depends on."""
+    done: list[str] = []
+    while len(done) < len(services):
+        ready = [n for n, s in services.items() if n not in done and set(s.get("depends_on", {})) <= set(done)]
+        assert ready, f"depends_on has a cycle or names a missing service: {sorted(set(services) - set(done))}"
+        done += ready
+    return done
+
+
+@pytest.mark.slow
+def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
+    from client import Client
+    from tests.redis_fixtures import RedisServer
+
+    spec = compose()
+    stack = LocalCompose(spec, tmp_path)
+    repo_model = ROOT / "data" / "models" / "tiny-llama"
+    if (repo_model / "config.json").exists():  # model-init then finds it and builds nothing
+        (stack.volumes["models"] / "tiny-llama").symlink_to(repo_model)
+    with contextlib.ExitStack() as cleanup:
+        redis_command = spec["services"]["redis"]["command"]
+        redis = cleanup.enter_context(RedisServer.start(tmp_path, extra=redis_command[1:]))
+        stack.ports["redis", 6379] = redis.port
+        assert redis.cli(*spec["services"]["redis"]["healthcheck"]["test"][2:]) == "PONG"
+        assert redis.cli("CONFIG", "GET", "maxmemory-policy").split() == ["maxmemory-policy", "allkeys-lru"]
+        cleanup.callback(stack.stop)
+        for service in _order(spec["services"]):
+            if service == "model-init":
+                stack.run_once(service)
+            elif service != "redis":
+                stack.start(service)
+        assert (stack.volumes["models"] / "tiny-llama" / "config.json").exists()
+
+        prompt = "The compose stack, run as local processes, answers through its front door. " * 2
+        with Client(stack.addr("router")) as front, Client(stack.addr("decode")) as decode:
+            first = front.generate(prompt, max_tokens=8, ignore_eos=True)
+            again = front.generate(prompt, max_tokens=8, ignore_eos=True)
+            direct = decode.generate(prompt, max_tokens=8, ignore_eos=True)
+        assert first.usage.completion_tokens == 8 and first.usage.cached_tokens == 0
+        assert again.token_ids == direct.token_ids == first.token_ids
+        assert again.usage.cached_tokens > 0  # the store kept the prompt's blocks
+        if "remote_url" in service_args("kvstore", spec["services"]["kvstore"]):
+            deadline = time.monotonic() + 60  # written behind: wait for the first blocks to arrive
+            while int(redis.cli("DBSIZE")) == 0:
+                assert time.monotonic() < deadline, "the store wrote nothing to the remote tier"
+                time.sleep(0.2)
