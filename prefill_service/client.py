@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
-from serving.addresses import resolve, split_targets
+from serving.addresses import Targets, split_targets
 from serving.errors import ServiceError, Unavailable
 from serving.requests import (
     PrefillHandle,
@@ -157,15 +157,15 @@ class PrefillReplicas:
     def connect(cls, addrs: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None,
                 resolve_every_s: float = 10.0) -> PrefillReplicas:
         """From a comma-separated list of HOST:PORT."""
-        targets = split_targets(addrs)
+        targets = Targets(split_targets(addrs))
         known: dict[str, PrefillClient] = {}
 
         def clients() -> list[PrefillClient]:
-            wanted = [(a, name) for t in targets for a, name in resolve(t)]
-            for a, name in wanted:
+            wanted = targets.resolve()
+            for a, name in wanted.items():
                 if a not in known:
                     known[a] = PrefillClient(a, timeout_s, tls=tls, target_name=name)
-            return [known[a] for a, _ in wanted]
+            return [known[a] for a in wanted]
 
         return cls(clients(), resolve=clients, resolve_every_s=resolve_every_s)
 

@@ -40,9 +40,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default="prefix",
                    help="prefix: fewest blocks left to compute plus --load-weight per sequence on the replica; "
                         "least-loaded: fewest sequences; round-robin: in turn (default %(default)s)")
-    p.add_argument("--load-weight", type=float, default=4.0,
-                   help="blocks of prompt to compute that one sequence on a replica weighs as much as, under "
-                        "--policy prefix (default %(default)s)")
+    p.add_argument("--load-weight", type=float, default=32.0,
+                   help="under --policy prefix, how many prompt blocks to compute one sequence already on a "
+                        "replica weighs as much as: a request goes where its prefix is unless that replica runs "
+                        "more sequences than another by more than the blocks it would save / this (default "
+                        "%(default)s: 512 tokens at 16 per block)")
     p.add_argument("--token", default=None,
                    help=f"bearer token for the router's own calls to replicas that require one (their load and "
                         f"events); requests pass on their callers' tokens (default ${TOKEN_ENV})")

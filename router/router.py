@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from serving.addresses import resolve
+from serving.addresses import Targets
 from serving.errors import ServiceError, Unavailable
 from serving.server import CLIENT_CHANNEL_OPTIONS
 from serving.tls import TLSConfig, channel
@@ -182,7 +182,7 @@ class Replica:
 
 
 class Router:
-    def __init__(self, targets: Sequence[str], *, policy: str = "prefix", load_weight: float = 4.0,
+    def __init__(self, targets: Sequence[str], *, policy: str = "prefix", load_weight: float = 32.0,
                  tls: TLSConfig | None = None, metadata: Metadata = (), index_capacity: int = 1_000_000,
                  poll_s: float = 0.5, resolve_every_s: float = 10.0,
                  on_route: Callable[[str, str, int], None] | None = None) -> None:
@@ -191,6 +191,7 @@ class Router:
         if not targets:
             raise ValueError("at least one decode replica address is needed")
         self.targets = list(targets)
+        self._targets = Targets(self.targets)
         self.policy = policy
         self.load_weight = load_weight
         self._tls = tls
@@ -325,9 +326,7 @@ class Router:
         return up[k:] + up[:k]
 
     def _resolve(self) -> None:
-        wanted: dict[str, str | None] = {}
-        for target in self.targets:
-            wanted.update(resolve(target))
+        wanted = self._targets.resolve()
         with self._lock:
             gone = [r for a, r in self.replicas.items() if a not in wanted]
             new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name)

@@ -29,6 +29,25 @@ def resolve(target: str) -> list[tuple[str, str | None]]:
     return [(a, host) for a in sorted(addrs)]
 
 
+class Targets:
+    """Addresses that may name several replicas each, resolved on demand. A name that resolves to
+    nothing (DNS down for a moment, a Service between pods) keeps the addresses it last had, so a
+    resolver hiccup never drops every replica; it starts with none."""
+
+    def __init__(self, targets: list[str]) -> None:
+        self.targets = targets
+        self._last: dict[str, list[tuple[str, str | None]]] = {}
+
+    def resolve(self) -> dict[str, str | None]:
+        """Every address, with the host name to check its certificate against (None: as given)."""
+        out: dict[str, str | None] = {}
+        for target in self.targets:
+            found = resolve(target) or self._last.get(target, [])
+            self._last[target] = found
+            out.update(found)
+        return out
+
+
 def split_targets(text: str) -> list[str]:
     """'a:1, b:2' -> ['a:1', 'b:2']; ValueError for an empty list or an entry that is not HOST:PORT."""
     targets = [t.strip() for t in text.split(",") if t.strip()]

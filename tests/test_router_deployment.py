@@ -131,6 +131,25 @@ def test_with_round_robin_the_other_node_finds_the_first_turn_through_redis(depl
             assert result.usage.cached_tokens > 0
 
 
+def test_the_router_learns_from_a_nodes_events_what_it_computed_without_the_router(
+        deployment: Deployment) -> None:
+    """A prompt sent straight to node B (not through the router) is stored there; B's store announces
+    the blocks, B's decode relays them, and the router sends the next turn to B."""
+    node_b = deployment.nodes[1].addr
+    for chat in range(2):  # without the events, ties would send one of two new chats to A
+        history = tokens(8 * BLOCK_SIZE + 3, seed=650 + chat)
+        with Client(node_b, timeout_s=60) as direct:
+            answer = greedy(direct, history, 4)
+        history = [*history, *answer.token_ids, *tokens(BLOCK_SIZE, seed=660 + chat)]
+        time.sleep(1.0)  # the events' way: store -> decode -> router
+        before = deployment.routed("prefix")
+        with router_client(deployment, "prefix") as client:
+            want, logits = oracle(ARCH, history, 4)
+            assert_greedy_matches(list(greedy(client, history, 4).token_ids), want, logits)
+        after = deployment.routed("prefix")
+        assert after[node_b] == before[node_b] + 1
+
+
 def test_a_killed_decode_replica_costs_at_most_its_requests_in_flight(deployment: Deployment) -> None:
     prompts = [tokens(2 * BLOCK_SIZE + 7, seed=700 + i) for i in range(4)]
     wants = [oracle(ARCH, p, 8) for p in prompts]
