@@ -2,7 +2,8 @@
 style of LMCache's multi-round QA benchmark, with the prefix cache and without it.
 
 `--users` users start `1/--rate` seconds apart (0: all at once). Each sends `--rounds` questions, one
-after the other: round r's prompt is the shared system prompt (`--system-tokens`), then the user's
+after the other: round r's prompt is the shared system prompt (`--system-tokens`), the user's own
+context (`--user-tokens`, e.g. a document; 0 by default), then the user's
 questions (`--question-tokens` random byte token ids each, distinct per user) and the answers so far
 (`--answer-tokens` each, greedy, EOS ignored); the next question goes as soon as the answer is in.
 Prompts are token ids, so lengths are exact and an answer's KV is reused by the next round.
@@ -66,10 +67,13 @@ class Settings:
     answer_tokens: int
     rate: float
     seed: int
+    user_tokens: int = 0
 
     def prompt_tokens(self, round_: int) -> int:
-        """Prompt length of round `round_` (from 1): the system prompt, the questions, the answers before."""
-        return self.system_tokens + round_ * self.question_tokens + (round_ - 1) * self.answer_tokens
+        """Prompt length of round `round_` (from 1): the system prompt, the user's own context, the
+        questions, the answers before."""
+        return (self.system_tokens + self.user_tokens + round_ * self.question_tokens
+                + (round_ - 1) * self.answer_tokens)
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -80,7 +84,7 @@ def user_session(client: Client, s: Settings, user: int, system: list[int], star
                  progress: Progress, **cache: Any) -> list[StreamTrace]:
     """One user's rounds, each sent when the answer before it is in; a trace per round."""
     rng = random.Random(s.seed * 100_003 + user + 1)  # the same questions with and without the cache
-    history, traces = list(system), []
+    history, traces = [*system, *random_tokens(rng, s.user_tokens)], []
     for _ in range(s.rounds):
         prompt = history + random_tokens(rng, s.question_tokens)
         trace = timed_stream(client, start_at, token_ids=prompt, max_tokens=s.answer_tokens, ignore_eos=True, **cache)
@@ -195,6 +199,7 @@ def report_text(r: dict[str, Any]) -> str:
     rate = f"{s['rate']:g} users/s" if s["rate"] else "all at once"
     lines = [
         f"multi-turn: {s['users']} users ({rate}), {s['rounds']} rounds, system prompt {s['system_tokens']} tokens, "
+        f"each user's own context {s['user_tokens']}, "
         f"questions {s['question_tokens']}, answers {s['answer_tokens']} tokens; model {s['model']}",
         "TTFT in ms as the client sees it, with the cache and without it (same run, same stack); "
         "HF full / reuse: one user, no serving system, whole history / over a cache of the history",
@@ -238,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, default=4, help="(default %(default)s)")
     ap.add_argument("--rounds", type=int, default=10, help="questions per user (default %(default)s)")
     ap.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt (default %(default)s)")
+    ap.add_argument("--user-tokens", type=int, default=0,
+                    help="each user's own context after the system prompt, e.g. a document the questions are "
+                         "about (LMCache's user history; default %(default)s)")
     ap.add_argument("--question-tokens", type=int, default=64, help="(default %(default)s)")
     ap.add_argument("--answer-tokens", type=int, default=32, help="max tokens of each answer (default %(default)s)")
     ap.add_argument("--rate", type=float, default=1.0,
@@ -251,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --replicas: a router policy to measure; repeatable (default: prefix and round-robin)")
     add_output_flags(ap)
     args = ap.parse_args(argv)
-    if min(args.users, args.rounds, args.question_tokens, args.answer_tokens, args.replicas) < 1 or args.rate < 0:
-        ap.error("--users, --rounds, --question-tokens, --answer-tokens and --replicas must be >= 1, --rate >= 0")
+    if (min(args.users, args.rounds, args.question_tokens, args.answer_tokens, args.replicas) < 1 or args.rate < 0
+            or args.user_tokens < 0):
+        ap.error("--users, --rounds, --question-tokens, --answer-tokens and --replicas must be >= 1, "
+                 "--rate and --user-tokens >= 0")
     ensure_model(args.model)
     s = Settings(args.users, args.rounds, args.system_tokens, args.question_tokens, args.answer_tokens, args.rate,
-                 args.seed)
+                 args.seed, args.user_tokens)
     if args.replicas > 1:
         report = bench_routing.run(args, s)
         emit(args, report, bench_routing.report_text(report), lambda: bench_routing.panels(report),

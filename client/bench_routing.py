@@ -152,7 +152,8 @@ def report_text(r: dict[str, Any]) -> str:
     rate = f"{s['rate']:g} users/s" if s["rate"] else "all at once"
     lines = [
         f"multi-turn through the router: {s['replicas']} nodes (store, prefill, decode each; no shared tier), "
-        f"{s['users']} users ({rate}), {s['rounds']} rounds, system prompt {s['system_tokens']} tokens, questions "
+        f"{s['users']} users ({rate}), {s['rounds']} rounds, system prompt {s['system_tokens']} tokens, each user's "
+        f"own context {s['user_tokens']}, questions "
         f"{s['question_tokens']}, answers {s['answer_tokens']} tokens; model {s['model']}",
         "latencies in ms as the client sees them; one replica: the same session straight to one node",
         format_table(COLUMNS, r["sessions"]),
