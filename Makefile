@@ -54,6 +54,8 @@ bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench hash
 	$(VENV)/bin/kvserve bench prefill --model $(MODEL_DIR)
 	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) $(call BENCH_OUT,multi-turn)
+	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) --replicas 2 --users 16 --rate 4 --rounds 3 \
+		--system-tokens 256 --user-tokens 1024 $(call BENCH_OUT,multi-turn-routed)
 	$(VENV)/bin/kvserve bench shared-prefix --model $(MODEL_DIR) $(call BENCH_OUT,shared-prefix)
 	$(VENV)/bin/kvserve bench decode --model $(MODEL_DIR) $(call BENCH_OUT,decode)
 	$(VENV)/bin/kvserve bench handoff --model $(MODEL_DIR) $(call BENCH_OUT,handoff)
