@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
+from client.health import positive_float
 from client.stack import Stack, StackConfig, StackError, health_credentials, tls_flags
 from client.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
@@ -61,13 +62,6 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _request_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=DEFAULT_ADDR, help="decode service address (default %(default)s)")
     p.add_argument("--max-tokens", type=_non_negative_int, default=64,
@@ -82,7 +76,7 @@ def _request_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="skip the KV cache (for A/B comparisons)")
     p.add_argument("--cache-salt", default=None, help="requests with other salts never share KV")
-    p.add_argument("--timeout", type=_positive_float, default=300.0,
+    p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds the whole request may take (default %(default)s)")
     p.add_argument("--token", default=None,
                    help="bearer token of a front door that requires one, from `kvserve token` (default: $KVSERVE_TOKEN)")

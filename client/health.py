@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("addr", metavar="ADDR", help="HOST:PORT of a kvstore, prefill, decode or router server")
     p.add_argument("--service", default="",
                    help="a service name, e.g. kvserve.v1.Decode (default: the whole server)")
-    p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="S",
+    p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",
                    help="seconds to wait for the answer (default %(default)s)")
     p.add_argument("--tls-ca", default=os.environ.get("KVSERVE_TLS_CA") or None, metavar="PEM",
                    help="call over TLS, trusting this CA (default: $KVSERVE_TLS_CA)")

@@ -362,7 +362,9 @@ def add_token(tokens_path: Path, tenant: str) -> str:
     check_tenant_id(tenant)
     existing = load_tokens(tokens_path) if tokens_path.exists() else TokenTable()
     token = secrets.token_urlsafe(32)
-    while existing.tenant_of(token) is not None:  # astronomically unlikely; the file refuses duplicates
+    # A duplicate is astronomically unlikely (the file refuses them); a leading dash would read as a flag
+    # in `--token TOKEN`.
+    while existing.tenant_of(token) is not None or token.startswith("-"):
         token = secrets.token_urlsafe(32)
     text = tokens_path.read_text(encoding="utf-8") if tokens_path.exists() else ""
     line = f"{tenant} {token_digest(token).hex()}\n"
