@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import Client
+from client.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, kvstore_pb2, prefill_pb2
@@ -114,8 +115,12 @@ SERVICES: dict[str, ServiceDescriptor] = {
     "store": kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"],
     "prefill": prefill_pb2.DESCRIPTOR.services_by_name["Prefill"],
     "decode": decode_pb2.DESCRIPTOR.services_by_name["Decode"],
+    "decode-replica": decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"],
+    "router": decode_pb2.DESCRIPTOR.services_by_name["Decode"],
 }
-METHODS = [(name, m) for name, svc in SERVICES.items() for m in svc.methods]
+# DecodeReplica.Events takes no fields and never ends: its undecodable-bytes case below covers it.
+METHODS = [(name, m) for name, svc in SERVICES.items() for m in svc.methods
+           if m.full_name != "kvserve.v1.DecodeReplica.Events"]
 VOCAB = 256  # the tiny models' byte-level vocabulary
 
 
@@ -165,6 +170,15 @@ def stack() -> Iterator[ProcessStack]:
 
 
 @pytest.fixture(scope="module")
+def services(stack: ProcessStack) -> Iterator[dict[str, Service]]:
+    """Each service of SERVICES by name: the stack's, and a router in front of its decode."""
+    router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", stack.decode[ARCH].addr])
+    yield {"store": stack.store, "prefill": stack.prefill[ARCH], "decode": stack.decode[ARCH],
+           "decode-replica": stack.decode[ARCH], "router": router}
+    stop_service(router)
+
+
+@pytest.fixture(scope="module")
 def before(stack: ProcessStack) -> dict[str, Any]:
     """What must be unchanged afterwards: a warm prompt's tokens, and a block's bytes."""
     ids = tokens(48 + 5, seed=77)
@@ -177,16 +191,12 @@ def before(stack: ProcessStack) -> dict[str, Any]:
     return {"ids": ids, "warm": warm, "key": key, "payload": payload}
 
 
-def _addr(stack: ProcessStack, service: str) -> str:
-    return {"store": stack.store, "prefill": stack.prefill[ARCH], "decode": stack.decode[ARCH]}[service].addr
-
-
 @pytest.mark.parametrize(("service", "method"), METHODS, ids=[f"{s}.{m.name}" for s, m in METHODS])
 def test_random_requests_get_precise_statuses(
-    stack: ProcessStack, before: dict[str, Any], service: str, method: MethodDescriptor
+    stack: ProcessStack, services: dict[str, Service], before: dict[str, Any], service: str, method: MethodDescriptor
 ) -> None:
     requests = request_strategy(method)
-    with grpc.insecure_channel(_addr(stack, service)) as channel:
+    with grpc.insecure_channel(services[service].addr) as channel:
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -196,27 +206,29 @@ def test_random_requests_get_precise_statuses(
             assert code in ACCEPTED, f"{method.full_name} answered {code.name} to {reqs}"
 
         check()
-    _assert_healthy_and_unchanged(stack, before)
+    _assert_healthy_and_unchanged(stack, services, before)
 
 
-def test_undecodable_bytes_to_every_rpc(stack: ProcessStack, before: dict[str, Any]) -> None:
-    for service, method in METHODS:
-        with grpc.insecure_channel(_addr(stack, service)) as channel:
+def test_undecodable_bytes_to_every_rpc(stack: ProcessStack, services: dict[str, Service],
+                                        before: dict[str, Any]) -> None:
+    events = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].methods_by_name["Events"]
+    for service, method in [*METHODS, ("decode-replica", events)]:
+        with grpc.insecure_channel(services[service].addr) as channel:
             # On the wire every kind of call is a stream of messages: one call shape sends to all of them.
             path = f"/{method.containing_service.full_name}/{method.name}"
             raw = channel.stream_stream(path, request_serializer=bytes, response_deserializer=bytes)
             with pytest.raises(grpc.RpcError) as err:
                 list(raw(iter([b"\xff\xff\xff"]), timeout=CALL_DEADLINE_S))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method.full_name, err.value)
-    _assert_healthy_and_unchanged(stack, before)
+    _assert_healthy_and_unchanged(stack, services, before)
 
 
-def _assert_healthy_and_unchanged(stack: ProcessStack, before: dict[str, Any]) -> None:
+def _assert_healthy_and_unchanged(stack: ProcessStack, services: dict[str, Service], before: dict[str, Any]) -> None:
     for service in SERVICES:
-        with grpc.insecure_channel(_addr(stack, service)) as channel:
+        with grpc.insecure_channel(services[service].addr) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING, service
-    assert all(p.process.poll() is None for p in [stack.store, stack.prefill[ARCH], stack.decode[ARCH]])
+    assert all(p.process.poll() is None for p in services.values())
     with KVStoreClient(stack.store.addr) as store:
         assert store.get([before["key"]]) == [before["payload"]]
     with Client(stack.decode[ARCH].addr, timeout_s=60) as c:
