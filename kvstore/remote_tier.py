@@ -24,7 +24,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -127,17 +126,8 @@ class _Histogram:
         return Latency(sum(self.counts), self.seconds, tuple(self.counts))
 
 
-@dataclass(slots=True)
-class _Counts:  # the counters of RemoteStats
-    hits: int = 0
-    misses: int = 0
-    read_errors: int = 0
-    write_errors: int = 0
-    checksum_failures: int = 0
-    read_bytes: int = 0
-    written_blocks: int = 0
-    written_bytes: int = 0
-    dropped_writes: int = 0
+COUNTERS = ("hits", "misses", "read_errors", "write_errors", "checksum_failures", "read_bytes", "written_blocks",
+            "written_bytes", "dropped_writes")  # RemoteStats' fields counted as they happen
 
 
 def redacted(url: str) -> str:
@@ -180,7 +170,7 @@ class RemoteTier:
         self._read_block: ReadBlock | None = None
         self._writer: threading.Thread | None = None
         self._lock = threading.Lock()  # counters and histograms
-        self._counts = _Counts()
+        self._counts = dict.fromkeys(COUNTERS, 0)
         self._latency = {"read": _Histogram(), "write": _Histogram()}
 
     def key(self, block: BlockHash) -> str:
@@ -380,20 +370,20 @@ class RemoteTier:
         with self._lock:
             self._latency[op].observe(time.perf_counter() - start)
             if failed and op == "read":
-                self._counts.read_errors += 1
+                self._counts["read_errors"] += 1
             elif failed:
-                self._counts.write_errors += 1
+                self._counts["write_errors"] += 1
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, n in deltas.items():
-                setattr(self._counts, name, getattr(self._counts, name) + n)
+                self._counts[name] += n
 
     def stats(self) -> RemoteStats:
         with self._cond:
             queued_blocks, queued_bytes = len(self._queue), self._queued_bytes
         with self._lock:
-            counts = {f.name: getattr(self._counts, f.name) for f in fields(_Counts)}
+            counts = dict(self._counts)
             read, write = self._latency["read"].snapshot(), self._latency["write"].snapshot()
         return RemoteStats(self.url, self.breaker.state, **counts, queued_blocks=queued_blocks,
                            queued_bytes=queued_bytes, read_latency=read, write_latency=write)
