@@ -75,8 +75,9 @@ class PagedCache:
 
 def _gather(pool_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """[batch, kv_heads, blocks * block_size, head_dim] from pool slots [blocks, block_size, kv_heads, head_dim]."""
-    blocks = pool_layer[tables]  # [batch, blocks, block_size, kv_heads, head_dim]
-    b, n, bs, h, d = blocks.shape
+    b, n = tables.shape
+    _, bs, h, d = pool_layer.shape
+    blocks = pool_layer.index_select(0, tables.view(-1))  # [batch * blocks, block_size, kv_heads, head_dim]
     return blocks.view(b, n * bs, h, d).transpose(1, 2)
 
 
@@ -101,12 +102,15 @@ def paged_attention(
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
     if batch.decode_rows is not None:
         assert batch.decode_tables is not None
-        q = query[0, :, batch.decode_rows].transpose(0, 1).unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        # One query per sequence: the query heads that share a KV head are that head's query rows, so
+        # SDPA reads each KV head once instead of repeating it per query head (enable_gqa copies it).
+        n, heads, kv_heads, d = batch.decode_rows.numel(), query.shape[1], key.shape[1], query.shape[3]
+        q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
         o = scaled_dot_product_attention(
             q, _gather(k_pool, batch.decode_tables), _gather(v_pool, batch.decode_tables),
-            attn_mask=batch.decode_mask, scale=scaling, enable_gqa=gqa,
-        )  # [decodes, heads, 1, head_dim]
-        out[batch.decode_rows] = o[:, :, 0]
+            attn_mask=batch.decode_mask, scale=scaling,
+        )  # [decodes, kv_heads, heads per kv head, head_dim]
+        out[batch.decode_rows] = o.reshape(n, heads, d)
     for c in batch.chunks:
         q = query[:, :, c.start : c.start + c.num_tokens]  # [1, heads, n, head_dim]
         if c.mask is None:  # no earlier context: the chunk's own keys, causal
