@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -250,10 +249,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         print(f"kvserve up: {exc} while starting; stopped", file=sys.stderr)
         return 128 + exc.signum
-    stopped = threading.Event()
+    # A plain flag, not an Event: a handler that took a lock could wait forever on the main thread it
+    # interrupted, should that thread hold the lock (serving.server.run_until_signal says more).
+    stop_signal = 0
+
+    def stop(signum: int, _frame: Any) -> None:
+        nonlocal stop_signal
+        stop_signal = signum
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopped.set())
-    supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=stopped)
+        signal.signal(sig, stop)
+    supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=lambda: stop_signal != 0)
     try:
         base = config.metrics_base_port
         for i, s in enumerate(stack.services):
@@ -261,8 +267,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
         tls = "" if config.tls_dir is None else f", TLS: clients pass --tls-ca {config.tls_dir / 'ca.pem'}"
         print(f"ready: front door at {stack.addr}{tls}  (Ctrl-C to stop)", flush=True)
-        while not stopped.wait(SUPERVISE_INTERVAL_S):
-            supervisor.poll()
+        while not stop_signal:
+            time.sleep(SUPERVISE_INTERVAL_S)
+            supervisor.poll()  # does nothing once a signal has come
     except Unrecoverable as exc:
         print(f"kvserve up: {exc}; stopping the others", file=sys.stderr, flush=True)
         return 2

@@ -149,12 +149,12 @@ class Supervisor:
     """Watches a started Stack: call `poll` from the main thread a few times a second (it starts
     processes, see `client.stack.spawn_service`), and `close` once the stack has stopped."""
 
-    def __init__(self, stack: Stack, status_path: Path | None = None, *, stopping: threading.Event | None = None,
+    def __init__(self, stack: Stack, status_path: Path | None = None, *, stopping: Callable[[], bool] = lambda: False,
                  backoff: Callable[[], Backoff] = Backoff, out: TextIO | None = None, err: TextIO | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stack = stack
         self.status_path = status_path
-        self._stopping = stopping or threading.Event()
+        self._stopping = stopping
         self._out, self._err = out or sys.stdout, err or sys.stderr
         self._clock = clock
         self._status_failed = False
@@ -166,7 +166,7 @@ class Supervisor:
         """Reports a service that exited and schedules its start; starts those whose delay is over;
         takes in those that started (or failed to). Raises Unrecoverable."""
         for child in self.children:
-            if self._stopping.is_set():
+            if self._stopping():
                 return  # `up` is stopping: a service that exits now was told to (Ctrl-C reaches all)
             if child.state == "running" and child.service.process.poll() is not None:
                 self._exited(child)

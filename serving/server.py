@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
@@ -222,17 +223,21 @@ def run_until_signal(
     run on the main thread), the main thread runs it meanwhile and a `before_stop` callback ends it;
     should it end by itself, the service shuts down as on a signal.
     """
-    stopped = threading.Event()
-    loop_ended = False  # a plain flag: the main thread must not take the Event's lock, which a handler may need
+    # Plain flags, no Event: a handler runs on the main thread between two of its bytecodes, also inside
+    # an earlier handler, so one that took a lock (Event.set does) could wait forever on its own thread
+    # when a second signal came while the first held it (SIGTERM from two sources at once).
+    stop_signal = 0
+    loop_ended = False
 
     def handle(signum: int, _frame: Any) -> None:
-        log.info("signal %d: stopping", signum)
-        stopped.set()
+        nonlocal stop_signal
+        if not stop_signal:
+            stop_signal = signum
+            log.info("signal %d: stopping", signum)
 
     def wait_and_stop() -> None:
-        # Poll: the signal may be delivered to another thread, which would not wake a bare wait().
-        while not stopped.wait(0.2) and not loop_ended:
-            pass
+        while not stop_signal and not loop_ended:
+            time.sleep(0.05)
         server.drain()
         for fn in before_stop:
             fn()
@@ -250,7 +255,7 @@ def run_until_signal(
     try:
         main_loop()
     finally:
-        if not stopped.is_set():
+        if not stop_signal:
             log.error("the main loop ended before a stop signal: shutting down")
         loop_ended = True
         waiter.join()

@@ -163,6 +163,23 @@ def test_a_killed_up_leaves_no_orphans(tmp_path: Path) -> None:
     _assert_gone(services)
 
 
+@pytest.mark.slow
+def test_a_burst_of_stop_signals_stops_up_and_its_services(tmp_path: Path) -> None:
+    """Ctrl-C pressed again and again, SIGTERM from a supervisor besides: `up` stops everything once."""
+    proc = _start(tmp_path)
+    services = _wait_children(proc.pid, 3)
+    assert proc.stdout is not None
+    while not proc.stdout.readline().startswith("ready:"):
+        pass
+    deadline, i = time.monotonic() + 1.0, 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        proc.send_signal(signal.SIGINT if i % 2 else signal.SIGTERM)
+        i += 1
+    out, err = proc.communicate(timeout=120)
+    assert out.endswith("stopped\n") and "Traceback" not in err, err
+    _assert_gone(services)
+
+
 class _Lines:
     """A stream's lines, read on a thread as they come."""
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -89,6 +90,40 @@ def test_a_main_loop_that_ends_by_itself_shuts_the_service_down() -> None:
     assert seen == ["before_stop", "on_stop"]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.FutureTimeoutError):
         grpc.channel_ready_future(channel).result(timeout=1)
+
+
+_BUSY_SERVICE = """
+import sys, threading
+from serving.server import Server, run_until_signal
+server = Server("127.0.0.1:0")
+server.start()
+done = threading.Event()
+def main_loop():  # Python bytecode all along, where handlers run
+    print("ready", flush=True)
+    while not done.is_set():
+        sum(range(100))
+run_until_signal(server, before_stop=[done.set], grace_s=0.1, main_loop=main_loop)
+print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_a_burst_of_stop_signals_stops_a_service(trial: int) -> None:
+    """SIGTERM from two sources at once (the kernel when `up` dies, and an operator) ran a second handler
+    inside the first, which waited forever on a lock its own thread held: the service hung."""
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_SERVICE], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        deadline, i = time.monotonic() + 1.0, 0
+        while time.monotonic() < deadline and proc.poll() is None:  # signals while the first is handled
+            os.kill(proc.pid, signal.SIGINT if i % 7 == 3 else signal.SIGTERM)
+            i += 1
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert out == "stopped\n"  # run_until_signal returned; signals still coming may end the exit itself
+    assert proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT)
 
 
 class _NamesItsStatus(Exception):
