@@ -151,13 +151,19 @@ def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
     _assert_gone(started)
 
 
-@pytest.mark.slow
-def test_a_killed_up_leaves_no_orphans(tmp_path: Path) -> None:
+def _start_ready(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """`up` and its three services' pids, once it has printed "ready:"."""
     proc = _start(tmp_path)
     services = _wait_children(proc.pid, 3)
     assert proc.stdout is not None
     while not proc.stdout.readline().startswith("ready:"):
         pass
+    return proc, services
+
+
+@pytest.mark.slow
+def test_a_killed_up_leaves_no_orphans(tmp_path: Path) -> None:
+    proc, services = _start_ready(tmp_path)
     proc.kill()
     proc.wait()
     _assert_gone(services)
@@ -166,11 +172,7 @@ def test_a_killed_up_leaves_no_orphans(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_burst_of_stop_signals_stops_up_and_its_services(tmp_path: Path) -> None:
     """Ctrl-C pressed again and again, SIGTERM from a supervisor besides: `up` stops everything once."""
-    proc = _start(tmp_path)
-    services = _wait_children(proc.pid, 3)
-    assert proc.stdout is not None
-    while not proc.stdout.readline().startswith("ready:"):
-        pass
+    proc, services = _start_ready(tmp_path)
     deadline, i = time.monotonic() + 1.0, 0
     while time.monotonic() < deadline and proc.poll() is None:
         proc.send_signal(signal.SIGINT if i % 2 else signal.SIGTERM)
