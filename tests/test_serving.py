@@ -110,7 +110,8 @@ print("stopped", flush=True)
 @pytest.mark.parametrize("trial", range(4))
 def test_a_burst_of_stop_signals_stops_a_service(trial: int) -> None:
     """SIGTERM from two sources at once (the kernel when `up` dies, and an operator) ran a second handler
-    inside the first, which waited forever on a lock its own thread held: the service hung."""
+    inside the first, which waited forever on a lock its own thread held (the service hung), or handlers
+    nested until RecursionError."""
     proc = subprocess.Popen([sys.executable, "-c", _BUSY_SERVICE], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     try:
