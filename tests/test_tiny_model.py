@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine import tiny
 from engine.model import load_model
@@ -58,3 +59,66 @@ def test_default_llama_is_about_30m_parameters(tmp_path: Path) -> None:
     params = sum(p.numel() for p in model.hf_model.parameters())
     assert 25e6 < params < 40e6
     assert (model.num_layers, model.num_kv_heads, model.head_dim) == (8, 4, 64)
+
+
+def test_bfloat16_is_the_float32_model_rounded_and_loads_as_bfloat16(tmp_path: Path) -> None:
+    small = ["--layers", "1", "--hidden", "64"]
+    assert tiny.main([str(tmp_path / "f32"), *small]) == 0
+    assert tiny.main([str(tmp_path / "bf16"), *small, "--dtype", "bfloat16"]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    f32, bf16 = load_file(tmp_path / "f32" / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
+    assert f32.keys() == bf16.keys()
+    for name, weight in f32.items():
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], weight.to(torch.bfloat16))
+    model = load_model(tmp_path / "bf16")
+    assert model.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in model.hf_model.parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shape_flags_are_honoured(tmp_path: Path, arch: str) -> None:
+    kv_heads = "4" if arch == "gpt2" else "2"
+    args = ["--arch", arch, "--layers", "1", "--hidden", "128", "--heads", "4", "--kv-heads", kv_heads,
+            "--intermediate", "96", "--max-positions", "16640"]  # fmt: skip
+    assert tiny.main([str(tmp_path / "m"), *args]) == 0
+    config = AutoConfig.from_pretrained(tmp_path / "m")
+    assert config.max_position_embeddings == 16640  # gpt2 maps it to n_positions
+    tokenizer_config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["model_max_length"] == 16640
+    model = load_model(tmp_path / "m")
+    assert (model.num_kv_heads, model.head_dim) == (int(kv_heads), 32)
+    assert model.hf_model.get_output_embeddings().weight.shape[1] == 128
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-positions", "0"], "--max-positions: must be > 0, got 0"),
+        (["--max-positions", "-16640"], "--max-positions: must be > 0, got -16640"),
+        (["--layers", "0"], "--layers: must be > 0, got 0"),
+        (["--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+        (["--hidden", "64", "--heads", "3"], "hidden size 64 must split into 3 heads of even size"),
+        (["--hidden", "64", "--kv-heads", "3"], "2 heads must split into 3 kv heads evenly"),
+        (["--arch", "gpt2", "--kv-heads", "1"], "gpt2 has no grouped-query attention"),
+    ],
+)
+def test_cli_refuses_bad_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.main([str(tmp_path / "m"), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_bench_model_args_give_half_to_one_billion_parameters() -> None:
+    args = tiny.build_parser().parse_args(["unused", *tiny.BENCH_MODEL_ARGS.split()])
+    config = tiny.model_config(
+        args.arch, 261, {"bos": 256, "eos": 257}, args.layers, args.hidden, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate=args.intermediate, max_positions=args.max_positions,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert 0.5e9 < sum(p.numel() for p in model.parameters()) < 1e9
+    assert args.max_positions >= 16 * 1024 + 256 and args.dtype == "bfloat16"
