@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= data/models/tiny-llama
 
-.PHONY: setup demo test test-quick test-load lint typecheck protos bench clean
+.PHONY: setup demo test test-quick test-load lint typecheck protos bench clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -60,6 +60,10 @@ bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench decode --model $(MODEL_DIR) $(call BENCH_OUT,decode)
 	$(VENV)/bin/kvserve bench handoff --model $(MODEL_DIR) $(call BENCH_OUT,handoff)
 	$(VENV)/bin/kvserve bench store $(call BENCH_OUT,store)
+
+# Wheels for the lent GPU machine, which has no network, into .whl/ (scripts/gpu-wheels says how to install them).
+gpu-wheels:
+	scripts/gpu-wheels
 
 clean:
 	rm -rf $(VENV) data build *.egg-info
