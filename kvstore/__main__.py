@@ -25,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(epilog=env_epilog("kvstore"), prog="kvserve kvstore", description="Run the tiered KV block store (gRPC kvserve.v1.KVStore).")
     add_server_flags(p, listen="127.0.0.1:50053")
     p.add_argument("--device", choices=["off", "cpu", "cuda"], default="off",
-                   help="device tier: cuda (GPU memory), cpu (CPU tensors, for tests) or off (default)")
+                   help="device tier: cuda (an arena in GPU memory that same-node clients open by CUDA IPC), "
+                        "cpu (the same arena in CPU memory, for tests) or off (default)")
     p.add_argument("--device-capacity", type=parse_size, default=parse_size("1GiB"), help="device tier bytes (default 1GiB)")
     p.add_argument("--host-capacity", type=parse_size, default=parse_size("1GiB"), help="host RAM tier bytes; 0 turns it off (default 1GiB)")
     p.add_argument("--disk-capacity", type=parse_size, default=parse_size("0"),

@@ -1,6 +1,7 @@
-"""The host tier's shared-memory arena: one sealed segment of fixed-size slots, and its client side.
+"""The store's arenas as same-host clients see them: a socket that hands out one buffer of fixed-size
+slots, and the client's opening of it.
 
-The store creates the segment once (a memfd, pre-faulted, sealed against shrinking and growing)
+The host tier's arena is shared memory: the store creates the segment once (a memfd, pre-faulted, sealed against shrinking and growing)
 and hands its file descriptor to same-host clients over a Unix socket in its private shm dir
 (SCM_RIGHTS), then answers that client's same-host calls on the same connection. A client maps it
 once and moves a block with one copy, into a slot it reserved (put) or out of the slot the store
@@ -8,12 +9,16 @@ names (get). Nothing another process does to shared memory can
 kill a reader: the segment cannot be truncated (seals), so no access faults with SIGBUS, and a
 slot whose bytes changed (reused, garbage) fails the reader's checksum and is a miss. Slots come
 from a slab allocator (kvstore/slab.py).
+
+The device tier's arena (kvstore/device_tier.py) goes through the same socket and calls: its greeting
+says what the buffer is ("kind": memfd, cpu-tensor, cuda-ipc) and how to open it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import mmap
 import os
 import socket
@@ -21,14 +26,16 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import xxhash
 
-from kvstore.slab import PAGE_BYTES, SlabAllocator
+from kvstore.slab import PAGE_BYTES
 from kvstore.types import Buffer
 
 SOCKET_NAME = "arena.sock"
-_GREETING = b"kvserve-arena/1"
+_GREETING = b"kvserve-arena/2\n"  # then the buffer's description, as JSON
+_MAX_GREETING = 4096
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _UCRED = struct.Struct("3i")
 
@@ -41,12 +48,16 @@ def host_id() -> str:
         return socket.gethostname()
 
 
+class Shared(Protocol):
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        """What a client needs to open the buffer: the greeting's fields, and the fds it carries."""
+
+
 class Arena:
-    """Slots in one shared-memory segment (server side). Not thread-safe: the store's lock guards it."""
+    """One sealed shared-memory segment of `capacity` bytes rounded up to pages (the store's side)."""
 
     def __init__(self, capacity: int, *, page_bytes: int = PAGE_BYTES, name: str = "kvserve-arena") -> None:
-        self.slots = SlabAllocator(capacity, page_bytes)
-        self.size = self.slots.size
+        self.size = max(1, -(-capacity // page_bytes)) * page_bytes
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
@@ -57,6 +68,9 @@ class Arena:
             os.close(self.fd)
             raise
         self.view = memoryview(self._map)
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        return {"kind": "memfd", "size": self.size}, [self.fd]
 
     def close(self) -> None:
         self.view.release()
@@ -76,13 +90,14 @@ class LocalCallError(OSError):
 
 
 class ArenaSocket:
-    """The same-host channel: hands the arena's file descriptor to whoever connects to `path` (same
-    user only), then answers that connection's calls (Get, Reserve, Put) with `handler`: a round
+    """The same-host channel: hands the arena (its description and file descriptor, if any) to whoever
+    connects to `path` (same user only), then answers that connection's calls (Get, Reserve, Put) with `handler`: a round
     trip of tens of microseconds where gRPC takes half a millisecond. Reservations made on a
     connection end when it closes."""
 
-    def __init__(self, arena: Arena, path: Path, handler: Handler | None = None, max_connections: int = 256) -> None:
-        self.arena = arena
+    def __init__(self, arena: Shared, path: Path, handler: Handler | None = None, max_connections: int = 256) -> None:
+        fields, self._fds = arena.export()
+        self._greeting = _GREETING + json.dumps(fields).encode()
         self.path = path
         self.handler = handler
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -108,7 +123,10 @@ class ArenaSocket:
         reservations: set[str] = set()
         try:
             with conn:
-                socket.send_fds(conn, [_GREETING], [self.arena.fd])
+                if self._fds:
+                    socket.send_fds(conn, [self._greeting], self._fds)
+                else:
+                    conn.sendall(self._greeting)
                 while (request := _recv_frame(conn)) is not None:
                     method, body = request
                     _send_frame(conn, *self._answer(method, body, reservations))
@@ -177,35 +195,31 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 class ArenaMap:
-    """A client's mapping of a store's arena: copies a block out of a slot or into one."""
+    """A client's opening of a store's arena: its same-host channel, and copies of blocks out of slots
+    and into them (`segment` does them; for a device arena, `segment.tensors` is its batched tensor side)."""
 
     def __init__(self, socket_path: Path | str, timeout_s: float = 2.0) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
+        fds: list[int] = []
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(str(socket_path))
-            msg, fds, _, _ = socket.recv_fds(self._sock, len(_GREETING), 1)
-        except OSError:
-            self._sock.close()
-            raise
-        if msg != _GREETING or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            self._sock.close()
-            raise OSError(f"{socket_path} is not a kvserve arena socket")
-        fd = fds[0]
-        try:
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-                raise OSError("the store's arena is not sealed against resizing: not mapping it")
-            self.size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no faults later
-        except OSError:
+            msg, fds, _, _ = socket.recv_fds(self._sock, _MAX_GREETING, 1)
+            if not msg.startswith(_GREETING):
+                raise OSError(f"{socket_path} is not a kvserve arena socket")
+            try:
+                fields = json.loads(msg[len(_GREETING) :])
+            except ValueError:
+                raise OSError(f"{socket_path} sent a garbled greeting") from None
+            self.segment = open_segment(fields, fds)
+        except BaseException:
             self._sock.close()
             raise
         finally:
-            os.close(fd)
-        self.view = memoryview(self._map)
+            for fd in fds:
+                os.close(fd)
+        self.size = self.segment.size
 
     def call(self, method: int, body: bytes, timeout_s: float) -> bytes:
         """One call on the same-host channel; LocalCallError if the store refused it, OSError if the
@@ -224,14 +238,60 @@ class ArenaMap:
 
     def read(self, offset: int, size: int, checksum: int) -> bytes | None:
         """A copy of the slot's `size` bytes if they match `checksum`, else None."""
+        return self.segment.read(offset, size, checksum)
+
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+        """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header into one
+        and its tensor straight into a KV pool slot); True if they match `checksum`."""
+        return self.segment.read_into(offset, size, checksum, out)
+
+    def write(self, offset: int, parts: Sequence[Buffer]) -> int:
+        """Copies `parts` one after another into the slot at `offset`; returns the checksum (of the
+        arena's kind) of the whole."""
+        return self.segment.write(offset, parts)
+
+    def close(self) -> None:
+        self._sock.close()
+        self.segment.close()
+
+
+class Segment(Protocol):
+    size: int
+
+    def read(self, offset: int, size: int, checksum: int) -> bytes | None: ...
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool: ...
+    def write(self, offset: int, parts: Sequence[Buffer]) -> int: ...
+    def close(self) -> None: ...
+
+
+def open_segment(fields: dict[str, Any], fds: list[int]) -> Segment:
+    """The client's side of an arena, from the greeting's description."""
+    if fields.get("kind") == "memfd":
+        if len(fds) != 1:
+            raise OSError("a shared-memory arena comes with one file descriptor")
+        return HostSegment(fds[0])
+    from kvstore.device_tier import OpenedSegment  # torch only for a device arena
+
+    return OpenedSegment(fields, fds)
+
+
+class HostSegment:
+    """A mapping of the host arena's segment; blocks are checked with xxh3, as the store keeps them."""
+
+    def __init__(self, fd: int) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+            raise OSError("the store's arena is not sealed against resizing: not mapping it")
+        self.size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no faults later
+        self.view = memoryview(self._map)
+
+    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
         if offset < 0 or offset + size > self.size:
             return None
         payload = bytes(self.view[offset : offset + size])
         return payload if xxhash.xxh3_64_intdigest(payload) == checksum else None
 
     def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
-        """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header
-        into one and its tensor straight into a KV pool slot); True if they match `checksum`."""
         if offset < 0 or offset + size > self.size or size > sum(len(b) for b in out):
             return False
         hasher = xxhash.xxh3_64()
@@ -244,8 +304,7 @@ class ArenaMap:
         return hasher.intdigest() == checksum
 
     def write(self, offset: int, parts: Sequence[Buffer]) -> int:
-        """Copies `parts` one after another into the slot at `offset`; the checksum of the whole,
-        taken from the copy while it is still in cache (a fraction of the cost of hashing apart)."""
+        # Hashed from the copy while it is still in cache: a fraction of the cost of hashing apart.
         if offset < 0 or offset + sum(len(p) for p in parts) > self.size:
             raise ValueError(f"slot at {offset} lies outside the arena")
         hasher = xxhash.xxh3_64()
@@ -257,7 +316,6 @@ class ArenaMap:
         return hasher.intdigest()
 
     def close(self) -> None:
-        self._sock.close()
         with contextlib.suppress(BufferError):  # another thread is copying: the mapping goes with it
             self.view.release()
             self._map.close()

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import lmdb
 
 from kvstore.disk_tier import DiskTier
-from kvstore.host_tier import ArenaHostTier, MemoryHostTier
+from kvstore.host_tier import ArenaHostTier, MemoryHostTier, new_shm_dir
 from kvstore.leases import MAX_TTL_S
 from kvstore.tier import TierStorage
 
@@ -104,13 +104,18 @@ def build_remote(config: StoreConfig) -> RemoteTier | None:
 
 
 def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
+    """The tiers top to bottom. Same-host clients reach one arena: the device tier's when it is on (the
+    host tier is then a plain dict, read over gRPC), else the host tier's shared memory (with --shm)."""
     tiers: list[tuple[TierStorage, int]] = []
-    if config.device != "off" and config.device_capacity > 0:
-        from kvstore.device_tier import DeviceTier  # torch only when the device tier is on
+    device_arena = config.device != "off" and config.device_capacity > 0
+    if device_arena:
+        from kvstore.device_tier import DeviceArenaTier  # torch (and cupy) only when the device tier is on
 
-        tiers.append((DeviceTier(config.device_capacity, config.device), config.device_capacity))
+        device = DeviceArenaTier(new_shm_dir(config.shm_root), config.device_capacity, config.device)
+        tiers.append((device, config.device_capacity))
     if config.host_capacity > 0:
-        host = ArenaHostTier.create(config.host_capacity, config.shm_root) if config.shm else MemoryHostTier()
+        shm = config.shm and not device_arena
+        host = ArenaHostTier.create(config.host_capacity, config.shm_root) if shm else MemoryHostTier()
         tiers.append((host, config.host_capacity))
     if config.disk_capacity > 0 and config.disk_path is not None:
         try:

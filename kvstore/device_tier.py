@@ -1,56 +1,337 @@
-"""Device tier: blocks in slots of one uint8 buffer in GPU memory (or CPU memory, so its logic is
-tested here), allocated once and carved by the same slab allocator as the host arena.
+"""The device tier: an arena of fixed-size slots in one buffer of GPU memory, which same-node clients
+open through CUDA IPC and copy blocks into and out of device to device (DESIGN.md, "Transfer").
 
-The only module of kvstore that imports torch.
+It is the host arena's design (kvstore/arena.py) with a tensor for a segment: the same slab allocator,
+the same socket (the handle goes in its greeting) and the same calls. Only three things differ, all
+here: how the buffer is made and opened (cupy's cudaMalloc and CUDA IPC handles; on a CPU, a memfd
+mapped as a tensor, so that everything else is tested without a GPU), the checksum (`wsum64`, which
+runs on the device and gives the same number on a CPU), and how blocks are copied (one gather or
+scatter kernel for a whole batch of blocks, rather than a copy per block).
+
+Demotion to host and promotion back go through a pinned staging buffer, with asynchronous copies on a
+side stream of the store's own.
+
+The only module of kvstore that imports torch (and cupy, on CUDA).
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from kvstore.slab import SlabAllocator
-from kvstore.tier import TierStorage
+from kvstore.arena import Arena, ArenaSocket
+from kvstore.slab import SLOT_ALIGN, slot_bytes
+from kvstore.tier import ArenaTier
 from kvstore.types import Buffer, Tier
 from protos.block_hash import BlockHash
 
+_WORD = 8  # wsum64 sums 8-byte words
+_ROW = SLOT_ALIGN  # slots start and end on 64-byte rows: a batch of slots is one index of rows
 
-class DeviceTier(TierStorage):
-    tier = Tier.DEVICE
 
-    def __init__(self, capacity: int, device: str = "cuda") -> None:
+# -- the checksum ------------------------------------------------------------------------------
+
+_weights: dict[torch.device, torch.Tensor] = {}
+_weights_lock = threading.Lock()
+
+
+def _splitmix64(n: int) -> np.ndarray:
+    """n odd 64-bit weights, the same on every machine and torch version (numpy's wrapping uint64)."""
+    with np.errstate(over="ignore"):
+        z = (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z | np.uint64(1)).view(np.int64)
+
+
+def _weights_for(words: int, device: torch.device) -> torch.Tensor:
+    with _weights_lock:
+        w = _weights.get(device)
+        if w is None or len(w) < words:
+            n = max(words, 2 * len(w) if w is not None else 1 << 15)
+            w = _weights[device] = torch.from_numpy(_splitmix64(n)).to(device)
+        return w[:words]
+
+
+def wsum64(rows: torch.Tensor) -> list[int]:
+    """The checksum of each row of `rows` ([blocks, bytes] uint8, bytes a multiple of 8): the sum of its
+    8-byte words, each times its own odd weight, modulo 2**64. Integer sums wrap the same in any order,
+    so a GPU and a CPU give the same number. Changing one word always changes it; any other change
+    does but with a chance of 2**-64. A guard against slots reused or overwritten, not an attacker (the
+    arena is open to the store's own user only). One device sync for the whole batch."""
+    words = rows.view(torch.int64)  # [blocks, words]
+    sums = (words * _weights_for(words.shape[1], rows.device)).sum(dim=1)
+    return [s & 0xFFFFFFFFFFFFFFFF for s in sums.tolist()]
+
+
+def padded(size: int) -> int:
+    """Bytes a block of `size` spans in its slot (what wsum64 covers): whole rows."""
+    return slot_bytes(size)
+
+
+# -- the segment: a uint8 tensor over the arena's memory ---------------------------------------
+
+
+class TensorSegment:
+    """Copies batches of blocks between a uint8 tensor over an arena's memory and tensors of the caller
+    (the store's side, and a client's). A block lies at the start of its slot, and is copied with the rest
+    of the slot's last row (zeros when written here), so every copy is whole rows."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # [size] uint8
+        self.size = tensor.numel()
+        self.device = tensor.device
+        self._rows = tensor.view(-1, _ROW)  # [size / 64, 64]
+
+    def _row_index(self, offsets: Sequence[int], span: int) -> torch.Tensor:
+        starts = torch.tensor([o // _ROW for o in offsets], dtype=torch.long)
+        index = (starts[:, None] + torch.arange(span // _ROW)[None, :]).reshape(-1)
+        return index.to(self.device, non_blocking=True)
+
+    def gather(self, offsets: Sequence[int], size: int) -> torch.Tensor:
+        """[len(offsets), padded(size)]: a copy of the slots at `offsets`, all for blocks of `size` bytes."""
+        span = padded(size)
+        if any(o % _ROW or o < 0 or o + span > self.size for o in offsets):
+            raise ValueError("a slot lies outside the arena or off its 64-byte rows")
+        return self._rows.index_select(0, self._row_index(offsets, span)).view(len(offsets), span)
+
+    def scatter(self, offsets: Sequence[int], rows: torch.Tensor) -> None:
+        """Writes `rows` ([blocks, padded bytes], on this segment's device) into the slots at `offsets`."""
+        span = rows.shape[1]
+        if span % _ROW or any(o % _ROW or o < 0 or o + span > self.size for o in offsets):
+            raise ValueError("a slot lies outside the arena or off its 64-byte rows")
+        self._rows.index_copy_(0, self._row_index(offsets, span), rows.reshape(-1, _ROW))
+
+    def read_blocks(self, offsets: Sequence[int], size: int, checksums: Sequence[int]) -> list[torch.Tensor | None]:
+        """Copies of `size`-byte blocks (each a [size] view of one batch) whose slots match their checksums;
+        None for a slot whose bytes changed (reused, overwritten)."""
+        if not offsets:
+            return []
+        rows = self.gather(offsets, size)
+        return [row[:size] if got == want else None
+                for row, got, want in zip(rows, wsum64(rows), checksums, strict=True)]
+
+    def write_blocks(self, offsets: Sequence[int], blocks: Sequence[Sequence[torch.Tensor | Buffer]]) -> list[int]:
+        """Writes blocks of one size (each given in parts: bytes or uint8 tensors, one after another) into
+        the slots at `offsets`; returns their checksums, taken on the rows as written."""
+        if not offsets:
+            return []
+        size = sum(_nbytes(p) for p in blocks[0])
+        rows = torch.zeros(len(blocks), padded(size), dtype=torch.uint8, device=self.device)
+        for row, parts in zip(rows, blocks, strict=True):
+            at = 0
+            for part in parts:
+                n = _nbytes(part)
+                row[at : at + n].copy_(as_uint8(part), non_blocking=True)
+                at += n
+            if at != size:
+                raise ValueError("blocks written together must be of one size")
+        sums = wsum64(rows)
+        self.scatter(offsets, rows)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # in the arena before the store is told
+        return sums
+
+
+def as_uint8(part: torch.Tensor | Buffer) -> torch.Tensor:
+    """A flat uint8 view of a tensor, or a tensor over bytes (not copied)."""
+    if isinstance(part, torch.Tensor):
+        return part.reshape(-1).view(torch.uint8)
+    with contextlib.suppress(TypeError):
+        part = memoryview(part).cast("B")
+    return torch.frombuffer(bytearray(part) if memoryview(part).readonly else part, dtype=torch.uint8)
+
+
+def _nbytes(part: torch.Tensor | Buffer) -> int:
+    return part.numel() * part.element_size() if isinstance(part, torch.Tensor) else memoryview(part).nbytes
+
+
+# -- the store's side: where the buffer lives and how another process opens it ------------------
+
+
+class DeviceArena:
+    """The device tier's buffer. On CUDA: one cudaMalloc (plain device memory, never managed), shared
+    by its CUDA IPC handle; on a CPU: a sealed memfd (the host arena's), mapped as a tensor."""
+
+    def __init__(self, capacity: int, device: str) -> None:
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for, but CUDA is not available; use --device cpu or off")
-        self.slots = SlabAllocator(capacity)
-        self.buffer = torch.empty(self.slots.size, dtype=torch.uint8, device=self.device)  # [bytes]
-        self._blocks: dict[BlockHash, tuple[int, int]] = {}  # key -> (offset, size)
+        self.memfd: Arena | None = None
+        self._ptr = 0
+        if self.device.type == "cuda":
+            import cupy  # the `gpu` extra
 
-    def has_room(self, size: int) -> bool:
-        return self.slots.has_room(size)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            self.size = -(-capacity // (4 << 20)) * (4 << 20)
+            with cupy.cuda.Device(index):
+                self._ptr = cupy.cuda.runtime.malloc(self.size)
+                self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._ptr))
+            self.tensor = _cuda_tensor(self._ptr, self.size, index)
+            self.uuid = str(torch.cuda.get_device_properties(index).uuid)
+        else:
+            self.memfd = Arena(capacity, name="kvserve-device-arena")
+            self.size = self.memfd.size
+            self.tensor = torch.frombuffer(self.memfd.view, dtype=torch.uint8)
+        self.fd = self.memfd.fd if self.memfd is not None else -1
+
+    def export(self) -> tuple[dict[str, Any], list[int]]:
+        """How a same-node client opens the buffer: the greeting's fields and the fds it carries."""
+        if self.memfd is not None:
+            return {"kind": "cpu-tensor", "size": self.size}, [self.memfd.fd]
+        return {"kind": "cuda-ipc", "size": self.size, "handle": self.handle.hex(), "device": self.uuid}, []
+
+    def close(self) -> None:
+        if self.memfd is not None:
+            del self.tensor
+            self.memfd.close()
+        elif self._ptr:
+            import cupy
+
+            torch.cuda.synchronize(self.device)
+            cupy.cuda.runtime.free(self._ptr)
+            self._ptr = 0
+
+
+def _cuda_tensor(ptr: int, size: int, device_index: int, owner: object = None) -> torch.Tensor:
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(ptr, size, owner, device_index)
+    array = cupy.ndarray((size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.as_tensor(array, device=torch.device("cuda", device_index))
+
+
+class OpenedSegment(TensorSegment):
+    """A client's opening of a store's device arena (from the socket's greeting): batches of blocks as
+    tensors (`read_blocks`, `write_blocks`), and the host arena's calls on bytes, one block at a time."""
+
+    def __init__(self, greeting: dict[str, Any], fds: list[int]) -> None:
+        self._map: Any = None
+        self._ptr = 0
+        kind, size = greeting.get("kind"), int(greeting.get("size", 0))
+        if kind == "cpu-tensor":
+            import mmap
+
+            if len(fds) != 1:
+                raise OSError("a cpu-tensor arena comes with one fd")
+            self._map = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        elif kind == "cuda-ipc":
+            index = _device_with_uuid(str(greeting.get("device", "")))
+            if index is None:
+                raise OSError(f"the store's GPU {greeting.get('device')} is not visible to this process")
+            import cupy
+
+            with cupy.cuda.Device(index):
+                self._ptr = cupy.cuda.runtime.ipcOpenMemHandle(
+                    bytes.fromhex(str(greeting["handle"])), cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            self._index = index
+            tensor = _cuda_tensor(self._ptr, size, index, self)
+        else:
+            raise OSError(f"an arena of kind {kind!r} is not one this client opens")
+        super().__init__(tensor)
+
+    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
+        try:
+            got = self.read_blocks([offset], size, [checksum])[0]
+        except ValueError:  # not a slot of this arena
+            return None
+        return None if got is None else got.cpu().numpy().tobytes()
+
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+        payload = self.read(offset, size, checksum)
+        if payload is None or size > sum(len(b) for b in out):
+            return False
+        view = memoryview(payload)
+        for buf in out:
+            n = min(len(buf), len(view))
+            buf[:n], view = view[:n], view[n:]
+        return True
+
+    def write(self, offset: int, parts: Sequence[Buffer]) -> int:
+        return self.write_blocks([offset], [parts])[0]
+
+    def close(self) -> None:
+        del self.tensor, self._rows
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # another thread is copying: the mapping goes with it
+                self._map.close()
+        elif self._ptr:
+            import cupy
+
+            with cupy.cuda.Device(self._index):
+                torch.cuda.synchronize(self._index)
+                cupy.cuda.runtime.ipcCloseMemHandle(self._ptr)
+            self._ptr = 0
+
+
+def _device_with_uuid(uuid: str) -> int | None:
+    if not uuid or not torch.cuda.is_available():
+        return None
+    return next((i for i in range(torch.cuda.device_count())
+                 if str(torch.cuda.get_device_properties(i).uuid) == uuid), None)
+
+
+# -- the tier ------------------------------------------------------------------------------------
+
+
+class DeviceArenaTier(ArenaTier):
+    """Blocks in slots of the device arena; same-node clients reach them through its socket."""
+
+    tier = Tier.DEVICE
+    xxh3_slots = False  # slots carry wsum64 checksums, taken where the bytes are
+
+    def __init__(self, directory: Path, capacity: int, device: str = "cuda") -> None:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but CUDA is not available; use --device cpu or off")
+        self.buffer = DeviceArena(capacity, device)
+        super().__init__(directory, self.buffer.size)
+        self.segment = TensorSegment(self.buffer.tensor)
+        self.socket = ArenaSocket(self.buffer, self.dir / "device-arena.sock")
+        self._cuda = self.buffer.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.buffer.device) if self._cuda else None
+        self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=self._cuda)
+        self._staging_lock = threading.Lock()
+
+    def slot_checksum(self, offset: int, size: int) -> int:
+        return wsum64(self.segment.gather([offset], size))[0]
 
     def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
-        offset = self.slots.alloc(len(payload))
-        if offset is None:  # the store checks has_room first
-            raise MemoryError(f"no free device slot for {len(payload)} bytes")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer on read-only bytes; we copy at once
-            src = torch.frombuffer(payload, dtype=torch.uint8)
-        self.buffer[offset : offset + len(payload)].copy_(src)
-        self._blocks[key] = (offset, len(payload))
+        """A block from host memory (a put over gRPC, a promotion): through pinned memory on the side stream."""
+        offset = self._alloc(len(payload))
+        with self._staging_lock, self._on_side_stream():
+            staged = self._stage(len(payload))
+            staged.copy_(as_uint8(payload))
+            csum = self.segment.write_blocks([offset], [[staged.to(self.buffer.device, non_blocking=True)]])[0]
+        self._slots[key] = (offset, len(payload), csum)
 
-    def read(self, key: BlockHash) -> bytes | None:
-        found = self._blocks.get(key)
-        if found is None:
-            return None
-        offset, size = found
-        return self.buffer[offset : offset + size].cpu().numpy().tobytes()
+    def copy_slot(self, offset: int, size: int, checksum: int) -> bytes | None:
+        """To host memory (a demotion, a get over gRPC): through pinned memory on the side stream."""
+        with self._staging_lock, self._on_side_stream():
+            row = self.segment.gather([offset], size)
+            staged = self._stage(row.numel())
+            staged.copy_(row.view(-1), non_blocking=True)
+            if self._stream is not None:
+                self._stream.synchronize()
+            ok = wsum64(staged.view(1, -1))[0] == checksum
+            return staged[:size].numpy().tobytes() if ok else None
 
-    def delete(self, key: BlockHash) -> None:
-        found = self._blocks.pop(key, None)
-        if found is not None:
-            self.slots.free(found[0])
+    def _stage(self, size: int) -> torch.Tensor:
+        if len(self._staging) < size:
+            self._staging = torch.empty(padded(size), dtype=torch.uint8, pin_memory=self._cuda)
+        return self._staging[:size]
 
-    def keys(self) -> set[BlockHash]:
-        return set(self._blocks)
+    def _on_side_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        super().close(timeout_s)
+        del self.segment
+        with contextlib.suppress(BufferError):
+            self.buffer.close()

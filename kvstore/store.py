@@ -38,9 +38,8 @@ from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
 from kvstore.events import EventHub, StoreEvent
 from kvstore.eviction import EvictionPolicy
-from kvstore.host_tier import ArenaHostTier
 from kvstore.leases import MAX_TTL_S, LeaseTable
-from kvstore.tier import TierStorage
+from kvstore.tier import ArenaTier, TierStorage
 from kvstore.types import Buffer, LookupResult, StoreStats, Tier, TierStats
 from protos.block_hash import HASH_BYTES, BlockHash
 
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _READ_RETRIES = 4
-_NO_ARENA = "this server has no shared-memory tier: send block data"
+_NO_ARENA = "this server has no arena for same-host clients: send block data"
 MAX_RESERVATION_BLOCKS = 4096
 RESERVATION_TTL_S = 30.0  # a client that reserved slots and never put: they return after this
 
@@ -172,8 +171,9 @@ class BlockStore:
         return f"the store's --max-block-bytes ({self._max_block_bytes} bytes)"
 
     @property
-    def shm_tier(self) -> ArenaHostTier | None:
-        return next((s.storage for s in self.tiers if isinstance(s.storage, ArenaHostTier)), None)
+    def shm_tier(self) -> ArenaTier | None:
+        """The arena same-host clients open (the device tier's, else the host tier's shared memory)."""
+        return next((s.storage for s in self.tiers if isinstance(s.storage, ArenaTier)), None)
 
     # -- public operations ---------------------------------------------------------------------
 
@@ -215,7 +215,8 @@ class BlockStore:
             self._touch_chain([key for key in keys if key in self._index])
             wanted = sum(size for size, s in zip(sizes, stored, strict=True) if not s)
             if wanted + self._reserved_bytes() > self.tiers[level].capacity // 2:
-                raise StoreFull("reservations would hold more than half the host tier: put in smaller batches")
+                raise StoreFull(f"reservations would hold more than half the {shm.tier.label} tier: put in smaller "
+                                "batches")
             for size, is_stored in zip(sizes, stored, strict=True):
                 if is_stored:
                     offsets.append(None)
@@ -236,8 +237,8 @@ class BlockStore:
     def put_reserved(self, key: BlockHash, reservation_id: str, offset: int, size: int, checksum_: int = 0, *,
                      ephemeral: bool = False) -> bool:
         """Stores the block a same-host client wrote into a reserved slot; the slot becomes the block
-        (no copy). The client's checksum is taken as is (computed here when 0): every reader verifies
-        it, so bytes that do not match it, now or later, are a miss, never data."""
+        (no copy). The client's checksum (of the arena's kind) is taken as is (computed here when 0): every
+        reader verifies it, so bytes that do not match it, now or later, are a miss, never data."""
         check_key(key)
         shm = self.shm_tier
         if shm is None:
@@ -248,12 +249,14 @@ class BlockStore:
             if reservation is None or reserved is None or not 0 < size <= reserved:
                 raise InvalidRequest(f"no reserved slot at {offset} for {size} bytes under reservation {reservation_id!r}")
             del reservation.slots[offset]
-        payload = shm.arena.view[offset : offset + size]
-        csum = checksum_ or checksum(payload)
+        with self._lock:
+            csum = checksum_ or shm.slot_checksum(offset, size)
+        # The entry's checksum is the store's xxh3 of the payload: a device slot's is of another kind, so it
+        # stays unknown (0) until the block's bytes first leave the arena (`_known_checksum`).
+        write = self._reserved_writer(key, shm, offset, size, csum, ephemeral)
         try:
-            return self._insert(key, size, csum, ephemeral, self._writer(key, payload, csum, ephemeral, offset),
-                                reserved=offset)
-        except (StoreFull, IntegrityError):  # raised before anything took the slot
+            return self._insert(key, size, csum if shm.xxh3_slots else 0, ephemeral, write, reserved=offset)
+        except (StoreFull, IntegrityError, InvalidRequest):  # raised before anything took the slot
             with self._lock:
                 shm.release(offset)
             raise
@@ -345,7 +348,7 @@ class BlockStore:
                     out.append(None)
                     continue
                 self._count_hit(entry.level)
-                out.append((found[0], entry.size, entry.checksum))
+                out.append((found[0], entry.size, found[2]))
         return out
 
     def _read(self, key: BlockHash, *, via_shm: bool = False, fetched: bool = False) -> BlockRead | None:
@@ -358,11 +361,11 @@ class BlockStore:
                     return None
                 level = entry.level
                 slot = self.tiers[level]
-                if via_shm and isinstance(slot.storage, ArenaHostTier):
+                if via_shm and isinstance(slot.storage, ArenaTier) and slot.storage is self.shm_tier:
                     found = slot.storage.slot(key)
                     if found is not None:
                         self._count_hit(level, remote=fetched)
-                        return BlockRead(None, found[0], entry.size, entry.checksum, slot.tier)
+                        return BlockRead(None, found[0], entry.size, found[2], slot.tier)
             try:
                 payload = slot.storage.read(key)
             except CorruptBlock:
@@ -375,9 +378,10 @@ class BlockStore:
                 if self._index.get(key) is not entry:
                     continue  # dropped and stored again meanwhile: read the block now there
                 self._count_hit(level, remote=fetched)
+            csum = self._known_checksum(entry, payload)
             if level > 0:
                 self._promote(key, entry, payload)
-            return BlockRead(payload, None, entry.size, entry.checksum, slot.tier)
+            return BlockRead(payload, None, entry.size, csum, slot.tier)
         with self._lock:
             self._count_miss()
         return None
@@ -424,7 +428,7 @@ class BlockStore:
             except CorruptBlock:
                 return None  # its next reader drops it
             if payload is not None:
-                return payload, entry.checksum
+                return payload, self._known_checksum(entry, payload)
         return None
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
@@ -500,7 +504,8 @@ class BlockStore:
                     if payload is None:  # corrupt (counted): not worth keeping either
                         self._remove(key, entry)
                         continue
-                    self._move(key, entry, disk_level, self._writer(key, payload, entry.checksum, entry.ephemeral))
+                    csum = self._known_checksum(entry, payload)
+                    self._move(key, entry, disk_level, self._writer(key, payload, csum, entry.ephemeral))
                     moved += 1
         durable = self._disk.flush(max(0.0, deadline - time.monotonic()))
         return FlushResult(moved, left, durable)
@@ -536,20 +541,41 @@ class BlockStore:
                             f"cap of {cap} bytes (--max-pinned-bytes-per-caller): release leases, or look up "
                             "without one")
 
-    def _writer(self, key: BlockHash, payload: Buffer, csum: int, ephemeral: bool, reserved: int | None = None) -> Write:
-        """Writes a block into the tier chosen under the lock: a reserved arena slot (`payload` is
-        its view) becomes the block in the arena tier; any other tier copies the payload."""
-        shm = self.shm_tier
+    @staticmethod
+    def _writer(key: BlockHash, payload: Buffer, csum: int, ephemeral: bool) -> Write:
+        """Writes a block into the tier chosen under the lock."""
 
         def write(slot: TierSlot, seq: int) -> None:
-            if reserved is not None and slot.storage is shm:
-                shm.adopt(key, reserved, len(payload), csum)
-                return
             slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
-            if reserved is not None and shm is not None:
-                shm.release(reserved)
 
         return write
+
+    @staticmethod
+    def _reserved_writer(key: BlockHash, shm: ArenaTier, offset: int, size: int, slot_csum: int, ephemeral: bool
+                         ) -> Write:
+        """The arena slot a same-host client filled becomes the block in the arena's tier (no copy); any
+        other tier (the arena's is full of pinned blocks) takes a copy of its bytes, and the slot goes back."""
+
+        def write(slot: TierSlot, seq: int) -> None:
+            if slot.storage is shm:
+                shm.adopt(key, offset, size, slot_csum)
+                return
+            payload = shm.copy_slot(offset, size, slot_csum)
+            if payload is None:
+                raise InvalidRequest(f"the bytes in slot {offset} do not match the checksum put with them")
+            csum = slot_csum if shm.xxh3_slots else checksum(payload)
+            slot.storage.write(key, payload, csum, ephemeral=ephemeral, seq=seq)
+            shm.release(offset)
+
+        return write
+
+    @staticmethod
+    def _known_checksum(entry: Entry, payload: Buffer) -> int:
+        """The entry's checksum; taken now from its payload where it was not known (a block a client put
+        into a device arena slot, whose own checksum is of another kind)."""
+        if not entry.checksum:
+            entry.checksum = checksum(payload)
+        return entry.checksum
 
     def _insert(self, key: BlockHash, size: int, csum: int, ephemeral: bool, write: Write,
                 reserved: int | None = None, share: bool = True) -> bool:
@@ -607,7 +633,8 @@ class BlockStore:
         if below < len(self.tiers) and self._make_room(below, entry.size):
             payload = self._read_locked(slot, key)
             if payload is not None:
-                self._move(key, entry, below, self._writer(key, payload, entry.checksum, entry.ephemeral))
+                csum = self._known_checksum(entry, payload)
+                self._move(key, entry, below, self._writer(key, payload, csum, entry.ephemeral))
                 slot.demotions += 1
                 return
         self._remove(key, entry)

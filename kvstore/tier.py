@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
 
+from kvstore.block_format import CorruptBlock
+from kvstore.slab import SlabAllocator
 from kvstore.types import Buffer, Tier
 from protos.block_hash import BlockHash
 
@@ -49,3 +54,80 @@ class TierStorage(ABC):
     def close(self, timeout_s: float = 30.0) -> None:
         """Releases the tier; a tier that writes behind waits at most about timeout_s."""
         return None
+
+
+class ArenaTier(TierStorage):
+    """A tier whose blocks lie in slots of one shared buffer that same-host clients open (kvstore/arena.py):
+    the host tier's shared memory, or the device tier's GPU memory. A client reserves slots, fills them
+    and names them in a put (`reserve`, `adopt`); a get names the slots to copy from (`slot`).
+
+    Subclasses set `socket` (the ArenaSocket that hands the buffer out) and say whether slot checksums
+    are the store's xxh3 (`xxh3_slots`) or their own kind."""
+
+    xxh3_slots = True
+    socket: Any
+
+    def __init__(self, directory: Path, size: int) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.slots = SlabAllocator(size)
+        self._slots: dict[BlockHash, tuple[int, int, int]] = {}  # key -> (offset, size, checksum)
+
+    @abstractmethod
+    def slot_checksum(self, offset: int, size: int) -> int:
+        """The checksum (of this arena's kind) of the `size` bytes at `offset`."""
+
+    @abstractmethod
+    def copy_slot(self, offset: int, size: int, checksum: int) -> bytes | None:
+        """A copy of the `size` bytes at `offset` if they match `checksum` (of this arena's kind), else None."""
+
+    def read(self, key: BlockHash) -> bytes | None:
+        """A verified copy (the slot may be reused once the block goes). Raises CorruptBlock when
+        the slot still holds the block but its bytes changed (another process wrote there)."""
+        found = self._slots.get(key)
+        if found is None:
+            return None
+        offset, size, csum = found
+        payload = self.copy_slot(offset, size, csum)
+        if payload is not None:
+            return payload
+        if self._slots.get(key) == found:
+            raise CorruptBlock(f"{self.tier.label} arena slot at {offset} no longer holds block {key.hex()[:16]}")
+        return None  # moved meanwhile
+
+    def has_room(self, size: int) -> bool:
+        return self.slots.has_room(size)
+
+    def reserve(self, size: int) -> int | None:
+        """A slot for a client to fill before `adopt`, or None."""
+        return self.slots.alloc(size)
+
+    def release(self, offset: int) -> None:
+        self.slots.free(offset)
+
+    def adopt(self, key: BlockHash, offset: int, size: int, checksum: int) -> None:
+        """Makes a reserved slot, filled by a client, block `key` (no copy)."""
+        self._slots[key] = (offset, size, checksum)
+
+    def slot(self, key: BlockHash) -> tuple[int, int, int] | None:
+        """(offset, size, checksum) of the block's slot, for a same-host client to copy from."""
+        return self._slots.get(key)
+
+    def delete(self, key: BlockHash) -> None:
+        found = self._slots.pop(key, None)
+        if found is not None:
+            self.slots.free(found[0])
+
+    def keys(self) -> set[BlockHash]:
+        return set(self._slots)
+
+    def _alloc(self, size: int) -> int:
+        offset = self.slots.alloc(size)
+        if offset is None:  # the store checks has_room first
+            raise MemoryError(f"no free {self.tier.label} arena slot for {size} bytes")
+        return offset
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.socket.close()
+        self._slots.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)

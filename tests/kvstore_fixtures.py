@@ -58,9 +58,10 @@ def make_store(
     per-caller limits (max_block_bytes, max_lease_ttl_s, max_pinned_bytes_per_caller)."""
     tiers: list[tuple[TierStorage, int]] = []
     if device:
-        from kvstore.device_tier import DeviceTier
+        from kvstore.device_tier import DeviceArenaTier
 
-        tiers.append((DeviceTier(device, "cpu"), device))
+        assert tmp is not None
+        tiers.append((DeviceArenaTier(tmp / "device", device, "cpu"), device))
     if host:
         assert not shm or tmp is not None
         tiers.append((ArenaHostTier(tmp / "shm", host) if shm and tmp else MemoryHostTier(), host))

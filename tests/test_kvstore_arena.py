@@ -60,7 +60,7 @@ def test_the_segment_cannot_be_resized_by_anyone(tmp_path: Path) -> None:
     served = ArenaSocket(arena, tmp_path / "arena.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(served.path))
-        _, fds, _, _ = socket.recv_fds(s, 64, 1)
+        _, fds, _, _ = socket.recv_fds(s, 4096, 1)
     try:
         for fd in (arena.fd, fds[0]):
             with pytest.raises(PermissionError):
@@ -90,7 +90,7 @@ def test_garbage_written_into_a_slot_is_a_miss_and_counted(tmp_path: Path) -> No
         c.put([(key(1), payload(1, 5000)), (key(2), payload(2, 5000))])
         shm = server.store.shm_tier
         assert shm is not None
-        offset, size = shm.slot(key(1))  # type: ignore[misc]
+        offset, size, _ = shm.slot(key(1))  # type: ignore[misc]
         shm.arena.view[offset : offset + size] = b"\0" * size  # another process scribbles on it
         assert c.get([key(1), key(2)]) == [None, payload(2, 5000)]
         assert c.stats().checksum_failures == 1 and c.lookup([key(1)]).num_hits == 0
@@ -163,7 +163,7 @@ def test_reservations_made_on_the_arena_channel_end_when_it_closes(tmp_path: Pat
         while server.store._reservations and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not server.store._reservations
-        assert all(server.store.shm_tier.arena.slots.slot_size(o) is None for o in reply.offsets)  # type: ignore[union-attr]
+        assert all(server.store.shm_tier.slots.slot_size(o) is None for o in reply.offsets)  # type: ignore[union-attr]
 
 
 def test_a_refused_call_on_the_arena_channel_names_its_status_and_the_channel_goes_on(tmp_path: Path) -> None:

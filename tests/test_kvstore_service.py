@@ -404,7 +404,7 @@ def test_staged_puts_come_only_over_the_arena_socket_and_must_name_reserved_slot
         assert refused(lambda: reserve([MiB // 4] * 3)) == "RESOURCE_EXHAUSTED"  # more than half the tier at once
         assert healthy(server) and len(server.store) == 0
         server.store.check_integrity()
-        assert server.store.shm_tier.arena.slots.slot_size(reply.offsets[0]) is None  # type: ignore[union-attr]
+        assert server.store.shm_tier.slots.slot_size(reply.offsets[0]) is None  # type: ignore[union-attr]
 
 
 def test_same_host_puts_and_gets_go_over_the_arena_channel_not_grpc(tmp_path: Path) -> None:

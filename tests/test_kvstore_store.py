@@ -260,13 +260,13 @@ def test_arena_host_tier_slots_and_reserved_puts(tmp_path: Path) -> None:
     shm.arena.view[offset : offset + 100] = payload("b")
     assert store.put_reserved(key("b"), rid, offset, 100, checksum(payload("b")))
     store.check_integrity()
-    assert shm.slot(key("b")) == (offset, 100)  # the reserved slot became the block: no copy
+    assert shm.slot(key("b")) == (offset, 100, checksum(payload("b")))  # the reserved slot became the block: no copy
     with pytest.raises(InvalidRequest):  # put once only
         store.put_reserved(key("c"), rid, offset, 100, checksum(payload("c")))
     with pytest.raises(InvalidRequest):  # larger than its slot
         store.put_reserved(key("c"), rid, spare, 200, 0)
     store.end_reservation(rid)
-    assert shm.arena.slots.slot_size(spare) is None  # returned to the arena
+    assert shm.slots.slot_size(spare) is None  # returned to the arena
     for i in range(6):
         put(store, i)
     assert shm.slot(key("a")) is None and store.tier_of(key("a")) == DISK  # demoted: slot freed
@@ -298,7 +298,7 @@ def test_expired_reservations_return_their_slots(tmp_path: Path) -> None:
         store.reserve([100])
     clock.advance(60)
     store.sweep()
-    assert shm.arena.slots.slot_size(offset) is None
+    assert shm.slots.slot_size(offset) is None
     with pytest.raises(InvalidRequest):
         store.put_reserved(key("a"), rid, offset, 100, checksum(payload("a")))
     store.close()
@@ -338,9 +338,10 @@ def test_device_tier_on_cuda(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from kvstore.device_tier import DeviceTier
+    from kvstore.device_tier import DeviceArenaTier
 
-    store = BlockStore([(DeviceTier(300, "cuda"), 300), (make_store(host=300).tiers[0].storage, 300)], clock=FakeClock())
+    device = DeviceArenaTier(tmp_path / "device", 300, "cuda")
+    store = BlockStore([(device, 300), (make_store(host=300).tiers[0].storage, 300)], clock=FakeClock())
     for i in "abcd":
         put(store, i)
     assert store.tier_of(key("d")) == Tier.DEVICE and store.tier_of(key("a")) == Tier.HOST
@@ -357,7 +358,7 @@ def test_a_hash_already_stored_keeps_its_first_payload(tmp_path: Path) -> None:
     rid, (offset,) = store.reserve([100])
     shm.arena.view[offset : offset + 100] = payload("other")
     assert not store.put_reserved(key("a"), rid, offset, 100, checksum(payload("other")))
-    assert shm.arena.slots.slot_size(offset) is None  # the unused slot went back
+    assert shm.slots.slot_size(offset) is None  # the unused slot went back
     store.check_integrity()
     assert read(store, "a") == payload("a")
     store.close()
