@@ -261,6 +261,7 @@ class Segment(Protocol):
     def read(self, offset: int, size: int, checksum: int) -> bytes | None: ...
     def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool: ...
     def write(self, offset: int, parts: Sequence[Buffer]) -> int: ...
+    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[Buffer]]) -> list[int]: ...
     def close(self) -> None: ...
 
 
@@ -314,6 +315,9 @@ class HostSegment:
             hasher.update(dest)
             offset += len(part)
         return hasher.intdigest()
+
+    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[Buffer]]) -> list[int]:
+        return [self.write(offset, parts) for offset, parts in zip(offsets, blocks, strict=True)]
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # another thread is copying: the mapping goes with it

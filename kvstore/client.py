@@ -1,11 +1,14 @@
 """KVStoreClient: the one way other packages reach the store.
 
 Payloads are verified against their xxh3-64 checksums on receipt. A client on the same host as
-the server maps the server's shared-memory arena (kvstore/arena.py) and moves each block with one
-copy: out of the slot the store names, into a slot it reserved for a put. Those calls go over the
-arena's Unix socket (tens of microseconds a round trip, where gRPC takes half a millisecond), and
-no payload crosses gRPC. Whatever it cannot move that way goes as chunked gRPC bytes, which remote
-clients always use.
+the server opens the server's arena (kvstore/arena.py) and moves each block with one copy: out of
+the slot the store names, into a slot it reserved for a put. Those calls go over the arena's Unix
+socket (tens of microseconds a round trip, where gRPC takes half a millisecond), and no payload
+crosses gRPC. Whatever it cannot move that way goes as chunked gRPC bytes, which remote clients
+always use.
+
+A store whose arena is its device tier (GPU memory, opened by CUDA IPC) is reached the same way; its
+blocks are also had as tensors, device to device and a batch at a time (`get_tensors`, `put_tensors`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -29,6 +32,11 @@ from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from serving.server import CLIENT_CHANNEL_OPTIONS
 from serving.tls import TLSConfig, channel
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.device_tier import OpenedSegment
 
 _NO_LIMIT = 1 << 62
 
@@ -173,6 +181,61 @@ class KVStoreClient:
         self._get(keys, take, take_shm)
         return sizes
 
+    def tensor_device(self) -> torch.device | None:
+        """The device of the store's device arena when this client has opened it (same node), else None:
+        then `get_tensors` and `put_tensors` move blocks device to device."""
+        segment = self._device_segment()
+        return None if segment is None else segment.device
+
+    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Verified payloads as flat uint8 tensors, in request order; None for a miss or a corrupt block.
+        Blocks in the store's device arena are copied out of it on the device, one batch per block size
+        (checksummed there); the rest come as `get`'s bytes, in CPU tensors."""
+        import torch
+
+        keys = list(hashes)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        segment = self._device_segment()
+        todo = list(range(len(keys)))
+        if segment is not None and keys:
+            arena = self._arena
+            assert arena is not None
+            try:
+                slots = self._locate(arena, keys)
+                found = [i for i, s in enumerate(slots) if s.HasField("shm_offset")]
+                got = segment.read_many([slots[i].shm_offset for i in found], [slots[i].total_size for i in found],
+                                        [slots[i].checksum for i in found])
+                for i, tensor in zip(found, got, strict=True):
+                    out[i] = tensor
+                todo = [i for i, t in enumerate(out) if t is None]
+            except LocalCallError:
+                pass
+            except OSError:
+                self._drop_arena(arena)
+
+        def take(i: int, payload: Buffer) -> None:
+            out[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+        if todo:
+            self._get_rpc(keys, todo, None, take, lambda *_: False)
+        return out
+
+    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[torch.Tensor | Buffer]]],
+                    ephemeral: bool = False) -> int:
+        """Stores blocks given in parts (bytes, or tensors viewed as bytes: e.g. a header and a KV pool slot);
+        returns how many were new. Into the store's device arena they are copied on the device, a batch
+        per size; anywhere else they go as `put`'s bytes (tensors copied to the host first)."""
+        items = [(key, tuple(parts)) for key, parts in blocks]
+        arena = self._arena if self._device_segment() is not None else None
+        if arena is not None and items:
+            try:
+                return self._put_arena(arena, items, ephemeral)  # type: ignore[arg-type]
+            except LocalCallError:
+                pass
+            except OSError:
+                self._drop_arena(arena)
+        return self.put([(key, tuple(_host_bytes(p) for p in parts)) for key, parts in items], ephemeral)
+
     def release(self, lease_id: str) -> None:
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout_s)
 
@@ -242,6 +305,20 @@ class KVStoreClient:
             self._arena_checked = True
             return self._arena
 
+    def _device_segment(self) -> OpenedSegment | None:
+        arena = self._shm()
+        segment = None if arena is None else arena.segment
+        return segment if hasattr(segment, "read_many") else None  # type: ignore[return-value]
+
+    def _locate(self, arena: ArenaMap, keys: list[BlockHash]) -> list[pb.BlockChunk]:
+        """Where the store's arena holds each block (a slot with shm_offset set), on its same-host channel."""
+        reply = pb.GetResponse.FromString(
+            arena.call(LOCAL_GET, pb.GetRequest(hashes=keys).SerializeToString(), self.timeout_s))
+        slots = list(reply.slots)
+        if len(slots) != len(keys) or any(s.hash != k for s, k in zip(slots, keys, strict=True)):
+            raise ValueError("the store's arena channel answered other blocks than asked")
+        return slots
+
     def _drop_arena(self, arena: ArenaMap) -> None:
         # Its channel broke (the store restarted or went away): ask Info again next time.
         with self._arena_lock:
@@ -257,11 +334,7 @@ class KVStoreClient:
         todo = list(range(len(keys)))
         if arena is not None and keys:
             try:
-                reply = pb.GetResponse.FromString(
-                    arena.call(LOCAL_GET, pb.GetRequest(hashes=keys).SerializeToString(), self.timeout_s))
-                slots = list(reply.slots)
-                if len(slots) != len(keys) or any(s.hash != k for s, k in zip(slots, keys, strict=True)):
-                    raise ValueError("the store's arena channel answered other blocks than asked")
+                slots = self._locate(arena, keys)
                 todo = [i for i, s in enumerate(slots)
                         if not (s.HasField("shm_offset") and take_shm(i, arena, s.shm_offset, s.total_size, s.checksum))]
             except LocalCallError:
@@ -273,18 +346,18 @@ class KVStoreClient:
             self._get_rpc(keys, todo, arena, take, take_shm)
 
     def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
-        sizes = [sum(len(part) for part in parts) for _, parts in items]
+        sizes = [sum(_nbytes(part) for part in parts) for _, parts in items]
         request = pb.ReserveRequest(sizes=sizes, hashes=[key for key, _ in items])
         reply = pb.ReserveResponse.FromString(arena.call(LOCAL_RESERVE, request.SerializeToString(), self.timeout_s))
         if not len(reply.offsets) == len(reply.stored) == len(items):
             raise ValueError(f"store reserved {len(reply.offsets)} slots for {len(items)} blocks")
         if all(reply.stored):
             return 0  # every block is stored already: nothing to copy
-        staged = [
-            pb.BlockChunk(hash=key, total_size=size, checksum=arena.write(offset, parts), shm_offset=offset)
-            for (key, parts), size, offset, stored in zip(items, sizes, reply.offsets, reply.stored, strict=True)
-            if not stored
-        ]
+        new = [i for i, stored in enumerate(reply.stored) if not stored]
+        offsets = [reply.offsets[i] for i in new]
+        checksums = arena.segment.write_many(offsets, [items[i][1] for i in new])
+        staged = [pb.BlockChunk(hash=items[i][0], total_size=sizes[i], checksum=csum, shm_offset=offset)
+                  for i, offset, csum in zip(new, offsets, checksums, strict=True)]
         put = pb.PutRequest(staged=staged, ephemeral=ephemeral, reservation_id=reply.reservation_id)
         return int(pb.PutResponse.FromString(arena.call(LOCAL_PUT, put.SerializeToString(), self.timeout_s)).num_new)
 
@@ -332,3 +405,18 @@ class KVStoreClient:
         assembler.finish()
         if retry:
             self._get_rpc(keys, retry, None, take, take_shm)
+
+
+
+def _nbytes(part: Any) -> int:
+    """Bytes of a buffer or a tensor (whose len() counts its first dimension)."""
+    return int(part.nbytes) if hasattr(part, "nbytes") else len(part)
+
+
+def _host_bytes(part: Any) -> Buffer:
+    """A part as host bytes: a tensor is copied off its device, flat."""
+    if isinstance(part, bytes | bytearray | memoryview):
+        return part
+    from kvstore.device_tier import as_uint8
+
+    return as_uint8(part).cpu().numpy().data

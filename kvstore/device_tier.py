@@ -119,25 +119,54 @@ class TensorSegment:
                 for row, got, want in zip(rows, wsum64(rows), checksums, strict=True)]
 
     def write_blocks(self, offsets: Sequence[int], blocks: Sequence[Sequence[torch.Tensor | Buffer]]) -> list[int]:
-        """Writes blocks of one size (each given in parts: bytes or uint8 tensors, one after another) into
-        the slots at `offsets`; returns their checksums, taken on the rows as written."""
+        """Writes blocks of one size (each given in parts: bytes or uint8-viewable tensors, one after
+        another) into the slots at `offsets`; returns their checksums, taken on the rows as written.
+        Blocks in parts of the same sizes (a header, a KV slot) are copied a column of parts at a time."""
         if not offsets:
             return []
-        size = sum(_nbytes(p) for p in blocks[0])
+        sizes = [[_nbytes(p) for p in parts] for parts in blocks]
+        size = sum(sizes[0])
+        if any(sum(s) != size for s in sizes):
+            raise ValueError("blocks written together must be of one size")
         rows = torch.zeros(len(blocks), padded(size), dtype=torch.uint8, device=self.device)
-        for row, parts in zip(rows, blocks, strict=True):
+        if all(s == sizes[0] for s in sizes):
             at = 0
-            for part in parts:
-                n = _nbytes(part)
-                row[at : at + n].copy_(as_uint8(part), non_blocking=True)
+            for j, n in enumerate(sizes[0]):
+                rows[:, at : at + n].copy_(_stacked([parts[j] for parts in blocks], self.device), non_blocking=True)
                 at += n
-            if at != size:
-                raise ValueError("blocks written together must be of one size")
+        else:
+            for row, parts in zip(rows, blocks, strict=True):
+                at = 0
+                for part in parts:
+                    n = _nbytes(part)
+                    row[at : at + n].copy_(as_uint8(part), non_blocking=True)
+                    at += n
         sums = wsum64(rows)
         self.scatter(offsets, rows)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # in the arena before the store is told
         return sums
+
+    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[torch.Tensor | Buffer]]) -> list[int]:
+        """write_blocks for blocks of any sizes: one batch per size."""
+        by_size: dict[int, list[int]] = {}
+        for i, parts in enumerate(blocks):
+            by_size.setdefault(sum(_nbytes(p) for p in parts), []).append(i)
+        sums = [0] * len(blocks)
+        for batch in by_size.values():
+            written = self.write_blocks([offsets[i] for i in batch], [blocks[i] for i in batch])
+            for i, csum in zip(batch, written, strict=True):
+                sums[i] = csum
+        return sums
+
+
+def _stacked(parts: Sequence[torch.Tensor | Buffer], device: torch.device) -> torch.Tensor:
+    """[len(parts), bytes] of equal-size parts: stacked where they are, so that host bytes cross to the
+    device in one copy and device tensors never leave it."""
+    flat = [as_uint8(p) for p in parts]
+    if any(t.device != flat[0].device for t in flat):
+        flat = [t.to(device) for t in flat]
+    return torch.stack(flat)
 
 
 def as_uint8(part: torch.Tensor | Buffer) -> torch.Tensor:
@@ -256,6 +285,22 @@ class OpenedSegment(TensorSegment):
 
     def write(self, offset: int, parts: Sequence[Buffer]) -> int:
         return self.write_blocks([offset], [parts])[0]
+
+    def read_many(self, offsets: Sequence[int], sizes: Sequence[int], checksums: Sequence[int]
+                  ) -> list[torch.Tensor | None]:
+        """read_blocks for blocks of any sizes: one batch per size."""
+        by_size: dict[int, list[int]] = {}
+        for i, size in enumerate(sizes):
+            by_size.setdefault(size, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(offsets)
+        for size, batch in by_size.items():
+            try:
+                got = self.read_blocks([offsets[i] for i in batch], size, [checksums[i] for i in batch])
+            except ValueError:  # a slot outside the arena: the store answered garbage; bytes instead
+                continue
+            for i, tensor in zip(batch, got, strict=True):
+                out[i] = tensor
+        return out
 
     def close(self) -> None:
         del self.tensor, self._rows
