@@ -19,13 +19,15 @@ decode fetching the prompt's blocks, against one decode step); the server's own 
 (from the results' timings); the mean of every `*_seconds` histogram of prefill and decode over the
 measured requests, and the prompt tokens prefill took from its pool (none expected) and the store.
 Goal printed as met or not: stack TTFT p50 <= 1.3x in-process p50. With --addr, give the stack's
---kvstore too (the writer is started here against it) and --metrics pages to read.
+--kvstore too (the writer is started here against it) and --metrics pages to read. `--device` and
+`--dtype` apply to the services started here (the writer's too) and to the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import statistics
 import sys
@@ -50,8 +52,10 @@ from client.bench_report import (
 )
 from client.bench_stack import (
     Target,
+    add_device_flags,
     add_target_flags,
     delta,
+    device_flags,
     ensure_model,
     histogram_means,
     open_target,
@@ -69,12 +73,12 @@ PREFILL_CACHED = "kvserve_prefill_cached_tokens_total"
 
 
 @contextlib.contextmanager
-def writer_prefill(target: Target, log_dir: Path) -> Iterator[str]:
+def writer_prefill(target: Target, log_dir: Path, engine_args: list[str]) -> Iterator[str]:
     """A prefill service of its own over the stack's store; yields its address."""
     assert target.store_addr is not None
     service = start_service("prefill-writer", "prefill_service", [
         "--model", str(target.model), "--kvstore", target.store_addr, "--block-size", str(target.block_size),
-        "--listen", "127.0.0.1:0"], log_dir / "prefill-writer.log")
+        "--listen", "127.0.0.1:0", *engine_args], log_dir / "prefill-writer.log")
     try:
         yield service.addr
     finally:
@@ -133,13 +137,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     with Progress(3 + 1 + args.repeats, "handoff: in-process baseline", quiet=args.quiet) as progress:
         baseline = ttft_baselines(args.model, [(args.prefix_tokens, args.new_tokens)], args.repeats, full=False,
-                                  untimed=1)
+                                  untimed=1, device=args.device, dtype=args.dtype)
         base = baseline["turns"][0]
         progress.step(label="handoff: starting the stack")
-        with open_target(args, "handoff") as target, tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, \
+        with open_target(args, "handoff", device_flags(args)) as target, tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, \
                 Client(target.addr, timeout_s=600) as client:
             progress.step(label="handoff: starting the writer prefill")
-            with writer_prefill(target, args.log_dir or Path(tmp)) as writer:
+            with writer_prefill(target, args.log_dir or Path(tmp), device_flags(args)) as writer:
                 progress.step(label="handoff: measuring")
                 measure(client, writer, target, args, rng)  # untimed: one-time costs of a fresh stack
                 progress.step()
@@ -164,7 +168,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "handoff",
         "settings": {"prefix_tokens": args.prefix_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                     "seed": args.seed, "model": str(args.model), "metrics_read": metrics},
+                     "seed": args.seed, "model": str(args.model), "device": args.device, "dtype": args.dtype,
+                     "metrics_read": metrics},
         "baseline_torch_threads": baseline["torch_threads"], "rows": [stack, reuse], "runs": runs,
         "stack_vs_in_process": ratio,
         "cached_tokens_per_request": cached / len(runs),
@@ -210,10 +215,21 @@ def panels(r: dict[str, Any]) -> list[Panel]:
     ]
 
 
+def max_positions(model: Path) -> int | None:
+    """The positions the model takes, as its config.json says (None if it does not say)."""
+    path = model / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    value = config.get("max_position_embeddings") or config.get("n_positions")
+    return int(value) if value else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve bench handoff", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_flags(ap)
+    add_device_flags(ap)
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="in the store (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=32, help="computed after it (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="(default %(default)s)")
@@ -225,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.prefix_tokens, args.new_tokens, args.repeats) < 1:
         ap.error("--prefix-tokens, --new-tokens and --repeats must be >= 1")
     ensure_model(args.model)
+    limit = max_positions(args.model)
+    if limit is not None and args.prefix_tokens + args.new_tokens + 2 > limit:
+        ap.error(f"--prefix-tokens + --new-tokens + the 2 tokens generated = {args.prefix_tokens + args.new_tokens + 2} "
+                 f"exceeds the {limit} positions of {args.model}")
     report = run(args)
     emit(args, report, report_text(report), lambda: panels(report), "kvserve bench handoff")
     return 0

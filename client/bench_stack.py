@@ -18,6 +18,7 @@ from client.cli import parse_metrics
 from client.stack import Stack, StackConfig
 
 DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the services' --dtype (serving.cli)
 
 
 def ensure_model(model: Path) -> None:
@@ -34,19 +35,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def add_device_flags(ap: argparse.ArgumentParser) -> None:
+    """--device and --dtype: where the engines this benchmark starts run (services and in-process baselines)."""
+    ap.add_argument("--device", default="cpu",
+                    help="torch device of the services started here and of the in-process baseline, e.g. cuda "
+                         "(default %(default)s)")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="their model's dtype; auto: the one its config names (default %(default)s)")
+
+
+def device_flags(args: argparse.Namespace) -> list[str]:
+    """The prefill and decode services' flags for `add_device_flags`' settings."""
+    return ["--device", args.device, "--dtype", args.dtype]
+
+
 @contextlib.contextmanager
 def local_stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill_args: Sequence[str] = (),
-                decode_args: Sequence[str] = (), metrics_ports: Mapping[str, int] | None = None) -> Iterator[Stack]:
+                decode_args: Sequence[str] = (), metrics_ports: Mapping[str, int] | None = None,
+                engine_args: Sequence[str] = ()) -> Iterator[Stack]:
     """A stack whose data lives in tmp/name and whose logs go to log_dir/name (default tmp/name/logs);
-    `metrics_ports` maps kvstore, prefill and decode to the port of their Prometheus page."""
+    `metrics_ports` maps kvstore, prefill and decode to the port of their Prometheus page; `engine_args`
+    go to prefill and decode both (before their own)."""
     ports = metrics_ports or {}
 
     def flags(service: str) -> list[str]:
         return ["--metrics-port", str(ports[service])] if service in ports else []
 
     config = StackConfig(model_dir=model, data_dir=tmp / name, decode_port=0, prefill_port=0, store_port=0,
-                         extra_store_args=flags("kvstore"), extra_prefill_args=[*flags("prefill"), *prefill_args],
-                         extra_decode_args=[*flags("decode"), *decode_args])
+                         extra_store_args=flags("kvstore"),
+                         extra_prefill_args=[*flags("prefill"), *engine_args, *prefill_args],
+                         extra_decode_args=[*flags("decode"), *engine_args, *decode_args])
     with Stack(config, log_dir=log_dir / name if log_dir else tmp / name / "logs") as s:
         yield s
 
@@ -76,15 +94,16 @@ def add_target_flags(ap: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def open_target(args: argparse.Namespace, name: str) -> Iterator[Target]:
-    """args.addr as it is, or a local stack with its metrics pages, stopped on exit."""
+def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] = ()) -> Iterator[Target]:
+    """args.addr as it is, or a local stack with its metrics pages (`engine_args` to prefill and decode),
+    stopped on exit."""
     if args.addr:
         yield Target(args.addr, args.kvstore, tuple(args.metrics), args.model)
         return
     ensure_model(args.model)
     ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
     with tempfile.TemporaryDirectory(prefix=f"kvserve-bench-{name}-") as tmp, \
-            local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports) as s:
+            local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports, engine_args=engine_args) as s:
         yield Target(s.addr, s.service("kvstore").addr,
                      tuple(f"http://127.0.0.1:{p}/metrics" for p in ports.values()), args.model,
                      s.config.block_size)

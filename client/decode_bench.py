@@ -27,6 +27,8 @@ overlaps [long request sent, its second token received] is "during". The ratio i
 over ITL p99 before, once with decode's default `--max-num-batched-tokens` (chunks) and once with
 `--unchunked-budget` (the whole prompt in one forward), each on a stack of its own.
 
+`--device` and `--dtype` apply to the services, to HF's baseline and to the engine run beside it.
+
 Goals printed as met or not: 16 streams >= 4x one stream; the stack >= 0.7x HF's tokens/s at 16
 streams; ITL p99 raised at most 3x with chunks (and at least 20x in one forward, the contrast).
 """
@@ -59,7 +61,7 @@ from client.bench_report import (
     save_plot,
     write_json,
 )
-from client.bench_stack import DEFAULT_MODEL_DIR, ensure_model, local_stack
+from client.bench_stack import DEFAULT_MODEL_DIR, add_device_flags, device_flags, ensure_model, local_stack
 from client.bench_streams import Streams, StreamTrace, stream_into
 from client.bench_subprocess import run_module
 from client.client import Client, build_request
@@ -92,11 +94,12 @@ def check_tokens(traces: list[StreamTrace], new_tokens: int) -> int:
 # ---- part 1: throughput -----------------------------------------------------------------------
 
 
-def hf_baseline(model: Path, prompts: list[list[int]], levels: list[int], new_tokens: int) -> dict[str, Any]:
+def hf_baseline(model: Path, prompts: list[list[int]], levels: list[int], new_tokens: int,
+                engine_args: list[str]) -> dict[str, Any]:
     """Runs `python -m engine.hf_batch_bench` on these prompts (client/ imports no torch)."""
     return run_module("engine.hf_batch_bench", ["--model", str(model), "--prompts", "-", "--streams",
-                                                ",".join(map(str, levels)), "--new-tokens", str(new_tokens)],
-                      stdin=json.dumps(prompts))
+                                                ",".join(map(str, levels)), "--new-tokens", str(new_tokens),
+                                                *engine_args], stdin=json.dumps(prompts))
 
 
 def stack_throughput(client: Client, prompts: list[list[int]], levels: list[int], new_tokens: int,
@@ -250,14 +253,15 @@ def itl_report(chunked: dict[str, Any], unchunked: dict[str, Any], args: argpars
 
 def run(args: argparse.Namespace, levels: list[int], progress: Progress) -> dict[str, Any]:
     prompts = make_prompts(max(levels), args.prompt_tokens, args.seed)
-    hf = hf_baseline(args.model, prompts, levels, args.new_tokens)
+    hf = hf_baseline(args.model, prompts, levels, args.new_tokens, device_flags(args))
     progress.step(label="decode: starting the stack")
     report: dict[str, Any] = {"bench": "decode", "model": str(args.model), "prompt_tokens": args.prompt_tokens,
                               "new_tokens": args.new_tokens,
                               "settings": {k: getattr(args, k) for k in SETTINGS} | {"model": str(args.model)}}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-decode-") as tmp_name:
         tmp = Path(tmp_name)
-        with local_stack(args.model, tmp, "throughput", args.log_dir) as s, Client(s.addr, timeout_s=600) as client:
+        with local_stack(args.model, tmp, "throughput", args.log_dir, engine_args=device_flags(args)) as s, \
+                Client(s.addr, timeout_s=600) as client:
             progress.step(label="decode: throughput")
             report["throughput"] = throughput_report(
                 stack_throughput(client, prompts, levels, args.new_tokens, progress), hf)
@@ -268,7 +272,8 @@ def run(args: argparse.Namespace, levels: list[int], progress: Progress) -> dict
                 progress.phase(f"decode: a long prompt among streams, {name}")
                 with dead_address() as dead, local_stack(args.model, tmp, name, args.log_dir,
                                                          prefill_args=["--kvstore", dead],
-                                                         decode_args=decode_args) as s:
+                                                         decode_args=decode_args,
+                                                         engine_args=device_flags(args)) as s:
                     progress.step()
                     results[name] = long_prompt_itl(s.addr, s.service("prefill").addr, s.service("kvstore").addr,
                                                     args)
@@ -278,7 +283,7 @@ def run(args: argparse.Namespace, levels: list[int], progress: Progress) -> dict
 
 
 SETTINGS = ("streams", "prompt_tokens", "new_tokens", "seed", "skip_itl", "itl_streams", "itl_new_tokens",
-            "baseline_tokens", "long_prompt_tokens", "unchunked_budget")
+            "baseline_tokens", "long_prompt_tokens", "unchunked_budget", "device", "dtype")
 
 
 def progress_steps(args: argparse.Namespace, levels: list[int]) -> int:
@@ -375,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode's --max-num-batched-tokens for the one-forward run (default %(default)s)")
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="keep the services' logs here, a folder per stack (default: removed with the run)")
+    add_device_flags(ap)
     add_output_flags(ap)
     args = ap.parse_args(argv)
     if not args.skip_itl and args.itl_new_tokens <= args.baseline_tokens + 2:

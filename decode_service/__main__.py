@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "auth is on over plaintext: bearer tokens cross the network readable by anyone on the path; "
                 "serve TLS with --tls-cert/--tls-key (`kvserve certs` makes them) unless this port is loopback only")
     try:
-        model = load_model(args.model, device=args.device)
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         interceptors=auth.interceptors() if auth else (),
                         tls=tls, require_client_cert=False)  # the front door: tenants show tokens, not certificates

@@ -30,7 +30,7 @@ import torch
 from engine.hashing import Namespace
 from engine.kv_pool import KVPool
 from engine.model import Model
-from engine.paged_attention import PagedCache, PromptChunk, StepBatch, install
+from engine.paged_attention import PagedCache, PromptChunk, StepBatch, chunk_mask, install
 from engine.sampling import sample_batch
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
 from engine.sequence import Finished, Sequence, Status, TokenEvent
@@ -321,11 +321,8 @@ class Engine:
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                mask = None
-                if start:  # query i sits at position start + i and sees keys 0 .. start + i
-                    mask = (torch.arange(end, device=device)[None, :]
-                            <= torch.arange(start, end, device=device)[:, None])  # [n, end]
-                chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device), mask))
+                chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device),
+                                          chunk_mask(start, end, device)))
             if end == len(seq.token_ids):
                 logit_rows.append(row + n - 1)
                 sampled.append(seq)

@@ -10,6 +10,8 @@ runs exactly the same ones. The same prompts then run through kvserve's engine a
 serving around it. Prints one JSON object (``client.decode_bench`` reads it)::
 
     python -m engine.hf_batch_bench --model data/models/tiny-llama --prompts prompts.json --streams 1,4,16
+
+Both run on ``--device`` in ``--dtype``, as the services do.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from engine.engine import Engine
-from engine.model import load_model
+from engine.model import DTYPES, load_model, synchronize
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
@@ -52,10 +54,12 @@ def generate(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int) 
     model.generation_config.eos_token_id = None
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                               pad_token_id=PAD_TOKEN_ID)
-    ids, mask = padded_batch(prompts)
+    ids, mask = (t.to(model.device) for t in padded_batch(prompts))
+    synchronize(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, generation_config=config)  # type: ignore[operator]
+    synchronize(model.device)
     seconds = time.perf_counter() - start
     tokens = out[:, ids.shape[1]:].tolist()
     if any(len(t) != new_tokens for t in tokens):
@@ -63,14 +67,18 @@ def generate(model: PreTrainedModel, prompts: list[list[int]], new_tokens: int) 
     return tokens, seconds
 
 
-def engine_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+def engine_generate(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: str = "cpu",
+                    dtype: str = "auto") -> tuple[list[list[int]], float]:
     """The same, through kvserve's Engine in this process: (new tokens per prompt, seconds)."""
-    engine = Engine(load_model(model_dir), config=SchedulerConfig(max(2048, len(prompts)), max(64, len(prompts))))
-    seqs = [Sequence(p, Sampler(SamplingParams()), max_new_tokens=new_tokens) for p in prompts]
+    model = load_model(model_dir, device, dtype)
+    engine = Engine(model, config=SchedulerConfig(max(2048, len(prompts)), max(64, len(prompts))))
+    seqs = [Sequence(p, Sampler(SamplingParams(), model.device), max_new_tokens=new_tokens) for p in prompts]
+    synchronize(model.device)
     start = time.perf_counter()
     for seq in seqs:
         engine.add(seq)
     engine.run_until_done()
+    synchronize(model.device)
     seconds = time.perf_counter() - start
     return [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts, strict=True)], seconds
 
@@ -91,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", required=True, help="JSON file of token-id lists; - reads stdin")
     ap.add_argument("--streams", default="1,4,16,64", help="batch sizes, comma-separated (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default %(default)s)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="the model's dtype; auto: its config's (default %(default)s)")
     args = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -99,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     if max(levels) > len(prompts):
         raise SystemExit(f"--streams asks for {max(levels)} prompts; --prompts holds {len(prompts)}")
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
+    model = load_model(args.model, args.device, args.dtype).hf_model
     runs = []
     for n in levels:
         generate(model, prompts[:n], 2)  # warm-up, untimed: the first forwards of this batch size
         tokens, seconds = generate(model, prompts[:n], args.new_tokens)
         generated = sum(len(t) for t in tokens)
-        ours, engine_s = engine_generate(args.model, prompts[:n], args.new_tokens)
+        ours, engine_s = engine_generate(args.model, prompts[:n], args.new_tokens, args.device, args.dtype)
         runs.append({"streams": n, "generated_tokens": generated, "s": seconds, "tok_s": generated / seconds,
                      "token_ids": tokens, "engine_s": engine_s, "engine_tok_s": sum(map(len, ours)) / engine_s,
                      "engine_same_tokens": sum(a == b for a, b in zip(ours, tokens, strict=True))})

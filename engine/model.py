@@ -35,6 +35,8 @@ CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
+# --dtype of the services and benchmarks; "auto" is the dtype the model's config names (model_dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UnsupportedModelError(ValueError):
@@ -203,8 +205,28 @@ def _eos_ids(hf_model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Model:
-    """Load a local HF causal-LM folder (never downloads), in eval mode, in its own dtype unless given.
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs it asynchronously): before a clock is read."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_dtype(config: PretrainedConfig, name: str = "auto") -> torch.dtype:
+    """The dtype a --dtype ``name`` loads the model in: "auto" is the one its config names, float32 when it
+    names none."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}: choose auto or one of {', '.join(DTYPES)}")
+        return DTYPES[name]
+    value = getattr(config, "dtype", None)  # transformers reads a config's older torch_dtype into it too
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None) -> Model:
+    """Load a local HF causal-LM folder (never downloads), in eval mode, on ``device``, in ``dtype``: a
+    torch dtype, or a --dtype name (None: "auto", see model_dtype). ValueError for an unknown name.
 
     Raises UnsupportedModelError before loading weights when the cache is not plain full attention,
     and after when no forward keyword of the installed transformers fills a cache (see probe_cache).
@@ -218,9 +240,11 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | None 
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     check_full_attention(config)
     torch_device = torch.device(device)
-    hf_model: Any = AutoModelForCausalLM.from_pretrained(
-        root, local_files_only=True, dtype=dtype if dtype is not None else "auto"
-    )
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available to this torch ({torch.__version__})")
+    if not isinstance(dtype, torch.dtype):
+        dtype = model_dtype(config, dtype or "auto")
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype)
     hf_model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     probe = probe_cache(hf_model, torch_device)

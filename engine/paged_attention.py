@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -41,7 +42,9 @@ class PromptChunk:
     num_tokens: int
     context_len: int
     block_table: torch.Tensor  # [blocks] long
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool; None when the chunk is the whole context
+    # [num_tokens, context_len] bool, query i seeing keys 0 .. context_len - num_tokens + i; None: that causal
+    # mask aligned to the lower right, applied by the kernel (see chunk_mask)
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,19 @@ class PagedCache:
         b.pool.layer(layer_idx, 0)[b.slot_blocks, b.slot_offsets] = key_states[0].transpose(0, 1)
         b.pool.layer(layer_idx, 1)[b.slot_blocks, b.slot_offsets] = value_states[0].transpose(0, 1)
         return key_states, value_states
+
+
+def chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor | None:
+    """The mask of a prompt chunk of positions ``start .. end - 1`` over keys ``0 .. end - 1``, or None: when
+    the chunk is the whole context (plain causal), and on CUDA, where SDPA's flash and memory-efficient
+    kernels align the causal mask to the lower right themselves. A mask tensor there keeps SDPA off its flash
+    kernel, and with grouped-query heads sends it to its math kernel and [heads, n, context] float scores
+    (the second 8k chunk of a 16k prompt: 6 GiB). On a CPU that path warns and builds the mask at every layer,
+    so it is built here, once per step."""
+    # flash-attn's kernel with block tables would also spare the gather of the context's KV; not installed.
+    if start == 0 or device.type == "cuda":
+        return None
+    return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]  # [n, end]
 
 
 def _gather(pool_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -113,14 +129,15 @@ def paged_attention(
         out[batch.decode_rows] = o.reshape(n, heads, d)
     for c in batch.chunks:
         q = query[:, :, c.start : c.start + c.num_tokens]  # [1, heads, n, head_dim]
-        if c.mask is None:  # no earlier context: the chunk's own keys, causal
+        if c.context_len == c.num_tokens:  # no earlier context: the chunk's own keys, causal
             k, v = key[:, :, c.start : c.start + c.num_tokens], value[:, :, c.start : c.start + c.num_tokens]
             o = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             table = c.block_table[None]
             k = _gather(k_pool, table)[:, :, : c.context_len]  # [1, kv_heads, context, head_dim]
             v = _gather(v_pool, table)[:, :, : c.context_len]
-            o = scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling, enable_gqa=gqa)
+            mask = c.mask if c.mask is not None else causal_lower_right(c.num_tokens, c.context_len)
+            o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[c.start : c.start + c.num_tokens] = o[0].transpose(0, 1)
     return out[None], None
 

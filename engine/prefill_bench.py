@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_pool import KVPool
 from engine.kv_transfer import Payload, load_blocks, payload_bytes, save_blocks
-from engine.model import Model, encode_prompt, load_model, probe_cache
+from engine.model import DTYPES, Model, encode_prompt, load_model, synchronize
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
@@ -110,9 +110,11 @@ def matmul_flops_per_s(n: int = 2048, repeat: int = 5) -> float:
 def first_token(hf_model: PreTrainedModel, input_ids: torch.Tensor, cache: dict[str, Any]) -> tuple[int, float]:
     """One forward of ``input_ids`` [1, tokens] over ``cache`` (keyword -> DynamicCache) and the greedy next
     token: (token, seconds)."""
+    synchronize(hf_model.device)  # what was queued before (the cache's copy) is not timed
     start = time.perf_counter()
     logits = hf_model(input_ids, use_cache=True, logits_to_keep=1, **cache).logits
-    return int(logits[0, -1].argmax()), time.perf_counter() - start
+    token = int(logits[0, -1].argmax())  # waits for the forward
+    return token, time.perf_counter() - start
 
 
 def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: int, repeats: int, full: bool,
@@ -126,7 +128,7 @@ def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: in
       computed before (the limit of reuse: only the ``new`` tokens and the first token are computed);
     - ``decode_step_s``: the step after that, one token over the whole prompt's cache.
     """
-    ids = torch.randint(0, 256, (1, cached + new), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 256, (1, cached + new), generator=torch.Generator().manual_seed(seed)).to(hf_model.device)
     prefix = DynamicCache(config=hf_model.config)
     times: dict[str, list[float]] = {"full_s": [], "reuse_s": [], "decode_step_s": []}
     with torch.inference_mode():
@@ -138,7 +140,8 @@ def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: in
             cache = {keyword: copy.deepcopy(prefix)}
             token, reuse_s = first_token(hf_model, ids[:, cached:], cache)
             times["reuse_s"].append(reuse_s)
-            times["decode_step_s"].append(first_token(hf_model, torch.tensor([[token]]), cache)[1])
+            next_ids = torch.tensor([[token]], device=hf_model.device)
+            times["decode_step_s"].append(first_token(hf_model, next_ids, cache)[1])
     timed = {name: values[untimed:] for name, values in times.items()}
     return {"cached_tokens": cached, "new_tokens": new, **timed,
             **{name.removesuffix("_s") + "_median_s": statistics.median(v) if v else None for name, v in timed.items()}}
@@ -152,12 +155,15 @@ def baselines_main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds of each turn (default %(default)s)")
     ap.add_argument("--untimed", type=int, default=0, help="untimed rounds before them (default %(default)s)")
     ap.add_argument("--no-full", dest="full", action="store_false", help="skip the whole-prompt forward")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default %(default)s)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="the model's dtype; auto: its config's (default %(default)s)")
     args = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     turns = [(int(cached), int(new)) for cached, new in (turn.split(":") for turn in args.turns.split(","))]
-    hf_model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
-    keyword = probe_cache(hf_model, torch.device("cpu")).keyword
+    model = load_model(args.model, args.device, args.dtype)
+    hf_model, keyword = model.hf_model, model.cache_keyword
     ttft_baselines(hf_model, keyword, 32, 32, 1, full=True)  # warm-up: one-time start-up costs
     runs = [ttft_baselines(hf_model, keyword, cached, new, args.repeats, args.full, args.untimed, seed=i)
             for i, (cached, new) in enumerate(turns)]

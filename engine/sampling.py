@@ -59,8 +59,8 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]
             kth = torch.topk(x, max(top_k), dim=-1).values  # [rows, max_k], descending
             kth = kth.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)  # [rows, 1]
             x = x.masked_fill(x < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=x.device)[:, None]  # [rows, 1]
-        if bool((top_p < 1).any()):
+        if any(p.top_p < 1 for p in params):  # decided on the host: no wait for the device
+            top_p = torch.tensor([p.top_p for p in params], device=x.device)[:, None]  # [rows, 1]
             sorted_x, order = torch.sort(x, dim=-1, descending=True)
             probs = torch.softmax(sorted_x, dim=-1)
             # Drop a token when the tokens ranked above it already reach top_p; the first always stays.

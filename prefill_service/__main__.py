@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tls = tls_from_args(args, "prefill")
     prepare_engine_process(args.nice)
     try:
-        model = load_model(args.model, device=args.device)
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls)
         metrics = PrefillMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

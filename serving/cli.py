@@ -30,6 +30,8 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype: engine.model.model_dtype reads them
+
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -126,6 +128,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block; every service of a "
                    "deployment must agree (default %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the model's dtype, and its KV's: auto is the one the model's config names, float32 when "
+                        "it names none; every service of a deployment must agree (default %(default)s)")
     p.add_argument("--store-timeout-s", type=float, default=2.0,
                    help="deadline of each KV store call; past it the request recomputes (default %(default)s)")
 
