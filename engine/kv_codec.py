@@ -3,7 +3,8 @@
 Header (little-endian): magic ``KVB\\x01`` (a KV block; the store's own record header is ``KVSR``),
 format version (u16), dtype code (u8), pad (u8), shape ``[layers, 2, num_tokens, kv_heads,
 head_dim]`` (5 x u32, token-major: the layout of a KV pool slot, so a block moves in one copy), namespace id (first 16 bytes of the namespace root), xxh3-64 of the payload
-(u64), payload length (u64), zero padding to 64 bytes.
+(u64; 0 when a block written device to device carries none, and its store's checksum alone covers it),
+payload length (u64), zero padding to 64 bytes.
 A full block has ``num_tokens == block_size``; a prompt's tail uses the same format with fewer.
 """
 
@@ -52,21 +53,24 @@ def encode_parts(kv: torch.Tensor, namespace: Namespace) -> tuple[bytes, memoryv
     """One block (or tail) ``kv`` [layers, 2, n, kv_heads, head_dim] as (header, payload bytes): the
     payload is a view of ``kv`` itself when it is contiguous on the CPU (a KV pool slot), so a
     store can copy it once, straight to where it keeps it."""
+    encode_header(kv, namespace)  # checks the shape and dtype before any copy
+    body = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+    return encode_header(kv, namespace, xxhash.xxh3_64_intdigest(body)), body
+
+
+def encode_header(kv: torch.Tensor, namespace: Namespace, body_checksum: int = 0) -> bytes:
+    """The header of block ``kv`` (on any device). A ``body_checksum`` of 0 says the header carries none: a
+    block written device to device is covered by its store's checksum only (taking an xxh3 would mean
+    copying it to the host)."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"expected [layers, 2, n, kv_heads, head_dim], got {list(kv.shape)}")
     if kv.dtype not in _DTYPE_CODES:
         raise ValueError(f"unsupported KV dtype {kv.dtype}")
-    body = kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
     header = HEADER.pack(
-        BLOCK_MAGIC,
-        BLOCK_FORMAT_VERSION,
-        _DTYPE_CODES[kv.dtype],
-        *kv.shape,
-        namespace_id(namespace),
-        xxhash.xxh3_64_intdigest(body),
-        len(body),
-    )
-    return header.ljust(HEADER_BYTES, b"\x00"), body
+        BLOCK_MAGIC, BLOCK_FORMAT_VERSION, _DTYPE_CODES[kv.dtype], *kv.shape, namespace_id(namespace),
+        body_checksum, kv.numel() * kv.element_size(),
+    )  # fmt: skip
+    return header.ljust(HEADER_BYTES, b"\x00")
 
 
 def encode_block(kv: torch.Tensor, namespace: Namespace) -> bytes:
@@ -90,16 +94,16 @@ def verify_block(
 
     ``num_tokens`` pins ``n`` (pass ``block_size`` for full blocks); ``None`` accepts any
     ``1 <= n <= namespace.block_size`` (tails). Raises BlockError naming what is wrong; the
-    payload is checksummed before any byte of it is trusted, unless ``checked``: its bytes are
-    already proven (the KV store's client verifies every block it hands over against the
-    store's own checksum), and a second pass over them would prove nothing more.
+    payload is checksummed (where its header carries a checksum) before any byte of it is trusted,
+    unless ``checked``: its bytes are already proven (the KV store's client verifies every block it
+    hands over against the store's own checksum), and a second pass over them would prove nothing more.
     """
     if len(payload) < HEADER_BYTES:
         raise BlockError("format", f"{len(payload)} bytes is shorter than the {HEADER_BYTES}-byte header")
     body = memoryview(payload)[HEADER_BYTES:]
     checksum, n = check_header(payload, len(body), namespace, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, dtype=dtype, num_tokens=num_tokens)
-    if not checked and xxhash.xxh3_64_intdigest(body) != checksum:
+    if not checked and checksum and xxhash.xxh3_64_intdigest(body) != checksum:
         raise BlockError("checksum", "payload checksum mismatch (corrupt block)")
     return body, n
 

@@ -73,12 +73,16 @@ class KVPool:
         """Keys (kind 0) or values (kind 1) of one layer: a view [blocks, block_size, kv_heads, head_dim]."""
         return self.kv[:, layer_idx, kind]
 
-    def write(self, block: int, payload: memoryview, num_tokens: int) -> None:
+    def write(self, block: int, payload: memoryview | torch.Tensor, num_tokens: int) -> None:
         """Copy the raw bytes of ``num_tokens`` tokens of KV ([layers, 2, num_tokens, kv_heads, head_dim], the
-        layout of a stored block) into the first ``num_tokens`` slots of ``block``: one copy."""
-        with warnings.catch_warnings():  # read-only source: torch warns that it may not write to it; it does not
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(payload, dtype=self.kv.dtype)
+        layout of a stored block; bytes, or a flat uint8 tensor on any device) into the first ``num_tokens``
+        slots of ``block``: one copy."""
+        if isinstance(payload, torch.Tensor):
+            src = payload.view(self.kv.dtype)
+        else:
+            with warnings.catch_warnings():  # read-only source: torch warns that it may not write to it; it does not
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(payload, dtype=self.kv.dtype)
         dst = self.kv[block]  # [layers, 2, block_size, kv_heads, head_dim]
         if num_tokens == self.block_size:
             dst.view(-1).copy_(src)

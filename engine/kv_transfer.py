@@ -2,6 +2,11 @@
 best-effort session): verified blocks are copied straight into pool slots, and pool slots are
 encoded straight into stored blocks (DESIGN.md, "KV block format").
 
+Where the store's top tier is a device arena this process has opened (same node), blocks move device
+to device, a batch at a time: a put copies pool slots into arena slots, a get copies arena slots into
+pool slots, and only the 64-byte headers cross to the host. A pool on a GPU without such a store moves
+its blocks through host memory, in one copy per direction for the whole batch.
+
 A block rejected on load (bad checksum, header, shape or namespace, or NaN/infinite values) is
 removed from the store, so the block the engine computes in its place is stored by the next put
 (the store keeps the first write of a hash otherwise): no bad block sticks."""
@@ -15,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.hashing import Namespace
-from engine.kv_codec import HEADER_BYTES, BlockError, check_header, encode_parts, verify_block
+from engine.kv_codec import HEADER_BYTES, BlockError, check_header, encode_header, encode_parts, verify_block
 from engine.kv_pool import KVPool
 from protos.block_hash import BlockHash
 
@@ -47,6 +52,25 @@ class ScatterStore(BlockStore, Protocol):
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]: ...
 
 
+@runtime_checkable
+class TensorStore(BlockStore, Protocol):
+    """A store that moves blocks as tensors (the KV store's client): device to device when
+    ``tensor_device`` names the device of a store arena this process opened, else through host bytes."""
+
+    def tensor_device(self) -> torch.device | None: ...
+
+    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]: ...
+
+    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[torch.Tensor | bytes]]],
+                    ephemeral: bool = False) -> int: ...
+
+
+def _device_path(store: BlockStore, pool_device: torch.device) -> bool:
+    """Blocks go as tensors: the store holds them in a device arena this process opened, or the pool is on
+    a GPU (where memoryviews of its slots cannot be had)."""
+    return isinstance(store, TensorStore) and (store.tensor_device() is not None or pool_device.type != "cpu")
+
+
 @dataclass(frozen=True, slots=True)
 class Loaded:
     num_tokens: int  # leading tokens now in the pool
@@ -63,6 +87,8 @@ def load_blocks(
     nothing after it is used, since a prefix must be contiguous."""
     keys = list(keys[: len(blocks)])
     with_tail = tail is not None and len(blocks) > len(keys)
+    if _device_path(store, pool.kv.device):
+        return _load_tensors(store, keys, namespace, pool, blocks, tail if with_tail else None)  # type: ignore[arg-type]
     if isinstance(store, ScatterStore):
         return _load_in_place(store, keys, namespace, pool, blocks, tail if with_tail else None)
     wanted = keys + [tail[0]] if with_tail and tail else keys
@@ -156,6 +182,54 @@ def _load_in_place(
     return _checked(store, wanted, pool, blocks, counts)
 
 
+def _load_tensors(
+    store: TensorStore, keys: list[BlockHash], namespace: Namespace, pool: KVPool, blocks: Sequence[int],
+    tail: tuple[BlockHash, int] | None,
+) -> Loaded:
+    # Every block's header to the host in one copy; full blocks' bodies into their pool slots in one
+    # index_copy (after one host-to-device copy for blocks that came as bytes); the tail by itself.
+    _, layers, _, _, heads, dim = pool.kv.shape
+    wanted = keys + [tail[0]] if tail is not None else keys
+    found: list[torch.Tensor] = []  # the leading run of hits
+    for t in store.get_tensors(wanted):
+        if t is None:
+            break
+        found.append(t)
+    error = None
+    if any(t.numel() < HEADER_BYTES for t in found):
+        short = next(i for i, t in enumerate(found) if t.numel() < HEADER_BYTES)
+        error = BlockError("format", f"block {wanted[short].hex()[:16]} is shorter than a {HEADER_BYTES}-byte header")
+        found = found[:short]
+    headers = _stack([t[:HEADER_BYTES] for t in found], torch.device("cpu")).numpy()
+    counts: list[int] = []  # tokens of each block that checks out, in order
+    for i, (header, t) in enumerate(zip(headers, found, strict=True)):
+        num_tokens = pool.block_size if i < len(keys) else tail[1]  # type: ignore[index]
+        try:
+            check_header(header, t.numel() - HEADER_BYTES, namespace, num_layers=layers, num_kv_heads=heads,
+                         head_dim=dim, dtype=pool.kv.dtype, num_tokens=num_tokens)
+        except BlockError as exc:
+            error = exc
+            break
+        counts.append(num_tokens)
+    full = min(len(counts), len(keys))
+    if full:
+        slots = pool.kv.view(pool.num_blocks, -1).view(torch.uint8)
+        index = torch.tensor(list(blocks[:full]), dtype=torch.long).to(pool.kv.device, non_blocking=True)
+        slots.index_copy_(0, index, _stack([t[HEADER_BYTES:] for t in found[:full]], pool.kv.device))
+    if len(counts) > full:
+        pool.write(blocks[full], found[full][HEADER_BYTES:].to(pool.kv.device), counts[full])
+    return _checked(store, wanted, pool, blocks, counts, error)
+
+
+def _stack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[len(tensors), n] on ``device`` from equal-size flat tensors: one copy across devices at most."""
+    if not tensors:
+        return torch.empty((0, HEADER_BYTES), dtype=torch.uint8, device=device)
+    if all(t.device == tensors[0].device for t in tensors):
+        return torch.stack(list(tensors)).to(device)
+    return torch.stack([t.to(device) for t in tensors])
+
+
 def _slot_view(pool: KVPool, block: int) -> memoryview:
     return pool.kv[block].view(-1).view(torch.uint8).numpy().data
 
@@ -170,9 +244,27 @@ def save_blocks(
     so a same-host store copies it once, straight out of a pool slot."""
     bs = namespace.block_size
     num_full = num_tokens // bs
+    if _device_path(store, kv[0].device if len(kv) else torch.device("cpu")):
+        return _save_tensors(store, keys, namespace, kv, num_tokens, tail_key, ephemeral)  # type: ignore[arg-type]
     stored = store.put([(key, encode_parts(kv[i], namespace)) for i, key in enumerate(keys[:num_full])],
                        ephemeral=ephemeral)
     if tail_key is not None and num_tokens % bs:
         stored += store.put([(tail_key, encode_parts(kv[num_full][:, :, : num_tokens % bs], namespace))],
                             ephemeral=True)
+    return stored
+
+
+def _save_tensors(
+    store: TensorStore, keys: Sequence[BlockHash], namespace: Namespace, kv: Sequence[torch.Tensor], num_tokens: int,
+    tail_key: BlockHash | None, ephemeral: bool,
+) -> int:
+    # Headers without a payload checksum (the store's covers each block), bodies as the pool's tensors: into
+    # a device arena they never leave the device; anywhere else the store's client copies them to the host.
+    bs = namespace.block_size
+    num_full = num_tokens // bs
+    stored = store.put_tensors([(key, (encode_header(kv[i], namespace), kv[i])) for i, key in enumerate(keys[:num_full])],
+                               ephemeral=ephemeral)
+    if tail_key is not None and num_tokens % bs:
+        part = kv[num_full][:, :, : num_tokens % bs].contiguous()
+        stored += store.put_tensors([(tail_key, (encode_header(part, namespace), part))], ephemeral=True)
     return stored

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 import grpc
+import torch
 
 from kvstore import KVStoreClient, Payload
 from protos.block_hash import BlockHash
@@ -19,6 +20,8 @@ log = logging.getLogger(__name__)
 
 # grpc.RpcError: down, slow or refusing; OSError: its shared-memory path; ValueError: a bad answer.
 STORE_ERRORS = (grpc.RpcError, OSError, ValueError)
+# and, moving tensors: RuntimeError from torch or CUDA (a device arena that could not be opened or copied)
+TENSOR_ERRORS = (*STORE_ERRORS, RuntimeError)
 
 
 class StoreSession:
@@ -81,6 +84,35 @@ class StoreSession:
         try:
             return self._client.put(items, ephemeral=ephemeral)
         except STORE_ERRORS as exc:
+            self._fail("put", exc)
+            return 0
+
+    def tensor_device(self) -> torch.device | None:
+        if self.failed:
+            return None
+        try:
+            return self._client.tensor_device()
+        except TENSOR_ERRORS as exc:
+            self._fail("get", exc)
+            return None
+
+    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        if self.failed or not hashes:
+            return [None] * len(hashes)
+        try:
+            return self._client.get_tensors(hashes)
+        except TENSOR_ERRORS as exc:
+            self._fail("get", exc)
+            return [None] * len(hashes)
+
+    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[torch.Tensor | bytes]]],
+                    ephemeral: bool = False) -> int:
+        items = list(blocks)
+        if self.failed or not items:
+            return 0
+        try:
+            return self._client.put_tensors(items, ephemeral=ephemeral)
+        except TENSOR_ERRORS as exc:
             self._fail("put", exc)
             return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from engine.hashing import Namespace
 from engine.kv_codec import decode_block, encode_block
 from engine.kv_pool import KVPool
 from engine.kv_transfer import Loaded, Payload, load_blocks, payload_bytes, save_blocks
-from kvstore.client import scatter
+from kvstore.client import KVStoreClient, scatter
 from protos.block_hash import BlockHash
+from tests.kvstore_fixtures import running_server
 
 NS = Namespace("cd" * 32, "float32", block_size=4)
 LAYERS, BS, HEADS, DIM = 2, 4, 2, 4
@@ -253,3 +255,82 @@ def test_saved_blocks_are_views_of_the_pool_not_copies() -> None:
     assert len(header) == 64 and bytes(body) == pool.kv[0].numpy().tobytes()
     pool.kv[0].fill_(7.0)
     assert bytes(body) == pool.kv[0].numpy().tobytes()  # the store is handed the slot itself
+
+
+class TensorDictStore(DictStore):
+    """A DictStore that moves blocks as tensors, as the KV store's client does with a device arena."""
+
+    def tensor_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        return [None if p is None else torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in self.get(hashes)]
+
+    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[torch.Tensor | bytes]]],
+                    ephemeral: bool = False) -> int:
+        parts = [(key, b"".join(p if isinstance(p, bytes) else p.contiguous().view(torch.uint8).numpy().tobytes()
+                                for p in payload)) for key, payload in blocks]
+        return self.put(parts, ephemeral)
+
+
+def test_a_tensor_store_round_trips_full_blocks_and_the_tail_without_payload_checksums() -> None:
+    store, pool = TensorDictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]]
+    assert save_blocks(store, KEYS, NS, kv, 10, tail_key=TAIL) == 3
+    assert store.puts == [(KEYS[:2], False), ([TAIL], True)]
+    assert all(block[44:52] == bytes(8) for block in store.blocks.values())  # the store's checksum covers them
+    assert load_blocks(store, KEYS[:2], NS, pool, [6, 4, 5], (TAIL, 2)) == Loaded(10)
+    assert torch.equal(_bits(pool.kv[[6, 4]]), _bits(kv[:2]))
+    assert torch.equal(_bits(pool.kv[5, :, :, :2]), _bits(kv[2, :, :, :2]))
+    assert _untouched(pool, 7) and bool((pool.kv[5, :, :, 2:] == -1).all())
+    plain = DictStore()  # and a block without a payload checksum still reads through the bytes path
+    plain.blocks = store.blocks
+    assert load_blocks(plain, KEYS[:2], NS, pool, [4, 5], None) == Loaded(8)
+
+
+def test_a_tensor_store_run_ends_at_a_miss_a_bad_header_or_a_short_block() -> None:
+    store, pool = TensorDictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]].clone()
+    save_blocks(store, KEYS, NS, kv, 12)
+    del store.blocks[KEYS[2]]
+    assert load_blocks(store, KEYS, NS, pool, [4, 5, 6]) == Loaded(8)
+    assert _untouched(pool, 6, 7)
+    store.blocks[KEYS[1]] = encode_block(kv[1], Namespace("cd" * 32, "float32", block_size=4, cache_salt="other"))
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "namespace"
+    assert loaded.rejected == (KEYS[1],) and KEYS[1] not in store.blocks
+    store.blocks[KEYS[0]] = b"short"
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 0 and loaded.error is not None and loaded.error.kind == "format"
+    assert loaded.rejected == (KEYS[0],)
+
+
+def test_a_tensor_store_block_with_nan_is_removed() -> None:
+    store, pool = TensorDictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]].clone()
+    kv[1, 0, 1, 0, 0, 0] = float("nan")
+    save_blocks(store, KEYS, NS, kv, 12)
+    loaded = load_blocks(store, KEYS, NS, pool, [4, 5, 6])
+    assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "nonfinite"
+    assert loaded.rejected == (KEYS[1],)
+
+
+def test_blocks_move_through_a_real_store_device_arena_bit_exactly(tmp_path: Path) -> None:
+    """The KV store's client over a store whose device tier is a CPU arena: the device-to-device path,
+    with the bytes of a corrupted slot a miss, never data."""
+    with running_server(tmp_path, device="cpu", device_capacity=32 << 20) as server, \
+            KVStoreClient(server.address) as client:
+        assert client.tensor_device() == torch.device("cpu")
+        pool = _pool()
+        kv = pool.kv[[0, 1, 2]]
+        assert save_blocks(client, KEYS, NS, kv, 10, tail_key=TAIL) == 3
+        assert client.stats().tier("device").blocks == 3
+        assert load_blocks(client, KEYS[:2], NS, pool, [6, 4, 5], (TAIL, 2)) == Loaded(10)
+        assert torch.equal(_bits(pool.kv[[6, 4]]), _bits(kv[:2]))
+        assert torch.equal(_bits(pool.kv[5, :, :, :2]), _bits(kv[2, :, :, :2]))
+        device = server.store.shm_tier
+        assert device is not None
+        offset, size, _ = device.slot(KEYS[1])  # type: ignore[misc]
+        device.segment.tensor[offset + size - 1] ^= 0xFF  # type: ignore[attr-defined]
+        assert load_blocks(client, KEYS[:2], NS, pool, [4, 5, 6]) == Loaded(4)
+        assert client.stats().checksum_failures == 1
