@@ -4,6 +4,10 @@ Runs `python -m kvstore.bench --json` in a subprocess (the measurement: it start
 of its own and measures memcpy of warm buffers, put and get through the same-host shared-memory path
 and through plain gRPC bytes, and lookups per second; see its --help) and reports its figures and
 goals as the other benchmarks do: a table, --json, --plot.
+
+With `--device cuda` (or cpu), the store's device arena instead: `python -m kvstore.device_bench`
+measures put and the hand-off (get into pool slots) device to device against torch's copy of the same
+bytes on that device (see its --help).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ COLUMNS = [
     Column("gbps", "GB/s", "{:.2f}"),
     Column("vs_memcpy", "x memcpy", "{:.2f}"),
 ]
+DEVICE_COLUMNS = [*COLUMNS[:2], Column("vs_copy", "x copy", "{:.2f}")]
 
 
 def report(measured: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -33,6 +38,24 @@ def report(measured: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]
     return {"bench": "store", "settings": settings, "measured": measured, "rows": rows,
             "lookups_per_s": measured["lookups_per_s"], "lookup_hashes": measured["lookup_hashes"],
             "goals": measured["goals"]}
+
+
+def device_report(measured: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The device bench's figures as rows (the device copy first), its goal, and the settings."""
+    rows = [{"path": "copy", "label": "device copy (copy_, best)", "gbps": measured["gbps"]["copy"], "vs_copy": 1.0}]
+    rows += [{"path": k, "label": label, "gbps": measured["gbps"][k], "vs_copy": measured["ratios"][k]}
+             for k, label in measured["labels"].items()]
+    return {"bench": "store", "settings": settings, "measured": measured, "rows": rows, "goals": measured["goals"]}
+
+
+def device_report_text(r: dict[str, Any]) -> str:
+    m = r["measured"]
+    return "\n".join([
+        f"kvstore device arena on {m['device']}: {m['total_bytes'] / 2**20:.0f} MiB in {m['blocks']} blocks of "
+        f"{m['block_bytes'] / 2**10:.0f} KiB, {m['batch']} a call, through a kvstore server process",
+        format_table(DEVICE_COLUMNS, r["rows"]),
+        *(f"goal: {g['text']}: {'met' if g['met'] else 'NOT met'} (x{g['value']:.2f})" for g in r["goals"].values()),
+    ])
 
 
 def report_text(r: dict[str, Any]) -> str:
@@ -49,26 +72,35 @@ def report_text(r: dict[str, Any]) -> str:
 
 def panels(r: dict[str, Any]) -> list[Panel]:
     memcpy, *paths = r["rows"]
-    return [bar_panel("KV store transfer over loopback", "GB/s (best of repeats)",
+    title = "KV store device arena" if "vs_copy" in memcpy else "KV store transfer over loopback"
+    return [bar_panel(title, "GB/s (best of repeats)",
                       {row["path"]: row["gbps"] for row in paths}, ref=(memcpy["label"], memcpy["gbps"]))]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve bench store", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--total", default="256MiB", help="bytes of blocks (default %(default)s)")
-    ap.add_argument("--block-size", default="256KiB", help="block size (default %(default)s)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="measure the store's device arena on this device instead (defaults: --total 1GiB, "
+                         "--block-size 768KiB, a 16-token block of the ~0.6B benchmark model)")
+    ap.add_argument("--total", default=None, help="bytes of blocks (default 256MiB)")
+    ap.add_argument("--block-size", default=None, help="block size (default 256KiB)")
     ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default %(default)s)")
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every figure (default %(default)s)")
     add_output_flags(ap)
     args = ap.parse_args(argv)
-    settings = {"total": args.total, "block_size": args.block_size, "batch": args.batch, "repeat": args.repeat}
-    with Progress(1, "store: memcpy, put, get, lookups", quiet=args.quiet) as progress:
-        measured = run_module("kvstore.bench", [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
-                              + ["--json"])
+    on_device = args.device is not None
+    settings = {"total": args.total or ("1GiB" if on_device else "256MiB"),
+                "block_size": args.block_size or ("768KiB" if on_device else "256KiB"),
+                "batch": args.batch, "repeat": args.repeat, **({"device": args.device} if on_device else {})}
+    module, what = ("kvstore.device_bench", "device copy, put, hand-off") if on_device else (
+        "kvstore.bench", "memcpy, put, get, lookups")
+    with Progress(1, f"store: {what}", quiet=args.quiet) as progress:
+        measured = run_module(module, [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()] + ["--json"])
         progress.step()
-    r = report(measured, settings)
-    emit(args, r, report_text(r), lambda: panels(r), "kvserve bench store")
+    r = device_report(measured, settings) if on_device else report(measured, settings)
+    text = device_report_text(r) if on_device else report_text(r)
+    emit(args, r, text, lambda: panels(r), "kvserve bench store")
     return 0
 
 

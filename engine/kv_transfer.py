@@ -213,9 +213,10 @@ def _load_tensors(
         counts.append(num_tokens)
     full = min(len(counts), len(keys))
     if full:
-        slots = pool.kv.view(pool.num_blocks, -1).view(torch.uint8)
+        slots = pool.kv.view(pool.num_blocks, -1).view(torch.uint8).view(torch.int64)  # 8-byte words move faster
         index = torch.tensor(list(blocks[:full]), dtype=torch.long).to(pool.kv.device, non_blocking=True)
-        slots.index_copy_(0, index, _stack([t[HEADER_BYTES:] for t in found[:full]], pool.kv.device))
+        bodies = _stack([t[HEADER_BYTES:] for t in found[:full]], pool.kv.device)
+        slots.index_copy_(0, index, bodies.view(torch.int64))
     if len(counts) > full:
         pool.write(blocks[full], found[full][HEADER_BYTES:].to(pool.kv.device), counts[full])
     return _checked(store, wanted, pool, blocks, counts, error)

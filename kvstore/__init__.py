@@ -4,8 +4,13 @@ opaque KV blocks.
 Other packages reach it only through `KVStoreClient`.
 """
 
+from typing import TYPE_CHECKING
+
 from kvstore.client import BlockEvent, KVStoreClient, StoreInfo
 from kvstore.types import LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
 from protos.block_hash import BlockHash
 
-__all__ = ["BlockEvent", "BlockHash", "KVStoreClient", "LookupResult", "Payload", "RemoteStats", "StoreInfo", "StoreStats", "Tier", "TierStats"]
+if TYPE_CHECKING:  # the types of get_tensors and put_tensors, for annotations (importing torch only then)
+    from kvstore.device_tier import Device, Tensor
+
+__all__ = ["BlockEvent", "BlockHash", "Device", "KVStoreClient", "LookupResult", "Payload", "RemoteStats", "StoreInfo", "StoreStats", "Tensor", "Tier", "TierStats"]

@@ -34,9 +34,7 @@ from serving.server import CLIENT_CHANNEL_OPTIONS
 from serving.tls import TLSConfig, channel
 
 if TYPE_CHECKING:
-    import torch
-
-    from kvstore.device_tier import OpenedSegment
+    from kvstore.device_tier import Device, OpenedSegment, Tensor
 
 _NO_LIMIT = 1 << 62
 
@@ -181,20 +179,20 @@ class KVStoreClient:
         self._get(keys, take, take_shm)
         return sizes
 
-    def tensor_device(self) -> torch.device | None:
+    def tensor_device(self) -> Device | None:
         """The device of the store's device arena when this client has opened it (same node), else None:
         then `get_tensors` and `put_tensors` move blocks device to device."""
         segment = self._device_segment()
         return None if segment is None else segment.device
 
-    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[Tensor | None]:
         """Verified payloads as flat uint8 tensors, in request order; None for a miss or a corrupt block.
         Blocks in the store's device arena are copied out of it on the device, one batch per block size
         (checksummed there); the rest come as `get`'s bytes, in CPU tensors."""
-        import torch
+        from kvstore.device_tier import host_tensor
 
         keys = list(hashes)
-        out: list[torch.Tensor | None] = [None] * len(keys)
+        out: list[Tensor | None] = [None] * len(keys)
         segment = self._device_segment()
         todo = list(range(len(keys)))
         if segment is not None and keys:
@@ -214,13 +212,13 @@ class KVStoreClient:
                 self._drop_arena(arena)
 
         def take(i: int, payload: Buffer) -> None:
-            out[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            out[i] = host_tensor(payload)
 
         if todo:
             self._get_rpc(keys, todo, None, take, lambda *_: False)
         return out
 
-    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[torch.Tensor | Buffer]]],
+    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[Tensor | Buffer]]],
                     ephemeral: bool = False) -> int:
         """Stores blocks given in parts (bytes, or tensors viewed as bytes: e.g. a header and a KV pool slot);
         returns how many were new. Into the store's device arena they are copied on the device, a batch

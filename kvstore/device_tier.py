@@ -31,8 +31,12 @@ from kvstore.tier import ArenaTier
 from kvstore.types import Buffer, Tier
 from protos.block_hash import BlockHash
 
+Tensor = torch.Tensor  # for the annotations of modules that import no torch (the client, the services' session)
+Device = torch.device
+
 _WORD = 8  # wsum64 sums 8-byte words
 _ROW = SLOT_ALIGN  # slots start and end on 64-byte rows: a batch of slots is one index of rows
+_CHUNK_BYTES = 16 << 20  # wsum64 takes its products this many bytes of rows at a time
 
 
 # -- the checksum ------------------------------------------------------------------------------
@@ -67,7 +71,11 @@ def wsum64(rows: torch.Tensor) -> list[int]:
     does but with a chance of 2**-64. A guard against slots reused or overwritten, not an attacker (the
     arena is open to the store's own user only). One device sync for the whole batch."""
     words = rows.view(torch.int64)  # [blocks, words]
-    sums = (words * _weights_for(words.shape[1], rows.device)).sum(dim=1)
+    if not len(words):
+        return []
+    weights = _weights_for(words.shape[1], rows.device)
+    step = max(1, _CHUNK_BYTES // rows.shape[1])  # bounded scratch for the products, and rows still in cache
+    sums = torch.cat([(words[i : i + step] * weights).sum(dim=1) for i in range(0, len(words), step)])
     return [s & 0xFFFFFFFFFFFFFFFF for s in sums.tolist()]
 
 
@@ -88,7 +96,7 @@ class TensorSegment:
         self.tensor = tensor  # [size] uint8
         self.size = tensor.numel()
         self.device = tensor.device
-        self._rows = tensor.view(-1, _ROW)  # [size / 64, 64]
+        self._rows = tensor.view(torch.int64).view(-1, _ROW // _WORD)  # [size / 64, 8]: copies move 8-byte words
 
     def _row_index(self, offsets: Sequence[int], span: int) -> torch.Tensor:
         starts = torch.tensor([o // _ROW for o in offsets], dtype=torch.long)
@@ -100,14 +108,15 @@ class TensorSegment:
         span = padded(size)
         if any(o % _ROW or o < 0 or o + span > self.size for o in offsets):
             raise ValueError("a slot lies outside the arena or off its 64-byte rows")
-        return self._rows.index_select(0, self._row_index(offsets, span)).view(len(offsets), span)
+        rows = self._rows.index_select(0, self._row_index(offsets, span))
+        return rows.view(len(offsets), span // _WORD).view(torch.uint8)
 
     def scatter(self, offsets: Sequence[int], rows: torch.Tensor) -> None:
         """Writes `rows` ([blocks, padded bytes], on this segment's device) into the slots at `offsets`."""
         span = rows.shape[1]
         if span % _ROW or any(o % _ROW or o < 0 or o + span > self.size for o in offsets):
             raise ValueError("a slot lies outside the arena or off its 64-byte rows")
-        self._rows.index_copy_(0, self._row_index(offsets, span), rows.reshape(-1, _ROW))
+        self._rows.index_copy_(0, self._row_index(offsets, span), rows.contiguous().view(torch.int64).view(-1, _ROW // _WORD))
 
     def read_blocks(self, offsets: Sequence[int], size: int, checksums: Sequence[int]) -> list[torch.Tensor | None]:
         """Copies of `size`-byte blocks (each a [size] view of one batch) whose slots match their checksums;
@@ -128,7 +137,8 @@ class TensorSegment:
         size = sum(sizes[0])
         if any(sum(s) != size for s in sizes):
             raise ValueError("blocks written together must be of one size")
-        rows = torch.zeros(len(blocks), padded(size), dtype=torch.uint8, device=self.device)
+        rows = torch.empty(len(blocks), padded(size), dtype=torch.uint8, device=self.device)
+        rows[:, size:].zero_()  # the last row's rest: the checksum covers it
         if all(s == sizes[0] for s in sizes):
             at = 0
             for j, n in enumerate(sizes[0]):
@@ -176,6 +186,11 @@ def as_uint8(part: torch.Tensor | Buffer) -> torch.Tensor:
     with contextlib.suppress(TypeError):
         part = memoryview(part).cast("B")
     return torch.frombuffer(bytearray(part) if memoryview(part).readonly else part, dtype=torch.uint8)
+
+
+def host_tensor(payload: Buffer) -> torch.Tensor:
+    """A flat uint8 tensor holding a copy of `payload`."""
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 def _nbytes(part: torch.Tensor | Buffer) -> int:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from kvstore import KVStoreClient, Payload
 from protos.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from kvstore import Device, Tensor
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class StoreSession:
             self._fail("put", exc)
             return 0
 
-    def tensor_device(self) -> torch.device | None:
+    def tensor_device(self) -> Device | None:
         if self.failed:
             return None
         try:
@@ -96,7 +99,7 @@ class StoreSession:
             self._fail("get", exc)
             return None
 
-    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+    def get_tensors(self, hashes: Sequence[BlockHash]) -> list[Tensor | None]:
         if self.failed or not hashes:
             return [None] * len(hashes)
         try:
@@ -105,7 +108,7 @@ class StoreSession:
             self._fail("get", exc)
             return [None] * len(hashes)
 
-    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[torch.Tensor | bytes]]],
+    def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[Tensor | bytes]]],
                     ephemeral: bool = False) -> int:
         items = list(blocks)
         if self.failed or not items:

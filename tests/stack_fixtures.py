@@ -24,6 +24,7 @@ from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
 from kvstore import KVStoreClient
 from kvstore.client import scatter
+from kvstore.device_tier import as_uint8
 from tests.engine_fixtures import assert_greedy_matches
 
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -152,6 +153,16 @@ class FakeStore:
     def get_into(self, hashes: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
         return [len(p) if p is not None and scatter(p, parts) else None
                 for p, parts in zip(self.get(hashes), buffers, strict=True)]
+
+    def tensor_device(self) -> None:
+        return None  # no device arena: a pool on a GPU moves its blocks as host bytes
+
+    def get_tensors(self, hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        return [None if p is None else torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in self.get(hashes)]
+
+    def put_tensors(self, blocks: Iterable[tuple[bytes, Sequence[torch.Tensor | bytes]]], ephemeral: bool = False) -> int:
+        return self.put([(key, b"".join(as_uint8(p).cpu().numpy().tobytes() for p in parts)) for key, parts in blocks],
+                        ephemeral)
 
     def release(self, lease_id: str) -> None:
         self._call("release")

@@ -199,3 +199,15 @@ def test_store_reports_every_path_against_memcpy(tmp_path: Path) -> None:
     for row in r["rows"]:
         assert row["vs_memcpy"] == pytest.approx(row["gbps"] / r["measured"]["memcpy_gbps"])
     assert r["goals"] and all(set(g) >= {"value", "goal", "met"} for g in r["goals"].values())
+
+
+@pytest.mark.slow
+def test_store_device_arena_reports_put_and_hand_off_against_a_device_copy(tmp_path: Path) -> None:
+    """`--device cpu`: the CUDA bench's code on a CPU arena (its figures mean nothing for a GPU)."""
+    r = run_bench(bench_store.main, ["--device", "cpu", "--total", "4MiB", "--repeat", "1", "--batch", "4"], tmp_path)
+    assert_has_columns(r["rows"], bench_store.DEVICE_COLUMNS)
+    assert [row["path"] for row in r["rows"]] == ["copy", "index_copy", "put", "get"]
+    assert r["measured"]["blocks"] == 5 and r["measured"]["checksum_failures"] == 0
+    for row in r["rows"]:
+        assert row["vs_copy"] == pytest.approx(row["gbps"] / r["measured"]["gbps"]["copy"])
+    assert set(r["goals"]["handoff"]) >= {"value", "goal", "met"}

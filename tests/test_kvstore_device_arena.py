@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import KVStoreClient
+from kvstore import KVStoreClient, device_tier
 from kvstore.block_format import checksum
 from kvstore.device_tier import DeviceArenaTier, TensorSegment, padded, wsum64
 from kvstore.types import Tier
@@ -48,6 +48,13 @@ def test_wsum64_is_the_weighted_word_sum_and_sees_any_one_word_changed() -> None
     swapped = rows.clone()
     swapped[0, :8], swapped[0, 8:16] = rows[0, 8:16], rows[0, :8]
     assert wsum64(swapped)[0] != sums[0]  # words are weighted by place: moving one is a change
+
+
+def test_wsum64_in_chunks_is_the_same_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = torch.frombuffer(bytearray(os.urandom(5 * 256)), dtype=torch.uint8).view(5, 256)
+    whole = wsum64(rows)
+    monkeypatch.setattr(device_tier, "_CHUNK_BYTES", 512)  # two rows a chunk
+    assert wsum64(rows) == whole
 
 
 def test_batches_of_slots_scatter_and_gather_whole_rows() -> None:

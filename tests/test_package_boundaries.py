@@ -47,7 +47,7 @@ FORBIDDEN_THIRD_PARTY = {
     "router": {"torch", "transformers"},
     "client": {"torch", "transformers"},
 }
-TORCH_IN_KVSTORE = {"device_tier.py"}  # torch (or cupy) only in the device tier
+TORCH_IN_KVSTORE = {"device_tier.py", "device_bench.py"}  # torch (or cupy) only in the device tier and its bench
 
 
 def _is_module(name: str) -> bool:
