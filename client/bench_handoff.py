@@ -60,6 +60,7 @@ from client.bench_stack import (
     histogram_means,
     open_target,
     scrape,
+    store_device_flags,
 )
 from client.bench_streams import timed_stream
 from client.bench_subprocess import ttft_baselines
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   untimed=1, device=args.device, dtype=args.dtype)
         base = baseline["turns"][0]
         progress.step(label="handoff: starting the stack")
-        with open_target(args, "handoff", device_flags(args)) as target, tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, \
+        with open_target(args, "handoff", device_flags(args), store_device_flags(args)) as target, tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, \
                 Client(target.addr, timeout_s=600) as client:
             progress.step(label="handoff: starting the writer prefill")
             with writer_prefill(target, args.log_dir or Path(tmp), device_flags(args)) as writer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import socket
 import subprocess
 import sys
@@ -42,6 +43,9 @@ def add_device_flags(ap: argparse.ArgumentParser) -> None:
                          "(default %(default)s)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="their model's dtype; auto: the one its config names (default %(default)s)")
+    ap.add_argument("--store-device-capacity", default="8GiB",
+                    help="with a CUDA --device: the store's device arena on that GPU, where prefill leaves blocks "
+                         "and decode takes them device to device (default %(default)s; 0: none)")
 
 
 def device_flags(args: argparse.Namespace) -> list[str]:
@@ -49,20 +53,27 @@ def device_flags(args: argparse.Namespace) -> list[str]:
     return ["--device", args.device, "--dtype", args.dtype]
 
 
+def store_device_flags(args: argparse.Namespace) -> list[str]:
+    """The store's flags for `add_device_flags`' settings: a device arena on the services' GPU."""
+    if not args.device.startswith("cuda") or re.fullmatch(r"0+\s*[A-Za-z]*", args.store_device_capacity.strip()):
+        return []
+    return ["--device", "cuda", "--device-capacity", args.store_device_capacity]
+
+
 @contextlib.contextmanager
 def local_stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill_args: Sequence[str] = (),
                 decode_args: Sequence[str] = (), metrics_ports: Mapping[str, int] | None = None,
-                engine_args: Sequence[str] = ()) -> Iterator[Stack]:
+                engine_args: Sequence[str] = (), store_args: Sequence[str] = ()) -> Iterator[Stack]:
     """A stack whose data lives in tmp/name and whose logs go to log_dir/name (default tmp/name/logs);
     `metrics_ports` maps kvstore, prefill and decode to the port of their Prometheus page; `engine_args`
-    go to prefill and decode both (before their own)."""
+    go to prefill and decode both (before their own), `store_args` to the store."""
     ports = metrics_ports or {}
 
     def flags(service: str) -> list[str]:
         return ["--metrics-port", str(ports[service])] if service in ports else []
 
     config = StackConfig(model_dir=model, data_dir=tmp / name, decode_port=0, prefill_port=0, store_port=0,
-                         extra_store_args=flags("kvstore"),
+                         extra_store_args=[*flags("kvstore"), *store_args],
                          extra_prefill_args=[*flags("prefill"), *engine_args, *prefill_args],
                          extra_decode_args=[*flags("decode"), *engine_args, *decode_args])
     with Stack(config, log_dir=log_dir / name if log_dir else tmp / name / "logs") as s:
@@ -94,16 +105,18 @@ def add_target_flags(ap: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] = ()) -> Iterator[Target]:
-    """args.addr as it is, or a local stack with its metrics pages (`engine_args` to prefill and decode),
-    stopped on exit."""
+def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] = (),
+                store_args: Sequence[str] = ()) -> Iterator[Target]:
+    """args.addr as it is, or a local stack with its metrics pages (`engine_args` to prefill and decode,
+    `store_args` to the store), stopped on exit."""
     if args.addr:
         yield Target(args.addr, args.kvstore, tuple(args.metrics), args.model)
         return
     ensure_model(args.model)
     ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
     with tempfile.TemporaryDirectory(prefix=f"kvserve-bench-{name}-") as tmp, \
-            local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports, engine_args=engine_args) as s:
+            local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports, engine_args=engine_args,
+                        store_args=store_args) as s:
         yield Target(s.addr, s.service("kvstore").addr,
                      tuple(f"http://127.0.0.1:{p}/metrics" for p in ports.values()), args.model,
                      s.config.block_size)

@@ -61,7 +61,14 @@ from client.bench_report import (
     save_plot,
     write_json,
 )
-from client.bench_stack import DEFAULT_MODEL_DIR, add_device_flags, device_flags, ensure_model, local_stack
+from client.bench_stack import (
+    DEFAULT_MODEL_DIR,
+    add_device_flags,
+    device_flags,
+    ensure_model,
+    local_stack,
+    store_device_flags,
+)
 from client.bench_streams import Streams, StreamTrace, stream_into
 from client.bench_subprocess import run_module
 from client.client import Client, build_request
@@ -260,7 +267,8 @@ def run(args: argparse.Namespace, levels: list[int], progress: Progress) -> dict
                               "settings": {k: getattr(args, k) for k in SETTINGS} | {"model": str(args.model)}}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-decode-") as tmp_name:
         tmp = Path(tmp_name)
-        with local_stack(args.model, tmp, "throughput", args.log_dir, engine_args=device_flags(args)) as s, \
+        with local_stack(args.model, tmp, "throughput", args.log_dir, engine_args=device_flags(args),
+                         store_args=store_device_flags(args)) as s, \
                 Client(s.addr, timeout_s=600) as client:
             progress.step(label="decode: throughput")
             report["throughput"] = throughput_report(

@@ -272,9 +272,12 @@ class OpenedSegment(TensorSegment):
                 raise OSError(f"the store's GPU {greeting.get('device')} is not visible to this process")
             import cupy
 
-            with cupy.cuda.Device(index):
-                self._ptr = cupy.cuda.runtime.ipcOpenMemHandle(
-                    bytes.fromhex(str(greeting["handle"])), cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            try:
+                with cupy.cuda.Device(index):
+                    self._ptr = cupy.cuda.runtime.ipcOpenMemHandle(
+                        bytes.fromhex(str(greeting["handle"])), cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            except (cupy.cuda.runtime.CUDARuntimeError, ValueError, KeyError) as exc:  # e.g. the store's own process
+                raise OSError(f"cannot open the store's device arena by CUDA IPC: {exc}") from exc
             self._index = index
             tensor = _cuda_tensor(self._ptr, size, index, self)
         else:
