@@ -9,7 +9,9 @@ RUN useradd --uid 10001 --create-home kvserve && mkdir -p /models /data /certs \
     && chown kvserve:kvserve /models /data /certs
 WORKDIR /app
 COPY . .
-RUN pip install --no-cache-dir .
+# EXTRAS=gpu (docker-compose.gpu.yml): cupy, for the store's device arena and CUDA IPC.
+ARG EXTRAS=""
+RUN pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"
 USER 10001
 # The models come from a volume: compose's model-init service and the Kubernetes pods' init container
 # build the tiny test model there (`kvserve model init`), or mount your own model folder.
