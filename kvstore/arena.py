@@ -53,6 +53,18 @@ class Shared(Protocol):
         """What a client needs to open the buffer: the greeting's fields, and the fds it carries."""
 
 
+def scatter(payload: Buffer, parts: Sequence[memoryview]) -> bool:
+    """Copies `payload` into the buffers `parts`, one after another; False (nothing copied) if they are
+    too small."""
+    if len(payload) > sum(len(b) for b in parts):
+        return False
+    view = memoryview(payload)
+    for buf in parts:
+        n = min(len(buf), len(view))
+        buf[:n], view = view[:n], view[n:]
+    return True
+
+
 class Arena:
     """One sealed shared-memory segment of `capacity` bytes rounded up to pages (the store's side)."""
 

@@ -23,7 +23,7 @@ import grpc
 from kvstore.arena import GET as LOCAL_GET
 from kvstore.arena import PUT as LOCAL_PUT
 from kvstore.arena import RESERVE as LOCAL_RESERVE
-from kvstore.arena import ArenaMap, LocalCallError, host_id
+from kvstore.arena import ArenaMap, LocalCallError, host_id, scatter
 from kvstore.block_format import checksum
 from kvstore.types import Buffer, Latency, LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
@@ -37,18 +37,6 @@ if TYPE_CHECKING:
     from kvstore.device_tier import Device, OpenedSegment, Tensor
 
 _NO_LIMIT = 1 << 62
-
-
-def scatter(payload: Buffer, parts: Sequence[memoryview]) -> bool:
-    """Copies `payload` into the buffers `parts`, one after another; False (nothing copied) if they are
-    too small."""
-    if len(payload) > sum(len(b) for b in parts):
-        return False
-    view = memoryview(payload)
-    for buf in parts:
-        n = min(len(buf), len(view))
-        buf[:n], view = view[:n], view[n:]
-    return True
 
 
 class StoreInfo(NamedTuple):

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.arena import Arena, ArenaSocket
+from kvstore.arena import Arena, ArenaSocket, scatter
 from kvstore.slab import SLOT_ALIGN, slot_bytes
 from kvstore.tier import ArenaTier
 from kvstore.types import Buffer, Tier
@@ -209,8 +209,7 @@ class DeviceArena:
         self.memfd: Arena | None = None
         self._ptr = 0
         if self.device.type == "cuda":
-            import cupy  # the `gpu` extra
-
+            cupy = _cupy()
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
             self.size = -(-capacity // (4 << 20)) * (4 << 20)
@@ -223,7 +222,6 @@ class DeviceArena:
             self.memfd = Arena(capacity, name="kvserve-device-arena")
             self.size = self.memfd.size
             self.tensor = torch.frombuffer(self.memfd.view, dtype=torch.uint8)
-        self.fd = self.memfd.fd if self.memfd is not None else -1
 
     def export(self) -> tuple[dict[str, Any], list[int]]:
         """How a same-node client opens the buffer: the greeting's fields and the fds it carries."""
@@ -241,6 +239,15 @@ class DeviceArena:
             torch.cuda.synchronize(self.device)
             cupy.cuda.runtime.free(self._ptr)
             self._ptr = 0
+
+
+def _cupy() -> Any:
+    try:
+        import cupy  # the `gpu` extra
+    except ImportError as exc:
+        raise ValueError("a device arena on CUDA needs cupy: pip install 'kvserve[gpu]' (CUDA 12) or "
+                         "'kvserve[gpu-cuda13]'") from exc
+    return cupy
 
 
 def _cuda_tensor(ptr: int, size: int, device_index: int, owner: object = None) -> torch.Tensor:
@@ -270,7 +277,10 @@ class OpenedSegment(TensorSegment):
             index = _device_with_uuid(str(greeting.get("device", "")))
             if index is None:
                 raise OSError(f"the store's GPU {greeting.get('device')} is not visible to this process")
-            import cupy
+            try:
+                cupy = _cupy()
+            except ValueError as exc:
+                raise OSError(str(exc)) from exc
 
             try:
                 with cupy.cuda.Device(index):
@@ -293,13 +303,7 @@ class OpenedSegment(TensorSegment):
 
     def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
         payload = self.read(offset, size, checksum)
-        if payload is None or size > sum(len(b) for b in out):
-            return False
-        view = memoryview(payload)
-        for buf in out:
-            n = min(len(buf), len(view))
-            buf[:n], view = view[:n], view[n:]
-        return True
+        return payload is not None and scatter(payload, out)
 
     def write(self, offset: int, parts: Sequence[Buffer]) -> int:
         return self.write_blocks([offset], [parts])[0]
