@@ -13,6 +13,7 @@ removed from the store, so the block the engine computes in its place is stored 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -23,6 +24,8 @@ from engine.hashing import Namespace
 from engine.kv_codec import HEADER_BYTES, BlockError, check_header, encode_header, encode_parts, verify_block
 from engine.kv_pool import KVPool
 from protos.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
 
 Payload = bytes | tuple[bytes, memoryview]  # a block, or its header and a view of its tensor
 
@@ -50,6 +53,9 @@ class ScatterStore(BlockStore, Protocol):
     (the KV store's client): a block then lands in its pool slot in one copy and one hash pass."""
 
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]: ...
+
+
+_MOVE_BYTES = 64 << 20  # blocks move between a GPU pool and the store this many bytes a call (scratch on the device)
 
 
 @runtime_checkable
@@ -186,10 +192,34 @@ def _load_tensors(
     store: TensorStore, keys: list[BlockHash], namespace: Namespace, pool: KVPool, blocks: Sequence[int],
     tail: tuple[BlockHash, int] | None,
 ) -> Loaded:
-    # Every block's header to the host in one copy; full blocks' bodies into their pool slots in one
-    # index_copy (after one host-to-device copy for blocks that came as bytes); the tail by itself.
-    _, layers, _, _, heads, dim = pool.kv.shape
+    # A bounded number of bytes at a time (the scratch on the device: the copies out of the store, and
+    # the bodies stacked for the pool), up to the first miss or bad block. A device copy that fails (out
+    # of memory) ends the run there: the engine computes the rest.
     wanted = keys + [tail[0]] if tail is not None else keys
+    per_call = max(1, _MOVE_BYTES // (pool.kv[0].numel() * pool.kv.element_size()))
+    counts: list[int] = []  # tokens of each block landed in the pool, in order
+    error: BlockError | None = None
+    try:
+        for start in range(0, len(wanted), per_call):
+            landed, error = _load_run(store, wanted[start : start + per_call], start, len(keys), namespace, pool,
+                                      blocks, tail)
+            counts += landed
+            if error is not None or len(landed) < len(wanted[start : start + per_call]):
+                break
+    except RuntimeError:
+        log.warning("moving KV blocks from the store into the pool failed: computing them instead", exc_info=True)
+    return _checked(store, wanted, pool, blocks, counts, error)
+
+
+def _load_run(
+    store: TensorStore, wanted: list[BlockHash], first: int, num_full: int, namespace: Namespace, pool: KVPool,
+    blocks: Sequence[int], tail: tuple[BlockHash, int] | None,
+) -> tuple[list[int], BlockError | None]:
+    """Blocks ``wanted`` (indexes ``first``... of the request: full blocks below ``num_full``, then the tail)
+    into their pool blocks: the tokens of each that landed, and the error that stopped the run, if any.
+    Every header goes to the host in one copy; full blocks' bodies into their pool slots in one
+    index_copy (after one host-to-device copy for blocks that came as bytes); the tail by itself."""
+    _, layers, _, _, heads, dim = pool.kv.shape
     found: list[torch.Tensor] = []  # the leading run of hits
     for t in store.get_tensors(wanted):
         if t is None:
@@ -201,9 +231,9 @@ def _load_tensors(
         error = BlockError("format", f"block {wanted[short].hex()[:16]} is shorter than a {HEADER_BYTES}-byte header")
         found = found[:short]
     headers = _stack([t[:HEADER_BYTES] for t in found], torch.device("cpu")).numpy()
-    counts: list[int] = []  # tokens of each block that checks out, in order
+    counts: list[int] = []
     for i, (header, t) in enumerate(zip(headers, found, strict=True)):
-        num_tokens = pool.block_size if i < len(keys) else tail[1]  # type: ignore[index]
+        num_tokens = pool.block_size if first + i < num_full else tail[1]  # type: ignore[index]
         try:
             check_header(header, t.numel() - HEADER_BYTES, namespace, num_layers=layers, num_kv_heads=heads,
                          head_dim=dim, dtype=pool.kv.dtype, num_tokens=num_tokens)
@@ -211,15 +241,16 @@ def _load_tensors(
             error = exc
             break
         counts.append(num_tokens)
-    full = min(len(counts), len(keys))
-    if full:
+    full = min(len(counts), num_full - first)
+    if full > 0:
         slots = pool.kv.view(pool.num_blocks, -1).view(torch.uint8).view(torch.int64)  # 8-byte words move faster
-        index = torch.tensor(list(blocks[:full]), dtype=torch.long).to(pool.kv.device, non_blocking=True)
+        index = torch.tensor(list(blocks[first : first + full]), dtype=torch.long).to(pool.kv.device, non_blocking=True)
         bodies = _stack([t[HEADER_BYTES:] for t in found[:full]], pool.kv.device)
         slots.index_copy_(0, index, bodies.view(torch.int64))
-    if len(counts) > full:
-        pool.write(blocks[full], found[full][HEADER_BYTES:].to(pool.kv.device), counts[full])
-    return _checked(store, wanted, pool, blocks, counts, error)
+    if len(counts) > max(full, 0):
+        pool.write(blocks[first + len(counts) - 1], found[len(counts) - 1][HEADER_BYTES:].to(pool.kv.device),
+                   counts[-1])
+    return counts, error
 
 
 def _stack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -263,8 +294,11 @@ def _save_tensors(
     # a device arena they never leave the device; anywhere else the store's client copies them to the host.
     bs = namespace.block_size
     num_full = num_tokens // bs
-    stored = store.put_tensors([(key, (encode_header(kv[i], namespace), kv[i])) for i, key in enumerate(keys[:num_full])],
-                               ephemeral=ephemeral)
+    per_call = max(1, _MOVE_BYTES // (kv[0].numel() * kv[0].element_size())) if num_full else 1
+    stored = 0
+    for start in range(0, num_full, per_call):
+        stored += store.put_tensors([(keys[i], (encode_header(kv[i], namespace), kv[i]))
+                                     for i in range(start, min(start + per_call, num_full))], ephemeral=ephemeral)
     if tail_key is not None and num_tokens % bs:
         part = kv[num_full][:, :, : num_tokens % bs].contiguous()
         stored += store.put_tensors([(tail_key, (encode_header(part, namespace), part))], ephemeral=True)

@@ -11,6 +11,7 @@ from kvstore.types import LookupResult, Payload, RemoteStats, StoreStats, Tier, 
 from protos.block_hash import BlockHash
 
 if TYPE_CHECKING:  # the types of get_tensors and put_tensors, for annotations (importing torch only then)
-    from kvstore.device_tier import Device, Tensor
+    from kvstore.device_tier import Device as Device
+    from kvstore.device_tier import Tensor as Tensor
 
-__all__ = ["BlockEvent", "BlockHash", "Device", "KVStoreClient", "LookupResult", "Payload", "RemoteStats", "StoreInfo", "StoreStats", "Tensor", "Tier", "TierStats"]
+__all__ = ["BlockEvent", "BlockHash", "KVStoreClient", "LookupResult", "Payload", "RemoteStats", "StoreInfo", "StoreStats", "Tier", "TierStats"]

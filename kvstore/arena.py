@@ -232,6 +232,7 @@ class ArenaMap:
             for fd in fds:
                 os.close(fd)
         self.size = self.segment.size
+        self._closing = threading.Lock()  # taken by the first close, never given back
 
     def call(self, method: int, body: bytes, timeout_s: float) -> bytes:
         """One call on the same-host channel; LocalCallError if the store refused it, OSError if the
@@ -263,8 +264,9 @@ class ArenaMap:
         return self.segment.write(offset, parts)
 
     def close(self) -> None:
-        self._sock.close()
-        self.segment.close()
+        if self._closing.acquire(blocking=False):  # once: a device segment counts the clients that hold it
+            self._sock.close()
+            self.segment.close()
 
 
 class Segment(Protocol):
@@ -283,9 +285,9 @@ def open_segment(fields: dict[str, Any], fds: list[int]) -> Segment:
         if len(fds) != 1:
             raise OSError("a shared-memory arena comes with one file descriptor")
         return HostSegment(fds[0])
-    from kvstore.device_tier import OpenedSegment  # torch only for a device arena
+    from kvstore.device_tier import open_device_segment  # torch only for a device arena
 
-    return OpenedSegment(fields, fds)
+    return open_device_segment(fields, fds)
 
 
 class HostSegment:

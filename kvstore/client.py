@@ -170,8 +170,8 @@ class KVStoreClient:
     def tensor_device(self) -> Device | None:
         """The device of the store's device arena when this client has opened it (same node), else None:
         then `get_tensors` and `put_tensors` move blocks device to device."""
-        segment = self._device_segment()
-        return None if segment is None else segment.device
+        opened = self._device_arena()
+        return None if opened is None else opened[1].device
 
     def get_tensors(self, hashes: Sequence[BlockHash]) -> list[Tensor | None]:
         """Verified payloads as flat uint8 tensors, in request order; None for a miss or a corrupt block.
@@ -181,23 +181,23 @@ class KVStoreClient:
 
         keys = list(hashes)
         out: list[Tensor | None] = [None] * len(keys)
-        segment = self._device_segment()
+        opened = self._device_arena()
+        if opened is None:
+            return [None if p is None else host_tensor(p) for p in self.get(keys)]
+        arena, segment = opened
         todo = list(range(len(keys)))
-        if segment is not None and keys:
-            arena = self._arena
-            assert arena is not None
-            try:
-                slots = self._locate(arena, keys)
-                found = [i for i, s in enumerate(slots) if s.HasField("shm_offset")]
-                got = segment.read_many([slots[i].shm_offset for i in found], [slots[i].total_size for i in found],
-                                        [slots[i].checksum for i in found])
-                for i, tensor in zip(found, got, strict=True):
-                    out[i] = tensor
-                todo = [i for i, t in enumerate(out) if t is None]
-            except LocalCallError:
-                pass
-            except OSError:
-                self._drop_arena(arena)
+        try:
+            slots = self._locate(arena, keys)
+            found = [i for i, s in enumerate(slots) if s.HasField("shm_offset")]
+            got = segment.read_many([slots[i].shm_offset for i in found], [slots[i].total_size for i in found],
+                                    [slots[i].checksum for i in found])
+            for i, tensor in zip(found, got, strict=True):
+                out[i] = tensor
+            todo = [i for i, t in enumerate(out) if t is None]
+        except LocalCallError:
+            pass
+        except (OSError, RuntimeError):  # the channel broke, the arena closed, a device copy failed
+            self._drop_arena(arena)
 
         def take(i: int, payload: Buffer) -> None:
             out[i] = host_tensor(payload)
@@ -212,14 +212,14 @@ class KVStoreClient:
         returns how many were new. Into the store's device arena they are copied on the device, a batch
         per size; anywhere else they go as `put`'s bytes (tensors copied to the host first)."""
         items = [(key, tuple(parts)) for key, parts in blocks]
-        arena = self._arena if self._device_segment() is not None else None
-        if arena is not None and items:
+        opened = self._device_arena()
+        if opened is not None and items:
             try:
-                return self._put_arena(arena, items, ephemeral)  # type: ignore[arg-type]
+                return self._put_arena(opened[0], items, ephemeral)  # type: ignore[arg-type]
             except LocalCallError:
                 pass
-            except OSError:
-                self._drop_arena(arena)
+            except (OSError, RuntimeError):  # dropping the channel ends its reservations in the store
+                self._drop_arena(opened[0])
         return self.put([(key, tuple(_host_bytes(p) for p in parts)) for key, parts in items], ephemeral)
 
     def release(self, lease_id: str) -> None:
@@ -291,10 +291,12 @@ class KVStoreClient:
             self._arena_checked = True
             return self._arena
 
-    def _device_segment(self) -> OpenedSegment | None:
+    def _device_arena(self) -> tuple[ArenaMap, OpenedSegment] | None:
+        """The store's arena and its segment when it is a device arena this client opened."""
         arena = self._shm()
-        segment = None if arena is None else arena.segment
-        return segment if hasattr(segment, "read_many") else None  # type: ignore[return-value]
+        if arena is None or not hasattr(arena.segment, "read_many"):
+            return None
+        return arena, arena.segment  # type: ignore[return-value]
 
     def _locate(self, arena: ArenaMap, keys: list[BlockHash]) -> list[pb.BlockChunk]:
         """Where the store's arena holds each block (a slot with shm_offset set), on its same-host channel."""

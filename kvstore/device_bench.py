@@ -73,6 +73,8 @@ def start_store(device: str, capacity: int) -> tuple[subprocess.Popen[str], str]
 
 def run(device_name: str, total: int, block: int, batch: int, repeat: int) -> dict[str, Any]:
     device = torch.device(device_name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as the arena's tensors say it
     count = max(1, total // block)
     nbytes = count * block
     pool = torch.randint(0, 256, (2 * count, block), dtype=torch.uint8, device=device)  # a KV pool's slots

@@ -17,8 +17,9 @@ The only module of kvstore that imports torch (and cupy, on CUDA).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from kvstore.slab import SLOT_ALIGN, slot_bytes
 from kvstore.tier import ArenaTier
 from kvstore.types import Buffer, Tier
 from protos.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor  # for the annotations of modules that import no torch (the client, the services' session)
 Device = torch.device
@@ -213,9 +216,15 @@ class DeviceArena:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
             self.size = -(-capacity // (4 << 20)) * (4 << 20)
+            self._index = index
             with cupy.cuda.Device(index):
                 self._ptr = cupy.cuda.runtime.malloc(self.size)
-                self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._ptr))
+                try:
+                    self.handle: bytes | None = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._ptr))
+                except cupy.cuda.runtime.CUDARuntimeError as exc:
+                    log.warning("the device arena cannot be shared by CUDA IPC (%s): same-node clients will send "
+                                "and receive its blocks as bytes", exc)
+                    self.handle = None
             self.tensor = _cuda_tensor(self._ptr, self.size, index)
             self.uuid = str(torch.cuda.get_device_properties(index).uuid)
         else:
@@ -227,6 +236,8 @@ class DeviceArena:
         """How a same-node client opens the buffer: the greeting's fields and the fds it carries."""
         if self.memfd is not None:
             return {"kind": "cpu-tensor", "size": self.size}, [self.memfd.fd]
+        if self.handle is None:
+            return {"kind": "cuda-unshared", "size": self.size}, []
         return {"kind": "cuda-ipc", "size": self.size, "handle": self.handle.hex(), "device": self.uuid}, []
 
     def close(self) -> None:
@@ -236,8 +247,10 @@ class DeviceArena:
         elif self._ptr:
             import cupy
 
+            del self.tensor
             torch.cuda.synchronize(self.device)
-            cupy.cuda.runtime.free(self._ptr)
+            with cupy.cuda.Device(self._index):
+                cupy.cuda.runtime.free(self._ptr)
             self._ptr = 0
 
 
@@ -260,11 +273,19 @@ def _cuda_tensor(ptr: int, size: int, device_index: int, owner: object = None) -
 
 class OpenedSegment(TensorSegment):
     """A client's opening of a store's device arena (from the socket's greeting): batches of blocks as
-    tensors (`read_blocks`, `write_blocks`), and the host arena's calls on bytes, one block at a time."""
+    tensors (`read_many`, `write_many`), and the host arena's calls on bytes, one block at a time.
+
+    CUDA opens an IPC handle once per process: every client of the same arena in a process shares one
+    opening (`open_device_segment`), which is unmapped when the last of them closes it and no copy is
+    running; a call after that is an OSError (its client goes on with bytes)."""
 
     def __init__(self, greeting: dict[str, Any], fds: list[int]) -> None:
         self._map: Any = None
         self._ptr = 0
+        self._lock = threading.Lock()
+        self._holders = 1  # clients that opened it
+        self._users = 0  # copies running
+        self.closed = False
         kind, size = greeting.get("kind"), int(greeting.get("size", 0))
         if kind == "cpu-tensor":
             import mmap
@@ -274,31 +295,46 @@ class OpenedSegment(TensorSegment):
             self._map = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
             tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         elif kind == "cuda-ipc":
-            index = _device_with_uuid(str(greeting.get("device", "")))
-            if index is None:
-                raise OSError(f"the store's GPU {greeting.get('device')} is not visible to this process")
-            try:
-                cupy = _cupy()
-            except ValueError as exc:
-                raise OSError(str(exc)) from exc
-
-            try:
-                with cupy.cuda.Device(index):
-                    self._ptr = cupy.cuda.runtime.ipcOpenMemHandle(
-                        bytes.fromhex(str(greeting["handle"])), cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
-            except (cupy.cuda.runtime.CUDARuntimeError, ValueError, KeyError) as exc:  # e.g. the store's own process
-                raise OSError(f"cannot open the store's device arena by CUDA IPC: {exc}") from exc
-            self._index = index
-            tensor = _cuda_tensor(self._ptr, size, index, self)
+            tensor = self._open_ipc(greeting, size)
         else:
             raise OSError(f"an arena of kind {kind!r} is not one this client opens")
         super().__init__(tensor)
 
-    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
+    def _open_ipc(self, greeting: dict[str, Any], size: int) -> torch.Tensor:
+        index = _device_with_uuid(str(greeting.get("device", "")))
+        if index is None:
+            raise OSError(f"the store's GPU {greeting.get('device')} is not visible to this process")
         try:
-            got = self.read_blocks([offset], size, [checksum])[0]
-        except ValueError:  # not a slot of this arena
-            return None
+            cupy = _cupy()
+        except ValueError as exc:
+            raise OSError(str(exc)) from exc
+        self._index = index
+        try:
+            with cupy.cuda.Device(index):
+                self._ptr = cupy.cuda.runtime.ipcOpenMemHandle(
+                    bytes.fromhex(str(greeting["handle"])), cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            return _cuda_tensor(self._ptr, size, index, self)
+        except (cupy.cuda.runtime.CUDARuntimeError, ValueError, KeyError, RuntimeError) as exc:
+            self._unmap()
+            raise OSError(f"cannot open the store's device arena by CUDA IPC: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        with self._lock:
+            if self.closed:
+                raise OSError("the store's device arena was closed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                last = self.closed and not self._users
+            if last:
+                self._unmap()
+
+    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
+        got = self.read_many([offset], [size], [checksum])[0]
         return None if got is None else got.cpu().numpy().tobytes()
 
     def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
@@ -306,28 +342,56 @@ class OpenedSegment(TensorSegment):
         return payload is not None and scatter(payload, out)
 
     def write(self, offset: int, parts: Sequence[Buffer]) -> int:
-        return self.write_blocks([offset], [parts])[0]
+        return self.write_many([offset], [parts])[0]
 
     def read_many(self, offsets: Sequence[int], sizes: Sequence[int], checksums: Sequence[int]
                   ) -> list[torch.Tensor | None]:
-        """read_blocks for blocks of any sizes: one batch per size."""
+        """read_blocks for blocks of any sizes: one batch per size; None for a block whose slot changed or
+        lies outside the arena (the store answered garbage)."""
         by_size: dict[int, list[int]] = {}
         for i, size in enumerate(sizes):
             by_size.setdefault(size, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(offsets)
-        for size, batch in by_size.items():
-            try:
-                got = self.read_blocks([offsets[i] for i in batch], size, [checksums[i] for i in batch])
-            except ValueError:  # a slot outside the arena: the store answered garbage; bytes instead
-                continue
-            for i, tensor in zip(batch, got, strict=True):
-                out[i] = tensor
+        with self._in_use():
+            for size, batch in by_size.items():
+                try:
+                    got = self.read_blocks([offsets[i] for i in batch], size, [checksums[i] for i in batch])
+                except ValueError:
+                    continue
+                for i, tensor in zip(batch, got, strict=True):
+                    out[i] = tensor
         return out
 
+    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[torch.Tensor | Buffer]]) -> list[int]:
+        with self._in_use():
+            return super().write_many(offsets, blocks)
+
+    def hold(self) -> bool:
+        """One more client shares this opening; False once it is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._holders += 1
+            return True
+
     def close(self) -> None:
-        del self.tensor, self._rows
+        """One client lets go; the last one unmaps it (at once, or when the last copy ends)."""
+        with self._lock:
+            if self.closed:
+                return
+            self._holders -= 1
+            if self._holders:
+                return
+            self.closed = True
+            idle = not self._users
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        self.__dict__.pop("tensor", None)
+        self.__dict__.pop("_rows", None)
         if self._map is not None:
-            with contextlib.suppress(BufferError):  # another thread is copying: the mapping goes with it
+            with contextlib.suppress(BufferError):  # a tensor over it is still referenced: it goes with that
                 self._map.close()
         elif self._ptr:
             import cupy
@@ -336,6 +400,25 @@ class OpenedSegment(TensorSegment):
                 torch.cuda.synchronize(self._index)
                 cupy.cuda.runtime.ipcCloseMemHandle(self._ptr)
             self._ptr = 0
+
+
+_ipc_openings: dict[str, OpenedSegment] = {}  # a CUDA IPC handle (hex) -> its one opening in this process
+_ipc_lock = threading.Lock()
+
+
+def open_device_segment(greeting: dict[str, Any], fds: list[int]) -> OpenedSegment:
+    """The client's side of a device arena; one opening per CUDA IPC handle in a process, shared."""
+    if greeting.get("kind") != "cuda-ipc":
+        return OpenedSegment(greeting, fds)
+    handle = str(greeting.get("handle"))
+    with _ipc_lock:
+        opened = _ipc_openings.get(handle)
+        if opened is not None and opened.hold():
+            return opened
+        opened = _ipc_openings[handle] = OpenedSegment(greeting, fds)
+        for stale in [h for h, o in _ipc_openings.items() if o.closed]:
+            del _ipc_openings[stale]
+        return opened
 
 
 def _device_with_uuid(uuid: str) -> int | None:
@@ -372,10 +455,14 @@ class DeviceArenaTier(ArenaTier):
     def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
         """A block from host memory (a put over gRPC, a promotion): through pinned memory on the side stream."""
         offset = self._alloc(len(payload))
-        with self._staging_lock, self._on_side_stream():
-            staged = self._stage(len(payload))
-            staged.copy_(as_uint8(payload))
-            csum = self.segment.write_blocks([offset], [[staged.to(self.buffer.device, non_blocking=True)]])[0]
+        try:
+            with self._staging_lock, self._on_side_stream():
+                staged = self._stage(len(payload))
+                staged.copy_(as_uint8(payload))
+                csum = self.segment.write_blocks([offset], [[staged.to(self.buffer.device, non_blocking=True)]])[0]
+        except BaseException:
+            self.release(offset)
+            raise
         self._slots[key] = (offset, len(payload), csum)
 
     def copy_slot(self, offset: int, size: int, checksum: int) -> bytes | None:

@@ -249,14 +249,14 @@ class BlockStore:
             if reservation is None or reserved is None or not 0 < size <= reserved:
                 raise InvalidRequest(f"no reserved slot at {offset} for {size} bytes under reservation {reservation_id!r}")
             del reservation.slots[offset]
-        with self._lock:
-            csum = checksum_ or shm.slot_checksum(offset, size)
-        # The entry's checksum is the store's xxh3 of the payload: a device slot's is of another kind, so it
-        # stays unknown (0) until the block's bytes first leave the arena (`_known_checksum`).
-        write = self._reserved_writer(key, shm, offset, size, csum, ephemeral)
         try:
+            with self._lock:
+                csum = checksum_ or shm.slot_checksum(offset, size)
+            # The entry's checksum is the store's xxh3 of the payload: a device slot's is of another kind, so
+            # it stays unknown (0) until the block's bytes first leave the arena (`_known_checksum`).
+            write = self._reserved_writer(key, shm, offset, size, csum, ephemeral)
             return self._insert(key, size, csum if shm.xxh3_slots else 0, ephemeral, write, reserved=offset)
-        except (StoreFull, IntegrityError, InvalidRequest):  # raised before anything took the slot
+        except BaseException:  # raised before anything took the slot (a device copy too): it goes back
             with self._lock:
                 shm.release(offset)
             raise
@@ -380,7 +380,10 @@ class BlockStore:
                 self._count_hit(level, remote=fetched)
             csum = self._known_checksum(entry, payload)
             if level > 0:
-                self._promote(key, entry, payload)
+                try:
+                    self._promote(key, entry, payload)
+                except Exception:  # optional work (a device tier out of memory): the block is read all the same
+                    log.warning("promoting block %s failed", key.hex()[:16], exc_info=True)
             return BlockRead(payload, None, entry.size, csum, slot.tier)
         with self._lock:
             self._count_miss()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import kv_transfer
 from engine.hashing import Namespace
 from engine.kv_codec import decode_block, encode_block
 from engine.kv_pool import KVPool
@@ -273,11 +274,14 @@ class TensorDictStore(DictStore):
         return self.put(parts, ephemeral)
 
 
-def test_a_tensor_store_round_trips_full_blocks_and_the_tail_without_payload_checksums() -> None:
+@pytest.mark.parametrize("blocks_a_call", [1, 2, 64])
+def test_a_tensor_store_round_trips_full_blocks_and_the_tail_without_payload_checksums(
+        blocks_a_call: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_transfer, "_MOVE_BYTES", blocks_a_call * LAYERS * 2 * BS * HEADS * DIM * 4)
     store, pool = TensorDictStore(), _pool()
     kv = pool.kv[[0, 1, 2]]
     assert save_blocks(store, KEYS, NS, kv, 10, tail_key=TAIL) == 3
-    assert store.puts == [(KEYS[:2], False), ([TAIL], True)]
+    assert [k for keys, _ in store.puts for k in keys] == [*KEYS[:2], TAIL] and store.puts[-1] == ([TAIL], True)
     assert all(block[44:52] == bytes(8) for block in store.blocks.values())  # the store's checksum covers them
     assert load_blocks(store, KEYS[:2], NS, pool, [6, 4, 5], (TAIL, 2)) == Loaded(10)
     assert torch.equal(_bits(pool.kv[[6, 4]]), _bits(kv[:2]))
@@ -334,3 +338,25 @@ def test_blocks_move_through_a_real_store_device_arena_bit_exactly(tmp_path: Pat
         device.segment.tensor[offset + size - 1] ^= 0xFF  # type: ignore[attr-defined]
         assert load_blocks(client, KEYS[:2], NS, pool, [4, 5, 6]) == Loaded(4)
         assert client.stats().checksum_failures == 1
+
+
+def test_a_device_copy_that_fails_ends_the_run_where_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory on the device while moving a prefix in: the blocks moved before count, the rest are
+    computed; nothing is removed from the store."""
+    monkeypatch.setattr(kv_transfer, "_MOVE_BYTES", LAYERS * 2 * BS * HEADS * DIM * 4)  # one block a call
+    store, pool = TensorDictStore(), _pool()
+    kv = pool.kv[[0, 1, 2]].clone()
+    save_blocks(store, KEYS, NS, kv, 12)
+    calls = 0
+    get_tensors = store.get_tensors
+
+    def failing(hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("CUDA out of memory")
+        return get_tensors(hashes)
+
+    store.get_tensors = failing  # type: ignore[method-assign]
+    assert load_blocks(store, KEYS, NS, pool, [4, 5, 6]) == Loaded(4)
+    assert torch.equal(_bits(pool.kv[4]), _bits(kv[0])) and store.removes == []

@@ -19,7 +19,7 @@ from kvstore import KVStoreClient, device_tier
 from kvstore.block_format import checksum
 from kvstore.device_tier import DeviceArenaTier, TensorSegment, padded, wsum64
 from kvstore.types import Tier
-from tests.kvstore_fixtures import key, make_store, payload, start_process
+from tests.kvstore_fixtures import key, make_store, payload, running_server, start_process
 
 MiB = 1024 * 1024
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -150,6 +150,23 @@ def test_a_client_of_a_restarted_store_opens_its_new_arena(tmp_path: Path) -> No
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def test_a_client_whose_arena_closed_under_it_goes_on_with_bytes(tmp_path: Path) -> None:
+    with running_server(tmp_path, device="cpu", device_capacity=32 * MiB) as server, \
+            KVStoreClient(server.address) as c:
+        c.put_tensors([(key(1), (torch.ones(256, dtype=torch.uint8),))])
+        arena = c._arena
+        assert arena is not None
+        arena.segment.close()
+        arena.segment.close()  # twice: once counts
+        (got,) = c.get_tensors([key(1)])
+        assert got is not None and bool((got == 1).all())  # by bytes over gRPC
+        assert c._arena is None and c.tensor_device() is not None  # dropped, then opened again
+        (got,) = c.get_tensors([key(1)])
+        assert got is not None and bool((got == 1).all())
+        arena.close()
+        arena.close()
 
 
 @pytest.mark.gpu
