@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   untimed=1, device=args.device, dtype=args.dtype)
         base = baseline["turns"][0]
         progress.step(label="handoff: starting the stack")
-        with open_target(args, "handoff", device_flags(args), store_device_flags(args)) as target, tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, \
-                Client(target.addr, timeout_s=600) as client:
+        with open_target(args, "handoff", device_flags(args), store_device_flags(args)) as target, \
+                tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, Client(target.addr, timeout_s=600) as client:
             progress.step(label="handoff: starting the writer prefill")
             with writer_prefill(target, args.log_dir or Path(tmp), device_flags(args)) as writer:
                 progress.step(label="handoff: measuring")

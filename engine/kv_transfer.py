@@ -242,12 +242,12 @@ def _load_run(
             break
         counts.append(num_tokens)
     full = min(len(counts), num_full - first)
-    if full > 0:
+    if full:
         slots = pool.kv.view(pool.num_blocks, -1).view(torch.uint8).view(torch.int64)  # 8-byte words move faster
         index = torch.tensor(list(blocks[first : first + full]), dtype=torch.long).to(pool.kv.device, non_blocking=True)
         bodies = _stack([t[HEADER_BYTES:] for t in found[:full]], pool.kv.device)
         slots.index_copy_(0, index, bodies.view(torch.int64))
-    if len(counts) > max(full, 0):
+    if len(counts) > full:  # the tail
         pool.write(blocks[first + len(counts) - 1], found[len(counts) - 1][HEADER_BYTES:].to(pool.kv.device),
                    counts[-1])
     return counts, error

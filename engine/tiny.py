@@ -27,11 +27,12 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from engine.model import DTYPES
+
 ARCHS = ("llama", "qwen2", "gpt2")
 DEFAULT_LAYERS = 8
 DEFAULT_HIDDEN = 512
 MAX_POSITIONS = 4096
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BENCH_MODEL_ARGS = (
     "--layers 24 --hidden 1536 --heads 12 --kv-heads 4 --intermediate 4096 --dtype bfloat16 --max-positions 16896"
 )  # a ~0.6B llama: 24 x 25.2M per layer, with the byte vocabulary's 0.8M in the embeddings

@@ -1,9 +1,9 @@
 """The store's arenas as same-host clients see them: a socket that hands out one buffer of fixed-size
 slots, and the client's opening of it.
 
-The host tier's arena is shared memory: the store creates the segment once (a memfd, pre-faulted, sealed against shrinking and growing)
-and hands its file descriptor to same-host clients over a Unix socket in its private shm dir
-(SCM_RIGHTS), then answers that client's same-host calls on the same connection. A client maps it
+The host tier's arena is shared memory: the store creates the segment once (a memfd, pre-faulted,
+sealed against shrinking and growing) and hands its file descriptor to same-host clients over a Unix
+socket in its private shm dir (SCM_RIGHTS), then answers that client's same-host calls on the same connection. A client maps it
 once and moves a block with one copy, into a slot it reserved (put) or out of the slot the store
 names (get). Nothing another process does to shared memory can
 kill a reader: the segment cannot be truncated (seals), so no access faults with SIGBUS, and a
@@ -102,9 +102,9 @@ class LocalCallError(OSError):
 
 
 class ArenaSocket:
-    """The same-host channel: hands the arena (its description and file descriptor, if any) to whoever
-    connects to `path` (same user only), then answers that connection's calls (Get, Reserve, Put) with `handler`: a round
-    trip of tens of microseconds where gRPC takes half a millisecond. Reservations made on a
+    """The same-host channel: hands the arena (its description, and its file descriptor if it has one) to
+    whoever connects to `path` (same user only), then answers that connection's calls (Get, Reserve,
+    Put) with `handler`: a round trip of tens of microseconds where gRPC takes half a millisecond. Reservations made on a
     connection end when it closes."""
 
     def __init__(self, arena: Shared, path: Path, handler: Handler | None = None, max_connections: int = 256) -> None:
@@ -207,8 +207,8 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 class ArenaMap:
-    """A client's opening of a store's arena: its same-host channel, and copies of blocks out of slots
-    and into them (`segment` does them; for a device arena, `segment.tensors` is its batched tensor side)."""
+    """A client's opening of a store's arena: its same-host channel, and the `segment` that copies blocks
+    out of slots and into them (a HostSegment, or a device arena's OpenedSegment)."""
 
     def __init__(self, socket_path: Path | str, timeout_s: float = 2.0) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -249,20 +249,6 @@ class ArenaMap:
             raise LocalCallError(name, payload.decode(errors="replace"))
         return payload
 
-    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
-        """A copy of the slot's `size` bytes if they match `checksum`, else None."""
-        return self.segment.read(offset, size, checksum)
-
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
-        """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header into one
-        and its tensor straight into a KV pool slot); True if they match `checksum`."""
-        return self.segment.read_into(offset, size, checksum, out)
-
-    def write(self, offset: int, parts: Sequence[Buffer]) -> int:
-        """Copies `parts` one after another into the slot at `offset`; returns the checksum (of the
-        arena's kind) of the whole."""
-        return self.segment.write(offset, parts)
-
     def close(self) -> None:
         if self._closing.acquire(blocking=False):  # once: a device segment counts the clients that hold it
             self._sock.close()
@@ -270,12 +256,20 @@ class ArenaMap:
 
 
 class Segment(Protocol):
+    """A client's copies into and out of an arena's slots, each checked with the arena's kind of checksum."""
+
     size: int
 
-    def read(self, offset: int, size: int, checksum: int) -> bytes | None: ...
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool: ...
-    def write(self, offset: int, parts: Sequence[Buffer]) -> int: ...
-    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[Buffer]]) -> list[int]: ...
+    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
+        """A copy of the slot's `size` bytes if they match `checksum`, else None."""
+
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+        """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header into one
+        and its tensor straight into a KV pool slot); True if they match `checksum`."""
+
+    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[Buffer]]) -> list[int]:
+        """Copies each block's parts one after another into the slot at its offset; their checksums."""
+
     def close(self) -> None: ...
 
 

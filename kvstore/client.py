@@ -138,7 +138,7 @@ class KVStoreClient:
             out[i] = bytes(payload)
 
         def take_shm(i: int, arena: ArenaMap, offset: int, size: int, csum: int) -> bool:
-            out[i] = arena.read(offset, size, csum)
+            out[i] = arena.segment.read(offset, size, csum)
             return out[i] is not None
 
         self._get(keys, take, take_shm)
@@ -160,7 +160,7 @@ class KVStoreClient:
                 sizes[i] = len(payload)
 
         def take_shm(i: int, arena: ArenaMap, offset: int, size: int, csum: int) -> bool:
-            ok = arena.read_into(offset, size, csum, parts[i])
+            ok = arena.segment.read_into(offset, size, csum, parts[i])
             sizes[i] = size if ok else None
             return ok
 
@@ -393,7 +393,6 @@ class KVStoreClient:
         assembler.finish()
         if retry:
             self._get_rpc(keys, retry, None, take, take_shm)
-
 
 
 def _nbytes(part: Any) -> int:

@@ -341,9 +341,6 @@ class OpenedSegment(TensorSegment):
         payload = self.read(offset, size, checksum)
         return payload is not None and scatter(payload, out)
 
-    def write(self, offset: int, parts: Sequence[Buffer]) -> int:
-        return self.write_many([offset], [parts])[0]
-
     def read_many(self, offsets: Sequence[int], sizes: Sequence[int], checksums: Sequence[int]
                   ) -> list[torch.Tensor | None]:
         """read_blocks for blocks of any sizes: one batch per size; None for a block whose slot changed or

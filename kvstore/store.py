@@ -137,6 +137,8 @@ class BlockStore:
         if max_lease_ttl_s <= 0 or (max_block_bytes is not None and max_block_bytes <= 0):
             raise ValueError("the longest lease and the largest block must be > 0")
         self.tiers = [TierSlot(storage, cap, EvictionPolicy()) for storage, cap in tiers]
+        # the arena same-host clients open: the device tier's, else the host tier's shared memory
+        self.shm_tier = next((s.storage for s in self.tiers if isinstance(s.storage, ArenaTier)), None)
         self.events = events or EventHub()
         self.checksum_failures = 0
         self.removed_blocks = 0  # removed at a reader's request (Remove)
@@ -169,11 +171,6 @@ class BlockStore:
         if self._max_block_bytes is None or largest <= self._max_block_bytes:
             return f"the largest tier ({largest} bytes)"
         return f"the store's --max-block-bytes ({self._max_block_bytes} bytes)"
-
-    @property
-    def shm_tier(self) -> ArenaTier | None:
-        """The arena same-host clients open (the device tier's, else the host tier's shared memory)."""
-        return next((s.storage for s in self.tiers if isinstance(s.storage, ArenaTier)), None)
 
     # -- public operations ---------------------------------------------------------------------
 
@@ -361,8 +358,9 @@ class BlockStore:
                     return None
                 level = entry.level
                 slot = self.tiers[level]
-                if via_shm and isinstance(slot.storage, ArenaTier) and slot.storage is self.shm_tier:
-                    found = slot.storage.slot(key)
+                shm = self.shm_tier
+                if via_shm and shm is not None and slot.storage is shm:
+                    found = shm.slot(key)
                     if found is not None:
                         self._count_hit(level, remote=fetched)
                         return BlockRead(None, found[0], entry.size, found[2], slot.tier)

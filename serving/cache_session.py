@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 STORE_ERRORS = (grpc.RpcError, OSError, ValueError)
 # and, moving tensors: RuntimeError from torch or CUDA (a device arena that could not be opened or copied)
 TENSOR_ERRORS = (*STORE_ERRORS, RuntimeError)
+T = TypeVar("T")
 
 
 class StoreSession:
@@ -62,72 +63,46 @@ class StoreSession:
             return 0, ""
         return result.num_hits, result.lease_id or ""
 
-    def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
-        if self.failed or not hashes:
-            return [None] * len(hashes)
+    def _call(self, op: str, call: Callable[[], T], default: T, errors: tuple[type[Exception], ...] = STORE_ERRORS
+              ) -> T:
+        """``call()``, or ``default`` once the store failed in this request (this call's failure included)."""
+        if self.failed:
+            return default
         try:
-            return self._client.get(hashes)
-        except STORE_ERRORS as exc:
-            self._fail("get", exc)
-            return [None] * len(hashes)
+            return call()
+        except errors as exc:
+            self._fail(op, exc)
+            return default
+
+    def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        misses: list[bytes | None] = [None] * len(hashes)
+        return self._call("get", lambda: self._client.get(hashes), misses) if hashes else misses
 
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
-        if self.failed or not hashes:
-            return [None] * len(hashes)
-        try:
-            return self._client.get_into(hashes, buffers)
-        except STORE_ERRORS as exc:
-            self._fail("get", exc)
-            return [None] * len(hashes)
+        misses: list[int | None] = [None] * len(hashes)
+        return self._call("get", lambda: self._client.get_into(hashes, buffers), misses) if hashes else misses
 
     def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
         items = list(blocks)
-        if self.failed or not items:
-            return 0
-        try:
-            return self._client.put(items, ephemeral=ephemeral)
-        except STORE_ERRORS as exc:
-            self._fail("put", exc)
-            return 0
+        return self._call("put", lambda: self._client.put(items, ephemeral=ephemeral), 0) if items else 0
 
     def tensor_device(self) -> Device | None:
-        if self.failed:
-            return None
-        try:
-            return self._client.tensor_device()
-        except TENSOR_ERRORS as exc:
-            self._fail("get", exc)
-            return None
+        return self._call("get", self._client.tensor_device, None, TENSOR_ERRORS)
 
     def get_tensors(self, hashes: Sequence[BlockHash]) -> list[Tensor | None]:
-        if self.failed or not hashes:
-            return [None] * len(hashes)
-        try:
-            return self._client.get_tensors(hashes)
-        except TENSOR_ERRORS as exc:
-            self._fail("get", exc)
-            return [None] * len(hashes)
+        misses: list[Tensor | None] = [None] * len(hashes)
+        return self._call("get", lambda: self._client.get_tensors(hashes), misses, TENSOR_ERRORS) if hashes else misses
 
     def put_tensors(self, blocks: Iterable[tuple[BlockHash, Sequence[Tensor | bytes]]],
                     ephemeral: bool = False) -> int:
         items = list(blocks)
-        if self.failed or not items:
+        if not items:
             return 0
-        try:
-            return self._client.put_tensors(items, ephemeral=ephemeral)
-        except TENSOR_ERRORS as exc:
-            self._fail("put", exc)
-            return 0
+        return self._call("put", lambda: self._client.put_tensors(items, ephemeral=ephemeral), 0, TENSOR_ERRORS)
 
     def remove(self, hashes: Sequence[BlockHash]) -> int:
         """Drops blocks the engine found bad, so that what it recomputes is stored in their place."""
-        if self.failed or not hashes:
-            return 0
-        try:
-            return self._client.remove(hashes)
-        except STORE_ERRORS as exc:
-            self._fail("remove", exc)
-            return 0
+        return self._call("remove", lambda: self._client.remove(hashes), 0) if hashes else 0
 
     def release(self, lease_id: str) -> None:
         if self.failed or not lease_id:
