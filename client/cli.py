@@ -20,8 +20,8 @@ import grpc
 
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
 from client.health import positive_float
-from client.stack import Stack, StackConfig, StackError, health_credentials, tls_flags
-from client.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
+from stack.stack import Stack, StackConfig, StackError, health_credentials, tls_flags
+from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
@@ -29,19 +29,19 @@ DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
 # Commands whose arguments belong to another package's own parser.
 FORWARDED = {
     ("model", "init"): "engine.tiny",
-    ("bench", "hash"): "engine.bench",
-    ("bench", "prefill"): "engine.prefill_bench",
-    ("bench", "multi-turn"): "client.bench_multi_turn",
-    ("bench", "e2e"): "client.bench_multi_turn",  # the old name of multi-turn
-    ("bench", "shared-prefix"): "client.bench_shared_prefix",
-    ("bench", "decode"): "client.decode_bench",
-    ("bench", "handoff"): "client.bench_handoff",
-    ("bench", "store"): "client.bench_store",
+    ("bench", "hash"): "bench.hashing",
+    ("bench", "prefill"): "bench.prefill",
+    ("bench", "multi-turn"): "bench.multi_turn",
+    ("bench", "e2e"): "bench.multi_turn",  # the old name of multi-turn
+    ("bench", "shared-prefix"): "bench.shared_prefix",
+    ("bench", "decode"): "bench.decode",
+    ("bench", "handoff"): "bench.handoff",
+    ("bench", "store"): "bench.store",
     ("kvstore",): "kvstore.__main__",
     ("prefill",): "prefill_service.__main__",
     ("decode",): "decode_service.__main__",
-    ("certs",): "serving.tls",
-    ("token",): "serving.auth",
+    ("certs",): "rpc.tls",
+    ("token",): "rpc.auth",
     ("router",): "router.__main__",
     ("health",): "client.health",
 }
@@ -229,7 +229,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               "door)", file=sys.stderr)
     if args.tls:
         config.tls_dir = args.data_dir / "certs"
-        certs = importlib.import_module("serving.certs")
+        certs = importlib.import_module("rpc.certs")
         host = args.host.strip("[]")
         try:
             certs.make_certs(config.tls_dir, hosts=[] if host in ("", "0.0.0.0", "::") else [host],
@@ -250,7 +250,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvserve up: {exc} while starting; stopped", file=sys.stderr)
         return 128 + exc.signum
     # A plain flag, not an Event: a handler that took a lock could wait forever on the main thread it
-    # interrupted, should that thread hold the lock (serving.server.run_until_signal says more).
+    # interrupted, should that thread hold the lock (rpc.server.run_until_signal says more).
     stop_signal = 0
 
     def stop(signum: int, _frame: Any) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client.client import Client
-from client.stack import Stack, StackConfig
+from stack.stack import Stack, StackConfig
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a company that runs a fleet of inference servers. "

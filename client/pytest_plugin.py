@@ -31,8 +31,8 @@ import pytest
 
 if TYPE_CHECKING:
     from client.client import Client
-    from client.stack import Stack
     from kvstore import KVStoreClient
+    from stack.stack import Stack
 
 MODEL_ENV = "KVSERVE_TEST_MODEL"
 SERVICES = ("kvstore", "prefill", "decode")
@@ -75,7 +75,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServeStack]:
     """The KV store, prefill and decode services as processes on free loopback ports."""
-    from client.stack import Stack, StackConfig  # grpc: only once a test asks for a stack
+    from stack.stack import Stack, StackConfig  # grpc: only once a test asks for a stack
 
     root = tmp_path_factory.mktemp("kvserve")
     model_dir = _configured_model(request.config) or _build_tiny_model(root / "model")

@@ -18,8 +18,8 @@ from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillReplicas
 from protos.kvserve.v1 import decode_pb2_grpc
-from serving.auth import AuthConfigError, add_auth_flags, auth_from_args
-from serving.cli import (
+from rpc.auth import AuthConfigError, add_auth_flags, auth_from_args
+from rpc.cli import (
     add_engine_flags,
     add_model_flags,
     add_server_flags,
@@ -32,7 +32,7 @@ from serving.cli import (
     serve,
     tls_from_args,
 )
-from serving.server import Server
+from rpc.server import Server
 
 
 def parser() -> argparse.ArgumentParser:

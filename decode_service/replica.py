@@ -17,10 +17,10 @@ from decode_service.metrics import DecodeMetrics
 from decode_service.server import DecodeServicer
 from engine.engine import Engine
 from engine.hashing import prefix_hashes
+from handoff.requests import encode, options_from_proto, prompt_from_proto
 from kvstore import KVStoreClient
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from serving.errors import Unavailable
-from serving.requests import encode, options_from_proto, prompt_from_proto
+from rpc.errors import Unavailable
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].full_name
 

@@ -15,19 +15,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from decode_service.cancellation import Cancellation
-from decode_service.kv_source import DecodeKV
 from decode_service.metrics import DecodeMetrics
 from decode_service.stopping import Generation, TokenOutput
 from engine.engine import Engine
 from engine.model import max_new_tokens
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Finished, Sequence
+from handoff.decode_kv import DecodeKV
+from handoff.requests import PrefillHandle, PromptInput, RequestOptions
+from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas
-from serving.cache_session import StoreSession
-from serving.errors import FailedPrecondition, ServiceError, Unavailable
-from serving.metrics import outcome_of
-from serving.requests import PrefillHandle, PromptInput, RequestOptions
+from rpc.errors import FailedPrecondition, ServiceError, Unavailable
+from rpc.metrics import outcome_of
 
 log = logging.getLogger(__name__)
 

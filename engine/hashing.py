@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from protos.block_hash import HASH_BYTES, BlockHash
 
-BLOCK_FORMAT_VERSION = 2  # of the KV block layout (engine.kv_codec); a change makes new hashes
+BLOCK_FORMAT_VERSION = 2  # of the KV block layout (handoff.codec); a change makes new hashes
 # 1: [layers, 2, kv_heads, tokens, head_dim]; 2: token-major [layers, 2, tokens, kv_heads, head_dim]
 _NAMESPACE_DOMAIN = b"kvserve/namespace\x00"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
 from kvstore.leases import MAX_TTL_S
 from kvstore.server import StoreServer
-from serving.cli import (
+from rpc.cli import (
     add_server_flags,
     configure_logging,
     env_epilog,

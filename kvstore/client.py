@@ -30,8 +30,8 @@ from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from serving.server import CLIENT_CHANNEL_OPTIONS
-from serving.tls import TLSConfig, channel
+from rpc.server import CLIENT_CHANNEL_OPTIONS
+from rpc.tls import TLSConfig, channel
 
 if TYPE_CHECKING:
     from kvstore.device_tier import Device, OpenedSegment, Tensor

@@ -1,5 +1,5 @@
 """Store errors. Each names its gRPC status (`grpc_status`) so the store stays free of grpc;
-serving.errors.status_of maps them for the servers' one interceptor."""
+rpc.errors.status_of maps them for the servers' one interceptor."""
 
 from __future__ import annotations
 

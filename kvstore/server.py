@@ -24,8 +24,8 @@ from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from serving.server import MAX_MESSAGE_BYTES, Server
-from serving.tls import TLSConfig
+from rpc.server import MAX_MESSAGE_BYTES, Server
+from rpc.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 

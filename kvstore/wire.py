@@ -9,7 +9,7 @@ from kvstore.errors import BlockTooLarge, InvalidRequest
 from kvstore.types import Buffer
 from protos.block_hash import HASH_BYTES, BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
-from serving.server import MAX_MESSAGE_BYTES
+from rpc.server import MAX_MESSAGE_BYTES
 
 CHUNK_BYTES = MAX_MESSAGE_BYTES
 

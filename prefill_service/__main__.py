@@ -14,7 +14,7 @@ from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import SERVICE_NAME, PrefillServicer
 from prefill_service.service import DEFAULT_LEASE_TTL_S, PrefillService
 from protos.kvserve.v1 import prefill_pb2_grpc
-from serving.cli import (
+from rpc.cli import (
     add_engine_flags,
     add_model_flags,
     add_server_flags,
@@ -27,7 +27,7 @@ from serving.cli import (
     serve,
     tls_from_args,
 )
-from serving.server import Server
+from rpc.server import Server
 
 
 def parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from serving.metrics import LATENCY_BUCKETS, EngineMetrics
+from rpc.metrics import LATENCY_BUCKETS, EngineMetrics
 
 
 class PrefillMetrics:

@@ -3,31 +3,23 @@ in the store for decode (DESIGN.md, "Request flow", steps 1-5)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 import queue
 import time
-from collections import abc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from engine.engine import Engine
-from engine.hashing import Namespace, prefix_hashes
-from engine.kv_codec import BlockError
-from engine.kv_pool import KVPool
-from engine.kv_transfer import load_blocks, save_blocks
+from engine.hashing import prefix_hashes
 from engine.model import max_new_tokens
 from engine.sampling import Sampler
-from engine.sequence import Finished, Sequence, Status, TokenEvent
+from engine.sequence import Finished, Sequence, TokenEvent
+from handoff.prefill_kv import PrefillKV, request_scoped_keys
+from handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions, encode
+from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
-from protos.block_hash import BlockHash
-from serving.cache_session import StoreSession
-from serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
-from serving.metrics import count_outcome
-from serving.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions, encode
+from rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
+from rpc.metrics import count_outcome
 
 DEFAULT_LEASE_TTL_S = 30.0
 LIVENESS_POLL_S = 0.05  # how often a waiting request checks that its caller is still there
@@ -51,47 +43,6 @@ class PrefillJob:
             raise Cancelled(f"the caller cancelled the request {stage}")
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise DeadlineExceeded(f"the caller's deadline passed {stage}")
-
-
-def request_scoped_keys(root: BlockHash, request_id: str, num_blocks: int) -> tuple[list[BlockHash], BlockHash]:
-    """Random 32-byte keys for one request's blocks and tail: no other request can name them."""
-    base = hashlib.sha256(b"kvserve/request\x00" + root + os.urandom(16) + request_id.encode()).digest()
-    blocks = [BlockHash(hashlib.sha256(base + b"block" + i.to_bytes(4, "little")).digest()) for i in range(num_blocks)]
-    return blocks, BlockHash(hashlib.sha256(base + b"tail").digest())
-
-
-class PrefillKV:
-    """Prefill's side of the store for one prompt: the store's leading hits are loaded into the pool,
-    and what was computed here is saved back (full blocks under their keys, the partial tail under a
-    request-scoped key for decode)."""
-
-    def __init__(self, store: StoreSession, namespace: Namespace, keys: list[BlockHash], tail_key: BlockHash,
-                 ephemeral: bool) -> None:
-        self.store = store
-        self.namespace = namespace
-        self.keys = keys
-        self.tail_key = tail_key
-        self.ephemeral = ephemeral
-        self.fetch_s = 0.0
-        self.put_s = 0.0
-        self.num_stored = 0
-        self.tail_stored = False
-        self.error: BlockError | None = None
-
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
-        t = time.perf_counter()
-        loaded = load_blocks(self.store, self.keys[first_block : seq.num_saved_blocks], self.namespace, pool, blocks)
-        self.error = loaded.error or self.error
-        self.fetch_s += time.perf_counter() - t
-        return loaded.num_tokens
-
-    def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
-        t = time.perf_counter()
-        finished = seq.status is Status.FINISHED  # else preempted: its tail is recomputed, not stored
-        self.num_stored += save_blocks(self.store, self.keys[first_block:], self.namespace, kv, num_tokens,
-                                       self.tail_key if finished else None, ephemeral=self.ephemeral)
-        self.tail_stored = finished and num_tokens % self.namespace.block_size != 0 and not self.store.failed
-        self.put_s += time.perf_counter() - t
 
 
 class PrefillService:

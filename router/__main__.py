@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from protos.kvserve.v1 import decode_pb2_grpc
 from router.router import DECODE_SERVICE, POLICIES, Router
 from router.server import RouterMetrics, RouterServicer
-from serving.addresses import split_targets
-from serving.cli import (
+from rpc.addresses import split_targets
+from rpc.cli import (
     add_server_flags,
     configure_logging,
     env_epilog,
@@ -20,7 +20,7 @@ from serving.cli import (
     serve,
     tls_from_args,
 )
-from serving.server import Server
+from rpc.server import Server
 
 TOKEN_ENV = "KVSERVE_TOKEN"
 

@@ -29,10 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from serving.addresses import Targets
-from serving.errors import ServiceError, Unavailable
-from serving.server import CLIENT_CHANNEL_OPTIONS
-from serving.tls import TLSConfig, channel
+from rpc.addresses import Targets
+from rpc.errors import ServiceError, Unavailable
+from rpc.server import CLIENT_CHANNEL_OPTIONS
+from rpc.tls import TLSConfig, channel
 
 log = logging.getLogger(__name__)
 

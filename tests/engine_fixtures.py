@@ -19,13 +19,13 @@ import torch
 from engine.engine import Engine, StepStats
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_pool import KVPool
-from engine.kv_transfer import Payload, load_blocks, payload_bytes, save_blocks
 from engine.model import Model, load_model
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Finished
 from engine.sequence import Sequence as KVSequence
 from engine.tiny import init_tiny_model
+from handoff.transfer import Payload, load_blocks, payload_bytes, save_blocks
 from protos.block_hash import BlockHash
 
 ARCHS = ("llama", "qwen2", "gpt2")

@@ -66,7 +66,7 @@ class RedisServer:
         directory = tmp_path / name
         directory.mkdir(parents=True, exist_ok=True)
         if tls:
-            from serving.certs import make_certs
+            from rpc.certs import make_certs
 
             make_certs(directory / "certs", ["redis", "client"], keep_existing=True)
         for attempt in range(3):  # a free port can be taken between the pick and the bind

@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.engine import Engine
-from engine.kv_transfer import Payload, payload_bytes
 from engine.model import Model, load_model
 from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
+from handoff.transfer import Payload, payload_bytes
 from kvstore import KVStoreClient
 from kvstore.client import scatter
 from kvstore.device_tier import as_uint8
@@ -229,7 +229,7 @@ class LocalStack:
         from prefill_service.server import PrefillServicer
         from prefill_service.service import PrefillService
         from protos.kvserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
-        from serving.server import Server
+        from rpc.server import Server
 
         self.arch = arch
         self.store = store if store is not None else FakeStore()
@@ -291,7 +291,7 @@ class ProcessStack:
     def __init__(self, name: str, archs: Sequence[str], store_args: Sequence[str] = ()) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from client.stack import Service, start_service
+        from stack.stack import Service, start_service
 
         for arch in archs:  # build here, once: the start-up threads below must not race to write them
             model_dir(arch)
@@ -318,13 +318,13 @@ class ProcessStack:
                 "--listen", "127.0.0.1:0", "--log-level", "WARNING"]
 
     def _start_prefill(self, arch: str):  # type: ignore[no-untyped-def]
-        from client.stack import start_service
+        from stack.stack import start_service
 
         return start_service(f"prefill-{arch}", "prefill_service", self._common(arch),
                              self.dir / f"prefill-{arch}.log")
 
     def _start_decode(self, arch: str):  # type: ignore[no-untyped-def]
-        from client.stack import start_service
+        from stack.stack import start_service
 
         return start_service(f"decode-{arch}", "decode_service",
                              [*self._common(arch), "--prefill", self.prefill[arch].addr],
@@ -337,7 +337,7 @@ class ProcessStack:
 
     def restart_store(self) -> None:
         """A new store process on the same port (same disk path)."""
-        from client.stack import start_service
+        from stack.stack import start_service
 
         self.store = start_service("kvstore", "kvstore", ["--listen", f"127.0.0.1:{self.store.port}",
                                                           *self.store_args], self.dir / "kvstore.log")

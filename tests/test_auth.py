@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.client import Client, UnauthenticatedError
-from serving.auth import (
+from rpc.auth import (
     Auth,
     AuthConfigError,
     Authenticator,
@@ -34,8 +34,8 @@ from serving.auth import (
     load_tokens,
     parse_tokens,
 )
-from serving.auth import main as token_main
-from serving.server import Server
+from rpc.auth import main as token_main
+from rpc.server import Server
 
 
 def sha(token: str) -> str:
@@ -97,7 +97,7 @@ def test_reload_takes_a_good_file_and_keeps_the_old_table_on_a_bad_one(
     path.write_text(f"acme {sha('a')}\nglobex {sha('g')}\n")
     assert auth.reload() and auth.tenant_of("g") == "globex"
     path.write_text(f"acme {sha('a')}\nglobex not-a-hash\n")
-    with caplog.at_level(logging.ERROR, "serving.auth"):
+    with caplog.at_level(logging.ERROR, "rpc.auth"):
         assert not auth.reload()
     assert (auth.tenant_of("a"), auth.tenant_of("g")) == ("acme", "globex")
     assert "the previous 2 token(s) stay in use" in caplog.text and f"{path} line 2" in caplog.text
@@ -184,7 +184,7 @@ def test_auth_flags_need_the_secret_and_say_when_auth_is_off(
     (tmp_path / "short").write_text("too short\n")
     with pytest.raises(AuthConfigError, match="fewer than 32"):
         auth_from_args(_flags("--auth-tokens", str(tokens_file), "--auth-secret-file", str(tmp_path / "short")), "x")
-    with caplog.at_level(logging.WARNING, "serving.auth"):
+    with caplog.at_level(logging.WARNING, "rpc.auth"):
         assert auth_from_args(_flags(), "decode") is None
     assert "auth is off: anyone who reaches the decode service is served and chooses its own cache_salt" in caplog.text
     secret = tmp_path / "secret"
@@ -281,8 +281,8 @@ def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> 
 
 class AuthStack:
     def __init__(self, root: Path) -> None:
-        from client.stack import Stack, StackConfig
-        from serving.auth import add_token
+        from rpc.auth import add_token
+        from stack.stack import Stack, StackConfig
         from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
         self.tokens_file = root / "tokens"
@@ -397,7 +397,7 @@ def test_decode_refuses_to_start_with_tokens_but_no_secret(tmp_path: Path) -> No
 def test_a_router_passes_each_callers_token_to_the_replica(auth_stack: AuthStack, tmp_path: Path) -> None:
     """The router holds no token table: the replica authenticates each request (and scopes its prefix
     hashes to the tenant); the router's own calls (load, events) use its --token."""
-    from client.stack import start_service, stop_service
+    from stack.stack import start_service, stop_service
 
     router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", auth_stack.addr,
                                                 "--token", auth_stack.globex], tmp_path / "router.log")

@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 from matplotlib import image
 
-from client import bench_handoff, bench_multi_turn, bench_shared_prefix, bench_store, cli
-from client.bench_report import (
+from bench import handoff as bench_handoff
+from bench import multi_turn as bench_multi_turn
+from bench import shared_prefix as bench_shared_prefix
+from bench import store as bench_store
+from bench.report import (
     Column,
     Line,
     Progress,
@@ -26,7 +29,8 @@ from client.bench_report import (
     percentiles_s,
     save_plot,
 )
-from client.bench_stack import free_port, local_stack
+from bench.target import free_port, local_stack
+from client import cli
 from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -97,9 +101,9 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
 
 def test_bench_commands_are_dispatched() -> None:
     names = {key[1]: module for key, module in cli.FORWARDED.items() if key[0] == "bench"}
-    assert names == {"hash": "engine.bench", "prefill": "engine.prefill_bench", "multi-turn": "client.bench_multi_turn",
-                     "e2e": "client.bench_multi_turn", "shared-prefix": "client.bench_shared_prefix",
-                     "decode": "client.decode_bench", "handoff": "client.bench_handoff", "store": "client.bench_store"}
+    assert names == {"hash": "bench.hashing", "prefill": "bench.prefill", "multi-turn": "bench.multi_turn",
+                     "e2e": "bench.multi_turn", "shared-prefix": "bench.shared_prefix",
+                     "decode": "bench.decode", "handoff": "bench.handoff", "store": "bench.store"}
 
 
 # ---- the scenarios, short forms -------------------------------------------------------------

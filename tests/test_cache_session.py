@@ -1,11 +1,11 @@
-"""serving.cache_session: the store as a best-effort cache for one request."""
+"""handoff.session: the store as a best-effort cache for one request."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from serving.cache_session import StoreSession
+from handoff.session import StoreSession
 from tests.stack_fixtures import FakeRpcError, FakeStore
 
 A, B = b"a" * 32, b"b" * 32

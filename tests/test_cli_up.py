@@ -211,8 +211,8 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     `kvserve stats`, and the next requests give the same tokens. A dead store's shm dir goes, and prefill
     and decode map the new store's arena instead of keeping the dead one's memory."""
     from client.client import Client
-    from client.stack import wait_healthy
-    from client.supervisor import read_status
+    from stack.stack import wait_healthy
+    from stack.supervisor import read_status
 
     data = tmp_path / "data"
     (data / "logs").mkdir(parents=True)
@@ -357,7 +357,7 @@ def test_port_check_passes_over_time_wait_of_a_stopped_server() -> None:
     """Right after a stack stops, its ports have connections in TIME_WAIT: not "in use"."""
     import socket
 
-    from client.stack import port_in_use
+    from stack.stack import port_in_use
 
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -18,7 +18,7 @@ from client.client import Chunk, KVServeError, Result, build_request
 from engine.hashing import prefix_hashes
 from prefill_service.client import PrefillClient, PrefillReplicas
 from protos.kvserve.v1 import decode_pb2_grpc
-from serving.errors import Unavailable
+from rpc.errors import Unavailable
 from tests.model_faults import FaultyForward, at_position, never
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 

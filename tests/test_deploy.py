@@ -34,7 +34,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from serving.cli import env_args, env_prefix, parse_size
+from rpc.cli import env_args, env_prefix, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -259,8 +259,8 @@ def test_the_tls_override_starts_every_service_with_mtls(tmp_path: Path, monkeyp
     """docker-compose.tls.yml: its one-shot `certs` command writes what the services' KVSERVE_TLS_*
     variables name; with them each service loads a certificate for every host it is dialled by, and
     its health check (`kvserve health 127.0.0.1:PORT`, which reads the same variables) passes TLS."""
-    from serving.certs import main as certs_main
-    from serving.cli import tls_from_args
+    from rpc.certs import main as certs_main
+    from rpc.cli import tls_from_args
 
     services = compose("tls")["services"]
     command, certs_dir, *certs_argv = services["certs"]["command"]
@@ -526,7 +526,7 @@ class LocalCompose:
         return f"127.0.0.1:{self.port(service, PORTS[service])}"
 
     def stop(self) -> None:
-        from client.stack import remove_shm_leftovers
+        from stack.stack import remove_shm_leftovers
 
         for service, proc in reversed(self.processes.items()):
             if proc.poll() is None:

@@ -20,13 +20,13 @@ import torch
 
 from client import Client
 from client.client import Result
-from client.stack import Service, start_service
 from engine.hashing import Namespace, prefix_hashes
-from engine.kv_codec import decode_block, encode_block
+from handoff.codec import decode_block, encode_block
+from handoff.requests import PrefillHandle
 from kvstore import KVStoreClient
 from kvstore.block_format import HEADER_BYTES, checksum, pack_header, unpack_header
 from prefill_service.client import PrefillCall, PrefillClient
-from serving.requests import PrefillHandle
+from stack.stack import Service, start_service
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens, workdir
 
 pytestmark = pytest.mark.slow

@@ -13,11 +13,11 @@ from transformers import DynamicCache
 
 from engine.engine import Engine
 from engine.hashing import prefix_hashes
-from engine.kv_codec import decode_block, encode_block
 from engine.kv_pool import KVPool
-from engine.kv_transfer import load_blocks, save_blocks
 from engine.model import Model, layer_kv
 from engine.sequence import Sequence
+from handoff.codec import decode_block, encode_block
+from handoff.transfer import load_blocks, save_blocks
 from protos.block_hash import BlockHash
 from tests.engine_fixtures import (
     ARCHS,

@@ -12,9 +12,9 @@ import torch
 
 from engine.hashing import Namespace
 from engine.kv_pool import KVPool
-from engine.kv_transfer import load_blocks, save_blocks
 from engine.model import Model, load_model
 from engine.sampling import SamplingParams
+from handoff.transfer import load_blocks, save_blocks
 from protos.block_hash import BlockHash
 from tests.engine_fixtures import (
     ARCHS,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engine import bench
+from bench import hashing as bench
 from engine.hashing import BLOCK_FORMAT_VERSION, Namespace, hash_block_tokens, prefix_hashes
 
 NS = Namespace(model_fingerprint="ab" * 32, kv_dtype="float32", block_size=4, cache_salt="tenant-a")

@@ -15,8 +15,8 @@ import pytest
 from client.cli import main as kvserve
 from kvstore.config import StoreConfig
 from kvstore.server import SERVICE_NAME, StoreServer
-from serving.certs import make_certs
-from serving.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig
+from rpc.certs import make_certs
+from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig
 from tests.kvstore_fixtures import REPO, running_server
 
 

@@ -3,7 +3,7 @@ import torch
 import xxhash
 
 from engine.hashing import BLOCK_FORMAT_VERSION, Namespace
-from engine.kv_codec import (
+from handoff.codec import (
     BLOCK_MAGIC,
     HEADER,
     HEADER_BYTES,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import kv_transfer
 from engine.hashing import Namespace
-from engine.kv_codec import decode_block, encode_block
 from engine.kv_pool import KVPool
-from engine.kv_transfer import Loaded, Payload, load_blocks, payload_bytes, save_blocks
+from handoff import transfer as kv_transfer
+from handoff.codec import decode_block, encode_block
+from handoff.transfer import Loaded, Payload, load_blocks, payload_bytes, save_blocks
 from kvstore.client import KVStoreClient, scatter
 from protos.block_hash import BlockHash
 from tests.kvstore_fixtures import running_server

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import KVStoreClient, bench
+from bench import store_transfer as bench
+from kvstore import KVStoreClient
 from kvstore.__main__ import main
 from tests.kvstore_fixtures import key, payload, start_process
 

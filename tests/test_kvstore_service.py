@@ -22,7 +22,7 @@ from kvstore.server import StoreServer
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from serving.server import CHANNEL_OPTIONS
+from rpc.server import CHANNEL_OPTIONS
 from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
 from tests.test_kvstore_store import corrupt_lmdb_value
 

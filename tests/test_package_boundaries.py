@@ -3,7 +3,7 @@
 Each package may import, besides its own modules, exactly the first-party modules listed here.
 The store is reached only through its public package (`KVStoreClient`), the prefill service only
 through `prefill_service.client`, and the request types both services use only from the neutral
-`serving.requests`. Third-party rules: no torch in the client, the shared server code or the store
+`handoff.requests`. Third-party rules: no torch in the client, the shared server code or the store
 (but its device tier), no grpc in the engine.
 """
 
@@ -18,15 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "router", "client")
 PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore", "prefill", "decode")
           for grpc in ("", "_grpc")}
-SERVING = {"serving.addresses", "serving.auth", "serving.cache_session", "serving.cli", "serving.errors", "serving.metrics", "serving.requests",
-           "serving.server", "serving.tls"}
-ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "engine.kv_codec", "engine.kv_pool", "engine.kv_transfer",
+SERVING = {"rpc.addresses", "rpc.auth", "handoff.session", "rpc.cli", "rpc.errors", "rpc.metrics", "handoff.requests",
+           "rpc.server", "rpc.tls"}
+ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "handoff.codec", "engine.kv_pool", "handoff.transfer",
                        "engine.model", "engine.sampling", "engine.scheduler", "engine.sequence"}
 
 ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "engine": {"protos.block_hash"},
-    "kvstore": {"protos.block_hash", "serving.cli", "serving.server", "serving.tls"} | PROTOS,
+    "kvstore": {"protos.block_hash", "rpc.cli", "rpc.server", "rpc.tls"} | PROTOS,
     # requests: the contract names engine's SamplingParams and encodes a prompt with the model's
     # tokenizer (prefill for its forward, decode for a router's prefix hashes); metrics: the engine's StepStats;
     # cache_session: the store's public client.
@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "decode_service": {"protos.block_hash", "kvstore", "prefill_service.client"}
     | ENGINE_FOR_SERVICES | SERVING | PROTOS,
     # the router holds no model: the shared server code without the request contract (which names the engine's)
-    "router": {"protos.block_hash", "serving.addresses", "serving.cli", "serving.errors", "serving.server", "serving.tls"} | PROTOS,
+    "router": {"protos.block_hash", "rpc.addresses", "rpc.cli", "rpc.errors", "rpc.server", "rpc.tls"} | PROTOS,
     "client": set(PROTOS),
 }
 # Modules allowed more than the rest of their package: the pytest plugin hands its users a client

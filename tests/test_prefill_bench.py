@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from engine import prefill_bench
+from bench import prefill as prefill_bench
 from tests.engine_fixtures import tiny_model, tiny_model_path
 
 

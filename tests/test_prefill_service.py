@@ -10,12 +10,12 @@ import pytest
 
 from engine.hashing import prefix_hashes
 from engine.sampling import SamplingParams
+from handoff.requests import PromptInput, RequestOptions
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import SERVICE_NAME, PrefillServicer
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from serving.requests import PromptInput, RequestOptions
-from serving.server import Server
+from rpc.server import Server
 from tests.stack_fixtures import BLOCK_SIZE, FakeStore, engine, oracle, tokens
 
 ARCH = "llama"

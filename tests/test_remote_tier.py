@@ -21,7 +21,7 @@ from kvstore.config import RemoteConfig
 from kvstore.remote_tier import Breaker, RemoteTier
 from kvstore.store import BlockStore
 from kvstore.types import Tier
-from serving.cli import parse_args
+from rpc.cli import parse_args
 from tests.kvstore_fixtures import FakeClock, key, make_store, payload, running_server
 from tests.redis_fixtures import RedisServer, free_ports, needs_redis, redis_cluster
 

@@ -19,9 +19,9 @@ from protos.kvserve.v1 import decode_pb2_grpc
 from router.__main__ import parser
 from router.router import DECODE_SERVICE, BlockIndex, Router
 from router.server import RouterServicer
-from serving.addresses import resolve
-from serving.cli import env_args
-from serving.server import Server
+from rpc.addresses import resolve
+from rpc.cli import env_args
+from rpc.server import Server
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
 ARCH = "llama"

@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import Client
-from client.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, kvstore_pb2, prefill_pb2
+from stack.stack import Service, start_service, stop_service
 from tests.stack_fixtures import ProcessStack, tokens
 
 pytestmark = pytest.mark.slow

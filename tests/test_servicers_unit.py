@@ -27,6 +27,7 @@ from decode_service.service import DeploymentMismatch, GenerateJob, GenerateOutc
 from decode_service.stopping import TokenOutput
 from engine.model import ContextLengthError
 from engine.sampling import SamplingParams
+from handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
 from kvstore.block_format import checksum
 from kvstore.host_tier import MemoryHostTier
 from kvstore.server import KVStoreServicer
@@ -36,9 +37,8 @@ from prefill_service.server import PrefillServicer
 from prefill_service.service import PrefillJob
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2
-from serving.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
-from serving.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
-from serving.server import with_status_mapping
+from rpc.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from rpc.server import with_status_mapping
 from tests.kvstore_fixtures import FakeClock, key, payload
 
 KVSTORE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"]

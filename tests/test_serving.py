@@ -17,9 +17,9 @@ import pytest
 
 from engine.model import ContextLengthError
 from kvstore.errors import InvalidRequest
-from serving.errors import FailedPrecondition, InvalidArgument, Unavailable, status_of
-from serving.metrics import outcome_of
-from serving.server import Server, run_until_signal
+from rpc.errors import FailedPrecondition, InvalidArgument, Unavailable, status_of
+from rpc.metrics import outcome_of
+from rpc.server import Server, run_until_signal
 
 
 def test_a_taken_port_is_refused_not_shared() -> None:
@@ -94,7 +94,7 @@ def test_a_main_loop_that_ends_by_itself_shuts_the_service_down() -> None:
 
 _BUSY_SERVICE = """
 import sys, threading
-from serving.server import Server, run_until_signal
+from rpc.server import Server, run_until_signal
 server = Server("127.0.0.1:0")
 server.start()
 done = threading.Event()

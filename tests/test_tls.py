@@ -19,13 +19,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.cli import main as kvserve
-from client.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
-from serving.certs import flags, make_certs
-from serving.cli import tls_from_args
-from serving.server import Server
-from serving.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
+from rpc.certs import flags, make_certs
+from rpc.cli import tls_from_args
+from rpc.server import Server
+from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
+from stack.stack import Service, start_service, stop_service
 
 NAMES = ("kvstore", "prefill", "decode", "client")
 KEY = BlockHash(b"k" * 32)

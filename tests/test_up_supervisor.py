@@ -1,4 +1,4 @@
-"""`kvserve up`'s supervisor (client/supervisor.py) over small fake services that start in a fraction of a
+"""`kvserve up`'s supervisor (stack/supervisor.py) over small fake services that start in a fraction of a
 second: a dead service is reported with its own log lines and started again on its port with growing
 delays; failures that last end `up`; the status file; and what a dead store leaves behind (its shm
 dir, a client's mapping of its arena). tests/test_cli_up.py kills the real services."""
@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
-from client.supervisor import STATUS_FILE, Backoff, Supervisor, Unrecoverable, read_status
+from stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
+from stack.supervisor import STATUS_FILE, Backoff, Supervisor, Unrecoverable, read_status
 
 FAKE_SERVICE = '''
 import argparse, os, sys, threading

@@ -1,6 +1,6 @@
 """A kvserve gRPC server: health, reflection, error mapping, metrics, graceful shutdown.
 
-Servicers raise errors that `serving.errors.status_of` maps; one interceptor turns them into gRPC
+Servicers raise errors that `rpc.errors.status_of` maps; one interceptor turns them into gRPC
 status codes, so handlers carry no try/except of their own.
 """
 
@@ -19,8 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from serving.errors import InvalidArgument, status_of
-from serving.tls import TLSConfig, describe, server_credentials
+from rpc.errors import InvalidArgument, status_of
+from rpc.tls import TLSConfig, describe, server_credentials
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ def run_module(module: str, args: Sequence[str], stdin: str | None = None) -> di
 
 def ttft_baselines(model: Path, turns: Sequence[tuple[int, int]], repeats: int, *, full: bool = True,
                    untimed: int = 0, device: str = "cpu", dtype: str = "auto") -> dict[str, Any]:
-    """`python -m engine.prefill_bench baselines`: for each (cached, new) turn, the time to first token of
+    """`python -m bench.prefill baselines`: for each (cached, new) turn, the time to first token of
     Hugging Face over the whole prompt (`full_s`, when `full`), of the same model in one process over a
     DynamicCache of the `cached` tokens (`reuse_s`), and of the decode step after it (`decode_step_s`),
     `repeats` times each after `untimed` rounds; their medians as `full_median_s` and so on. The model runs on
@@ -31,4 +31,4 @@ def ttft_baselines(model: Path, turns: Sequence[tuple[int, int]], repeats: int, 
     spec = ",".join(f"{cached}:{new}" for cached, new in turns)
     args = ["baselines", "--model", str(model), "--turns", spec, "--repeats", str(repeats), "--untimed", str(untimed),
             "--device", device, "--dtype", dtype]
-    return run_module("engine.prefill_bench", [*args, *([] if full else ["--no-full"])])
+    return run_module("bench.prefill", [*args, *([] if full else ["--no-full"])])

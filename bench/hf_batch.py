@@ -7,9 +7,9 @@ left-padded batch (all prompts of the same length need no padding) and the wall 
 as a JSON list of token-id lists (``--prompts FILE``, ``-`` for stdin), so that the caller's stack
 runs exactly the same ones. The same prompts then run through kvserve's engine alone, in this process
 (no services, no gRPC), so that a run shows how much of the gap to HF is the engine's and how much the
-serving around it. Prints one JSON object (``client.decode_bench`` reads it)::
+serving around it. Prints one JSON object (``bench.decode`` reads it)::
 
-    python -m engine.hf_batch_bench --model data/models/tiny-llama --prompts prompts.json --streams 1,4,16
+    python -m bench.hf_batch --model data/models/tiny-llama --prompts prompts.json --streams 1,4,16
 
 Both run on ``--device`` in ``--dtype``, as the services do.
 """
@@ -93,7 +93,7 @@ def read_prompts(path: str) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.hf_batch_bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.hf_batch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
     ap.add_argument("--prompts", required=True, help="JSON file of token-id lists; - reads stdin")

@@ -5,7 +5,7 @@ blocks go through the wire codec into a dict keyed by prefix hash, as the KV sto
 and come back from it into the engine's pool. The cold prefill's arithmetic rate is set against the machine's matmul rate measured in the
 same run (how close the engine's compute is to what the hardware allows).
 
-``python -m engine.prefill_bench baselines`` measures the serving benchmarks' time-to-first-token
+``python -m bench.prefill baselines`` measures the serving benchmarks' time-to-first-token
 baselines (``kvserve bench multi-turn`` and ``handoff`` run it in a subprocess): see ``ttft_baselines``.
 """
 
@@ -28,11 +28,11 @@ from transformers.utils import logging as hf_logging
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_pool import KVPool
-from engine.kv_transfer import Payload, load_blocks, payload_bytes, save_blocks
 from engine.model import DTYPES, Model, encode_prompt, load_model, synchronize
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
+from handoff.transfer import Payload, load_blocks, payload_bytes, save_blocks
 from protos.block_hash import BlockHash
 
 SYSTEM_PROMPT = (
@@ -148,7 +148,7 @@ def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: in
 
 
 def baselines_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.prefill_bench baselines", description=ttft_baselines.__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.prefill baselines", description=ttft_baselines.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
     ap.add_argument("--turns", required=True, help="CACHED:NEW token counts, comma-separated, e.g. 0:1088,1120:64")

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from client.stack import (
+from stack.stack import (
     Service,
     Stack,
     StackError,
@@ -147,7 +147,7 @@ class _Child:
 
 class Supervisor:
     """Watches a started Stack: call `poll` from the main thread a few times a second (it starts
-    processes, see `client.stack.spawn_service`), and `close` once the stack has stopped."""
+    processes, see `stack.stack.spawn_service`), and `close` once the stack has stopped."""
 
     def __init__(self, stack: Stack, status_path: Path | None = None, *, stopping: Callable[[], bool] = lambda: False,
                  backoff: Callable[[], Backoff] = Backoff, out: TextIO | None = None, err: TextIO | None = None,

@@ -8,7 +8,7 @@ largest N (as HF runs each batch once untimed first). Measured: the stack's toke
 tokens the client received, summed over the N streams, / the wall time from just before the first
 request is sent to when the last stream's final result arrived (the prompts' prefill is inside it).
 Beside it, in the same run, the same prompts go through Hugging Face `generate` as one padded batch
-(`python -m engine.hf_batch_bench` in a subprocess, before the stack starts: the same model, greedy,
+(`python -m bench.hf_batch` in a subprocess, before the stack starts: the same model, greedy,
 EOS ignored, the same number of new tokens, the wall time of the `generate` call). Printed: tokens/s
 per N, its ratio to one stream, the same for HF, and the stack's tokens/s over HF's at each N.
 
@@ -50,7 +50,8 @@ from typing import Any
 
 import grpc
 
-from client.bench_report import (
+from bench.isolated import run_module
+from bench.report import (
     Line,
     Panel,
     Progress,
@@ -61,7 +62,8 @@ from client.bench_report import (
     save_plot,
     write_json,
 )
-from client.bench_stack import (
+from bench.streams import Streams, StreamTrace, stream_into
+from bench.target import (
     DEFAULT_MODEL_DIR,
     add_device_flags,
     device_flags,
@@ -69,8 +71,6 @@ from client.bench_stack import (
     local_stack,
     store_device_flags,
 )
-from client.bench_streams import Streams, StreamTrace, stream_into
-from client.bench_subprocess import run_module
 from client.client import Client, build_request
 from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -103,8 +103,8 @@ def check_tokens(traces: list[StreamTrace], new_tokens: int) -> int:
 
 def hf_baseline(model: Path, prompts: list[list[int]], levels: list[int], new_tokens: int,
                 engine_args: list[str]) -> dict[str, Any]:
-    """Runs `python -m engine.hf_batch_bench` on these prompts (client/ imports no torch)."""
-    return run_module("engine.hf_batch_bench", ["--model", str(model), "--prompts", "-", "--streams",
+    """Runs `python -m bench.hf_batch` on these prompts (client/ imports no torch)."""
+    return run_module("bench.hf_batch", ["--model", str(model), "--prompts", "-", "--streams",
                                                 ",".join(map(str, levels)), "--new-tokens", str(new_tokens),
                                                 *engine_args], stdin=json.dumps(prompts))
 

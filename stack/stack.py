@@ -138,7 +138,7 @@ def remove_shm_leftovers(pid: int, root: Path = Path("/dev/shm")) -> list[Path]:
     return removed
 
 
-PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by serving.cli.exit_with_parent in each service
+PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by rpc.cli.exit_with_parent in each service
 
 
 def _child_env() -> dict[str, str]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from serving.errors import ServiceError
+from rpc.errors import ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from client.bench_report import (
+from bench.report import (
     Column,
     Line,
     Panel,
@@ -44,8 +44,8 @@ from client.bench_report import (
     line_panel,
     percentiles_s,
 )
-from client.bench_stack import Target, add_target_flags, delta, ensure_model, open_target, scrape
-from client.bench_streams import StreamTrace, timed_stream
+from bench.streams import StreamTrace, timed_stream
+from bench.target import Target, add_target_flags, delta, ensure_model, open_target, scrape
 from client.client import Client
 
 COMPUTED_GOAL = 1.25  # computed <= 1.25x ideal

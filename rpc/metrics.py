@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from serving.errors import status_of
+from rpc.errors import status_of
 
 if TYPE_CHECKING:
     from engine.engine import StepStats
@@ -19,7 +19,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 def outcome_of(exc: BaseException | None) -> str:
     """A request's outcome label: ok, cancelled (its caller went away), or the lower-case name of
-    the gRPC status the request ends with (`serving.errors.status_of`)."""
+    the gRPC status the request ends with (`rpc.errors.status_of`)."""
     if exc is None:
         return "ok"
     if isinstance(exc, GeneratorExit):

@@ -14,7 +14,7 @@ p50/p90/p99 as the client sees them, throughput (tokens generated in the round /
 first request sent to last result), the cache hit rate (cached / prompt tokens) and the prompt
 tokens computed (prompt - cached, summed).
 
-Baselines, one user, measured in the same run before the stack starts (`python -m engine.prefill_bench
+Baselines, one user, measured in the same run before the stack starts (`python -m bench.prefill
 baselines` in a subprocess): "HF full", Hugging Face over the whole history of each round, what a
 user without a serving system has; "reuse", the same model in one process over a DynamicCache of the
 previous rounds (answers included), computing only the new question and the first token: the limit.
@@ -34,8 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from client import bench_routing
-from client.bench_report import (
+from bench import routing as bench_routing
+from bench.isolated import ttft_baselines
+from bench.report import (
     Column,
     Line,
     Panel,
@@ -49,9 +50,8 @@ from client.bench_report import (
     percentiles_s,
     ratio,
 )
-from client.bench_stack import add_target_flags, ensure_model, open_target
-from client.bench_streams import StreamTrace, timed_stream
-from client.bench_subprocess import ttft_baselines
+from bench.streams import StreamTrace, timed_stream
+from bench.target import add_target_flags, ensure_model, open_target
 from client.client import Client
 
 GROWTH_GOAL = 1.5  # TTFT(last round) <= 1.5x TTFT(round 1), with the cache

@@ -15,7 +15,7 @@ from engine.model import Model, encode_prompt
 from engine.sampling import SamplingParams
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import common_pb2, prefill_pb2
-from serving.errors import InvalidArgument
+from rpc.errors import InvalidArgument
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16

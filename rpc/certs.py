@@ -1,5 +1,5 @@
 """`kvserve certs DIR`: a local CA and a certificate per service for mTLS between kvserve's services
-(serving/tls.py uses them).
+(rpc/tls.py uses them).
 
 Each certificate is good as a server's and as a client's (a service presents the same one when it
 calls another) and names every host its service is reached by: the service's name (as
@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from serving.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSError, read_certificate, read_private_key
+from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSError, read_certificate, read_private_key
 
 DEFAULT_NAMES = ("kvstore", "prefill", "decode", "client")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")

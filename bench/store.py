@@ -1,11 +1,11 @@
 """`kvserve bench store`: put/get bandwidth of a real KV store server process over loopback, against memcpy.
 
-Runs `python -m kvstore.bench --json` in a subprocess (the measurement: it starts the store as a process
+Runs `python -m bench.store_transfer --json` in a subprocess (the measurement: it starts the store as a process
 of its own and measures memcpy of warm buffers, put and get through the same-host shared-memory path
 and through plain gRPC bytes, and lookups per second; see its --help) and reports its figures and
 goals as the other benchmarks do: a table, --json, --plot.
 
-With `--device cuda` (or cpu), the store's device arena instead: `python -m kvstore.device_bench`
+With `--device cuda` (or cpu), the store's device arena instead: `python -m bench.store_device`
 measures put and the hand-off (get into pool slots) device to device against torch's copy of the same
 bytes on that device (see its --help).
 """
@@ -16,8 +16,8 @@ import argparse
 import sys
 from typing import Any
 
-from client.bench_report import Column, Panel, Progress, add_output_flags, bar_panel, emit, format_table
-from client.bench_subprocess import run_module
+from bench.isolated import run_module
+from bench.report import Column, Panel, Progress, add_output_flags, bar_panel, emit, format_table
 
 COLUMNS = [
     Column("label", "path", "{}", left=True),
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"total": args.total or ("1GiB" if on_device else "256MiB"),
                 "block_size": args.block_size or ("768KiB" if on_device else "256KiB"),
                 "batch": args.batch, "repeat": args.repeat, **({"device": args.device} if on_device else {})}
-    module, what = ("kvstore.device_bench", "device copy, put, hand-off") if on_device else (
-        "kvstore.bench", "memcpy, put, get, lookups")
+    module, what = ("bench.store_device", "device copy, put, hand-off") if on_device else (
+        "bench.store_transfer", "memcpy, put, get, lookups")
     with Progress(1, f"store: {what}", quiet=args.quiet) as progress:
         measured = run_module(module, [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()] + ["--json"])
         progress.step()

@@ -11,8 +11,8 @@ import signal
 import sys
 from collections.abc import Callable, Iterable
 
-from serving.server import Server, run_until_signal
-from serving.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError
+from rpc.server import Server, run_until_signal
+from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError
 
 
 def parse_size(text: str) -> int:
@@ -163,7 +163,7 @@ def engine_token_budget(args: argparse.Namespace) -> int:
 
 
 def exit_with_parent() -> None:
-    """Linux: when started by `kvserve up` (or any client.stack launcher), which names itself in
+    """Linux: when started by `kvserve up` (or any stack.stack launcher), which names itself in
     KVSERVE_PARENT_PID, get SIGTERM as soon as that process dies, so no orphan keeps its ports;
     exit at once if it is already gone. Does nothing for a service started any other way."""
     parent = os.environ.pop("KVSERVE_PARENT_PID", "")
@@ -223,7 +223,7 @@ def serve(
     grace_s: float = 5.0,
 ) -> int:
     """Starts `server`, prints `LISTENING <port>` and serves until SIGTERM or SIGINT (exit code 0),
-    running `main_loop` on this thread meanwhile if given (`serving.server.run_until_signal`).
+    running `main_loop` on this thread meanwhile if given (`rpc.server.run_until_signal`).
 
     A port that is taken or not valid is one line on stderr and exit code 2, after the `on_stop`
     callbacks have released what the service holds.

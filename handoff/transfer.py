@@ -21,8 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.hashing import Namespace
-from engine.kv_codec import HEADER_BYTES, BlockError, check_header, encode_header, encode_parts, verify_block
 from engine.kv_pool import KVPool
+from handoff.codec import HEADER_BYTES, BlockError, check_header, encode_header, encode_parts, verify_block
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)

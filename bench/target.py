@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.cli import parse_metrics
-from client.stack import Stack, StackConfig
+from stack.stack import Stack, StackConfig
 
 DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # the services' --dtype (serving.cli)
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the services' --dtype (rpc.cli)
 
 
 def ensure_model(model: Path) -> None:

@@ -7,7 +7,7 @@ when it calls another. The front door (decode) serves TLS without asking its cal
 certificate: they are tenants, known by their bearer tokens (DESIGN.md, "Tenants and trust").
 
 Clients check the server's certificate against the address they dial, so a certificate names every
-host its service is reached by; `kvserve certs` (serving/certs.py) makes such certificates.
+host its service is reached by; `kvserve certs` (rpc/certs.py) makes such certificates.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def channel(addr: str, options: Sequence[tuple[str, Any]] = (), tls: TLSConfig |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`kvserve certs` (client/cli.py forwards it here); see serving/certs.py."""
-    from serving.certs import main as certs_main
+    """`kvserve certs` (client/cli.py forwards it here); see rpc/certs.py."""
+    from rpc.certs import main as certs_main
 
     return certs_main(argv)

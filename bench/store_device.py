@@ -29,7 +29,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from protos.block_hash import BlockHash
-from serving.cli import parse_size
+from rpc.cli import parse_size
 
 GOAL = 0.5
 HEADER_BYTES = 64
@@ -142,7 +142,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstore.device_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.store_device", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda or cpu (default %(default)s)")
     p.add_argument("--total", type=parse_size, default=parse_size("1GiB"), help="bytes of blocks (default 1GiB)")
     p.add_argument("--block-size", type=parse_size, default=parse_size("768KiB"),

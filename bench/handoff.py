@@ -9,7 +9,7 @@ metrics and reported): the measured request's prefill fetches the prefix from th
 new tokens and samples the first token; decode then fetches every prompt block for the second token.
 Each measurement has a fresh prefix under a fresh cache salt; `--repeats` of them, after an untimed one.
 
-Baseline, measured in the same run before the stack starts (`python -m engine.prefill_bench baselines`
+Baseline, measured in the same run before the stack starts (`python -m bench.prefill baselines`
 in a subprocess): the same model in one process over a DynamicCache of a prefix of the same length,
 computing the new tokens and the first token ("in-process reuse"), then one decode step; the same
 repeats after an untimed one.
@@ -39,7 +39,8 @@ from typing import Any
 
 import grpc
 
-from client.bench_report import (
+from bench.isolated import ttft_baselines
+from bench.report import (
     Column,
     Panel,
     Progress,
@@ -50,7 +51,8 @@ from client.bench_report import (
     goal,
     goal_line,
 )
-from client.bench_stack import (
+from bench.streams import timed_stream
+from bench.target import (
     Target,
     add_device_flags,
     add_target_flags,
@@ -62,11 +64,9 @@ from client.bench_stack import (
     scrape,
     store_device_flags,
 )
-from client.bench_streams import timed_stream
-from client.bench_subprocess import ttft_baselines
 from client.client import Client, build_request
-from client.stack import start_service, stop_service
 from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from stack.stack import start_service, stop_service
 
 GOAL = 1.3  # stack TTFT p50 <= 1.3x in-process reuse
 POOL_HITS = "kvserve_prefill_engine_pool_hit_tokens_total"

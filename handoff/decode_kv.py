@@ -19,13 +19,13 @@ from collections import abc
 import torch
 
 from engine.hashing import Namespace, hash_block_tokens
-from engine.kv_codec import BlockError
 from engine.kv_pool import KVPool
-from engine.kv_transfer import load_blocks, save_blocks
 from engine.sequence import Sequence, Status
+from handoff.codec import BlockError
+from handoff.requests import PrefillHandle
+from handoff.session import StoreSession
+from handoff.transfer import load_blocks, save_blocks
 from protos.block_hash import BlockHash
-from serving.cache_session import StoreSession
-from serving.requests import PrefillHandle
 
 
 class DecodeKV:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from client.bench_report import (
+from bench.report import (
     Column,
     Line,
     Panel,
@@ -35,13 +35,13 @@ from client.bench_report import (
     line_panel,
     percentiles_s,
 )
-from client.bench_stack import delta, ensure_model, free_port, local_stack, scrape
-from client.bench_streams import StreamTrace, timed_stream
+from bench.streams import StreamTrace, timed_stream
+from bench.target import delta, ensure_model, free_port, local_stack, scrape
 from client.client import Client
-from client.stack import Stack, start_service, stop_service
+from stack.stack import Stack, start_service, stop_service
 
 if TYPE_CHECKING:
-    from client.bench_multi_turn import Settings
+    from bench.multi_turn import Settings
 
 TTFT_GOAL = 0.7  # TTFT p50, prefix routing / round robin
 HIT_GOAL = 0.9  # hit rate, prefix routing / one replica
@@ -95,7 +95,7 @@ def session_row(name: str, traces: list[list[StreamTrace]], routed: dict[str, fl
 
 
 def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
-    from client.bench_multi_turn import random_tokens, run_session
+    from bench.multi_turn import random_tokens, run_session
 
     policies = list(dict.fromkeys(args.policy or ["prefix", "round-robin"]))
     with Progress(2 + (1 + len(policies)) * s.users * s.rounds, "multi-turn: starting the nodes",

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvstore.client import KVStoreClient
 from protos.block_hash import BlockHash
-from serving.cli import parse_size
+from rpc.cli import parse_size
 
 
 def tune_malloc_for_blocks() -> bool:
