@@ -1,4 +1,4 @@
-"""Generate: the front door's domain logic (DESIGN.md, "Request flow", steps 6-8).
+"""Generate: the front door's domain logic (docs/DESIGN.md, "Request flow", steps 6-8).
 
 Prefill computes the prompt and samples the first token, which is sent at once; decode then
 fetches the prompt's KV from the store (recomputing what is missing), generates in the shared

@@ -1,5 +1,5 @@
 """The serving engine: a paged KV pool, a scheduler, and one packed forward per step for every
-sequence it runs (DESIGN.md, "Engine").
+sequence it runs (docs/DESIGN.md, "Engine").
 
 Request threads call ``add`` and ``abort`` (thread-safe; they land in an inbox) and read each
 sequence's events. One thread runs ``step`` in a loop (``run``, or ``start`` for a thread of its

@@ -1,4 +1,4 @@
-"""Prefix hashing of token blocks (DESIGN.md, "Prefix hashing").
+"""Prefix hashing of token blocks (docs/DESIGN.md, "Prefix hashing").
 
 ``h[i] = sha256(h[i-1] || uint32-LE token ids of block i)``, with ``h[-1]`` the root of the
 namespace. No randomness and no Python ``hash()``: every process on every machine computes the

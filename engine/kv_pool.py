@@ -35,7 +35,7 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # [blocks, layers, 2, block_size, kv_heads, head_dim]: a block is one contiguous slot, in the
-        # layout of a stored block (DESIGN.md, "KV block format"), so moving it is one copy.
+        # layout of a stored block (docs/DESIGN.md, "KV block format"), so moving it is one copy.
         self.kv = torch.empty(
             (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )

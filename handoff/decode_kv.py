@@ -1,9 +1,9 @@
 """Decode's side of the hand-off: where a sequence's KV comes from beyond decode's own pool, and
-where it goes (DESIGN.md, "Request flow", steps 6 and 8).
+where it goes (docs/DESIGN.md, "Request flow", steps 6 and 8).
 
 Loading: the prompt's full blocks from the store under the handle's keys, then, on the first
 admission only, the prompt's partial tail. A block that is missing or fails verification is a miss
-(DESIGN.md, "Failure policy"): what follows it is recomputed by the engine. Saving: full blocks
+(docs/DESIGN.md, "Failure policy"): what follows it is recomputed by the engine. Saving: full blocks
 of a preempted sequence, so that it resumes from the store; and when it finishes, the blocks of
 its generated tokens, so that the next turn of a chat hits the cache on the reply too (with the
 prefix cache off, only a preempted sequence's blocks are kept, under request-private keys).

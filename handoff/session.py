@@ -1,4 +1,4 @@
-"""The KV store used as a cache: every call is best effort (DESIGN.md, "Failure policy").
+"""The KV store used as a cache: every call is best effort (docs/DESIGN.md, "Failure policy").
 
 A store that is down, slow or failing is a miss, never an error for the request. The first
 failure within a request ends the store's part in it (no second deadline to wait out), and each

@@ -1,6 +1,6 @@
 """Moving a sequence's KV between the pool and a block store (the KV store, through the services'
 best-effort session): verified blocks are copied straight into pool slots, and pool slots are
-encoded straight into stored blocks (DESIGN.md, "KV block format").
+encoded straight into stored blocks (docs/DESIGN.md, "KV block format").
 
 Where the store's top tier is a device arena this process has opened (same node), blocks move device
 to device, a batch at a time: a put copies pool slots into arena slots, a get copies arena slots into

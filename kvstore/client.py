@@ -149,7 +149,7 @@ class KVStoreClient:
         """Like get, into caller buffers (one per hash, big enough, or several filled in order, e.g. a
         header and a KV pool slot): sizes written, None for a miss.
 
-        The one-copy read path (DESIGN.md, "Transfer"): on the same host each block is copied once,
+        The one-copy read path (docs/DESIGN.md, "Transfer"): on the same host each block is copied once,
         from its arena slot straight into the buffers."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)

@@ -1,5 +1,5 @@
 """The device tier: an arena of fixed-size slots in one buffer of GPU memory, which same-node clients
-open through CUDA IPC and copy blocks into and out of device to device (DESIGN.md, "Transfer").
+open through CUDA IPC and copy blocks into and out of device to device (docs/DESIGN.md, "Transfer").
 
 It is the host arena's design (kvstore/arena.py) with a tensor for a segment: the same slab allocator,
 the same socket (the handle goes in its greeting) and the same calls. Only three things differ, all

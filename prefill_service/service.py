@@ -1,5 +1,5 @@
 """Prefill: compute only the part of a prompt whose KV the store does not have, and leave all of it
-in the store for decode (DESIGN.md, "Request flow", steps 1-5)."""
+in the store for decode (docs/DESIGN.md, "Request flow", steps 1-5)."""
 
 from __future__ import annotations
 

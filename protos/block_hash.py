@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
-"""A 32-byte sha256 digest naming a full block and every token before it (DESIGN.md, "Prefix
+"""A 32-byte sha256 digest naming a full block and every token before it (docs/DESIGN.md, "Prefix
 hashing"), or a request-scoped key of the same size for a block no other request may name."""
 
 HASH_BYTES = 32

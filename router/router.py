@@ -1,4 +1,4 @@
-"""Placing requests on decode replicas (DESIGN.md, "Router").
+"""Placing requests on decode replicas (docs/DESIGN.md, "Router").
 
 Each replica is watched by two threads: one polls its health and load, the other follows its
 Events (blocks its node stored and removed) into an index of the block hashes it holds. A request

@@ -1,4 +1,4 @@
-"""Tenants bound to credentials at the front door (DESIGN.md, "Tenants and trust").
+"""Tenants bound to credentials at the front door (docs/DESIGN.md, "Tenants and trust").
 
 A tokens file maps bearer tokens to tenants, one line per token: ``TENANT_ID SHA256_HEX_OF_TOKEN``
 (``#`` starts a comment; blank lines are skipped). Tokens are stored only as their sha256; a

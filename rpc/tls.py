@@ -4,7 +4,7 @@ A service given a certificate and its key (--tls-cert, --tls-key) serves TLS. Gi
 the services' certificates as well (--tls-ca), the internal servers (store, prefill) accept only
 callers presenting a certificate that CA signed (mTLS), and each service presents its own certificate
 when it calls another. The front door (decode) serves TLS without asking its callers for a
-certificate: they are tenants, known by their bearer tokens (DESIGN.md, "Tenants and trust").
+certificate: they are tenants, known by their bearer tokens (docs/DESIGN.md, "Tenants and trust").
 
 Clients check the server's certificate against the address they dial, so a certificate names every
 host its service is reached by; `kvserve certs` (rpc/certs.py) makes such certificates.

@@ -1,4 +1,4 @@
-"""Tenants bound to credentials at the front door (DESIGN.md, "Tenants and trust"): the tokens file,
+"""Tenants bound to credentials at the front door (docs/DESIGN.md, "Tenants and trust"): the tokens file,
 its reload, `kvserve token`, the interceptor on a real server, and a real stack with auth on."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The batched engine against the oracle: every stream of a batch generates, greedily, what Hugging Face
-``generate`` gives for its token ids alone (DESIGN.md, "Models"), however the engine packs, chunks,
+``generate`` gives for its token ids alone (docs/DESIGN.md, "Models"), however the engine packs, chunks,
 preempts, reuses and resumes it. A mismatch is allowed only at a near-tie of the oracle's logits.
 
 Every run ends with the pool intact and no block left in use (``tests.engine_fixtures.finish``).

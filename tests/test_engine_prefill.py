@@ -1,4 +1,4 @@
-"""A prompt computed over KV from elsewhere (DESIGN.md, "Engine", "KV block format"): the pool's slots
+"""A prompt computed over KV from elsewhere (docs/DESIGN.md, "Engine", "KV block format"): the pool's slots
 hold, token-major, exactly the keys and values Hugging Face computes; a prompt whose leading blocks are
 loaded from the store, through the block codec, continues exactly as one computed from scratch; the last
 prompt token is always computed; a block that is missing or fails verification is recomputed."""

@@ -1,4 +1,4 @@
-"""DESIGN.md, "Packages": who may import whom, module by module.
+"""docs/DESIGN.md, "Packages": who may import whom, module by module.
 
 Each package may import, besides its own modules, exactly the first-party modules listed here.
 The store is reached only through its public package (`KVStoreClient`), the prefill service only
