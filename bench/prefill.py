@@ -27,12 +27,12 @@ from transformers.utils import logging as hf_logging
 
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 from engine.model import DTYPES, Model, encode_prompt, load_model, synchronize
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
-from handoff.transfer import Payload, load_blocks, payload_bytes, save_blocks
+from handoff.transfer import EncodedBlock, encoded_bytes, load_blocks, save_blocks
 from protos.block_hash import BlockHash
 
 SYSTEM_PROMPT = (
@@ -68,16 +68,16 @@ class DictStore:
     def get(self, hashes: abc.Sequence[BlockHash]) -> list[bytes | None]:
         return [self.blocks.get(h) for h in hashes]
 
-    def put(self, blocks: abc.Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
-        items = [(key, payload_bytes(payload)) for key, payload in blocks]
+    def put(self, blocks: abc.Iterable[tuple[BlockHash, EncodedBlock]], ephemeral: bool = False) -> int:
+        items = [(key, encoded_bytes(payload)) for key, payload in blocks]
         self.blocks.update(items)
         return len(items)
 
     def remove(self, hashes: abc.Sequence[BlockHash]) -> int:
         return sum(self.blocks.pop(h, None) is not None for h in hashes)
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
-        return load_blocks(self, self.hashes[first_block : seq.num_saved_blocks], self.namespace, pool, blocks).num_tokens
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
+        return load_blocks(self, self.hashes[first_block : seq.num_saved_blocks], self.namespace, cache, blocks).num_tokens
 
     def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
         save_blocks(self, self.hashes[first_block:], self.namespace, kv, num_tokens)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     cold, cold_s = prefill(engine, prompt, store, 0)
     warm, warm_s = prefill(engine, prompt, store, (len(prompt) - 1) // engine.block_size)  # never the last token
     assert cold.logits is not None and warm.logits is not None
-    num_cached = warm.num_loaded_tokens
+    num_cached = warm.stats.num_loaded_tokens
 
     cold_flops_per_s = prefill_flops(model, len(prompt)) / cold_s
     peak_flops_per_s = matmul_flops_per_s()
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_gflops_per_s": peak_flops_per_s / 1e9,
         "cold_vs_matmul": cold_flops_per_s / peak_flops_per_s,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "cold": {"cached_tokens": cold.num_loaded_tokens, "computed_tokens": len(prompt) - cold.num_loaded_tokens,
+        "cold": {"cached_tokens": cold.stats.num_loaded_tokens, "computed_tokens": len(prompt) - cold.stats.num_loaded_tokens,
                  "s": cold_s},
         "warm": {"cached_tokens": num_cached, "computed_tokens": len(prompt) - num_cached, "s": warm_s},
         "speedup": cold_s / warm_s,

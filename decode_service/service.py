@@ -291,7 +291,7 @@ class DecodeService:
         if kv.error is not None:
             m.bad_blocks.labels(kind=kv.error.kind).inc()
         m.stored_blocks.inc(kv.num_stored)
-        recomputed = max(0, seq.num_engine_computed_tokens - 1)  # the first token's KV is always computed here
+        recomputed = max(0, seq.stats.num_engine_computed_tokens - 1)  # the first token's KV is always computed here
         if recomputed:
             m.recomputed_tokens.inc(recomputed)
             log.info("request %s: recomputed %d prompt tokens whose KV was not in the store", request_id, recomputed)

@@ -1,10 +1,11 @@
-"""The serving engine: a paged KV pool, a scheduler, and one packed forward per step for every
-sequence it runs (docs/DESIGN.md, "Engine").
+"""The serving engine: the step loop and the inbox of request threads, over its parts (docs/DESIGN.md,
+"Engine"): the KV cache (engine.kv_cache) and its block pool (engine.block_pool), the scheduler, the
+model runner (one packed forward per step for every sequence it runs) and the KV connector (loads and
+saves on a small pool of I/O threads, never on the step thread).
 
 Request threads call ``add`` and ``abort`` (thread-safe; they land in an inbox) and read each
 sequence's events. One thread runs ``step`` in a loop (``run``, or ``start`` for a thread of its
-own; ``stop`` ends it), or a test calls ``step``/``run_until_done`` itself. KV sources load and save
-on a small pool of I/O threads, never on the step thread.
+own; ``stop`` ends it), or a test calls ``step``/``run_until_done`` itself.
 
 On a CPU, only the step thread runs tensor kernels on several cores; the I/O threads run theirs on
 one. With OpenMP (torch's CPU backend), every thread that runs a parallel kernel keeps a team of
@@ -16,29 +17,23 @@ step took 40 % longer. So a service runs ``run`` on its main thread, the one tha
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
+from engine.block_pool import BlockPool
 from engine.hashing import Namespace
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache, kv_cache_blocks
+from engine.kv_connector import KVConnector
 from engine.model import Model
-from engine.paged_attention import PagedCache, PromptChunk, StepBatch, chunk_mask, install
-from engine.sampling import sample_batch
-from engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
+from engine.model_runner import ModelRunner
+from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Finished, Sequence, Status, TokenEvent
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB on CPU, when --kv-cache-memory is not given
-DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5  # of the device memory free once the model is loaded
 
 
 class RequestTooLarge(ValueError):
@@ -70,35 +65,6 @@ class StepStats:
         return not self.num_seqs and not self.num_admitted
 
 
-@dataclass(slots=True)
-class _Forward:
-    """The inputs of one packed forward and which rows of its logits are sampled."""
-
-    batch: StepBatch
-    input_ids: torch.Tensor  # [1, tokens]
-    positions: torch.Tensor  # [1, tokens]
-    logit_rows: list[int] = field(default_factory=list)
-    sampled: list[Sequence] = field(default_factory=list)
-
-
-def kv_pool_blocks(model: Model, block_size: int, kv_cache_memory: int | None) -> int:
-    """Blocks that fit ``kv_cache_memory`` bytes (default: 1 GiB on CPU, half the free memory on CUDA)."""
-    per_block = KVPool.bytes_per_block(
-        num_layers=model.num_layers, block_size=block_size, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, dtype=model.dtype,
-    )
-    if kv_cache_memory is None:
-        if model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            kv_cache_memory = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
-        else:
-            kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
-    blocks = kv_cache_memory // per_block
-    if blocks < 1:
-        raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {per_block} bytes")
-    return blocks
-
-
 class Engine:
     def __init__(
         self,
@@ -114,23 +80,19 @@ class Engine:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
         self.block_size = block_size
-        self.pool = KVPool(
-            kv_pool_blocks(model, block_size, kv_cache_memory), num_layers=model.num_layers,
+        self.on_step = on_step
+        self._cond = threading.Condition()
+        self._inbox: deque[Callable[[], None]] = deque()
+        self.kv_cache = KVCache(
+            kv_cache_blocks(model, block_size, kv_cache_memory), num_layers=model.num_layers,
             block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype,
             device=model.device,
         )
-        self.scheduler = Scheduler(self.pool, config or SchedulerConfig())
-        self.on_step = on_step
-        install(model.hf_model)
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
-        # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
-        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
-        self._cond = threading.Condition()
-        self._inbox: deque[Callable[[], None]] = deque()
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-io", initializer=torch.set_num_threads,
-                                      initargs=(1,))  # one core each: see the module's docstring
-        self._io_in_flight = 0  # loads and saves submitted and not yet done
-        self._retained: dict[int, list[int]] = {}  # blocks of finished sequences being saved (step thread only)
+        self.pool = BlockPool(self.kv_cache.num_blocks)
+        self.scheduler = Scheduler(self.pool, block_size, config or SchedulerConfig())
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.connector = KVConnector(self.pool, self.kv_cache, functools.partial(self._post, internal=True),
+                                     io_threads)
         self._stopping = False
         self._running = threading.Event()  # run() has started
         self._stopped = threading.Event()  # run() has returned
@@ -185,7 +147,7 @@ class Engine:
             self._cond.notify()
         if self._running.is_set():
             self._stopped.wait(timeout_s)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self.connector.shutdown()
 
     def run(self) -> None:
         """Steps until ``stop``, sleeping while there is nothing to do; then fails what is left with
@@ -216,14 +178,12 @@ class Engine:
         for seq in [*self.scheduler.running, *self.scheduler.loading, *self.scheduler.waiting]:
             self.scheduler.finish(seq)
             seq.events.put(Finished("shutdown", "the engine is shutting down"))
-        for blocks in self._retained.values():  # saves still reading them get no more forwards
-            self.pool.free(blocks)
-        self._retained.clear()
+        self.connector.release_all()
 
     def run_until_done(self, timeout_s: float = 600.0) -> None:
         """Step until every added sequence has finished (tests and benchmarks, without ``start``)."""
         deadline = time.monotonic() + timeout_s
-        while self._inbox or self.scheduler.has_work or self._io_in_flight:
+        while self._inbox or self.scheduler.has_work or self.connector.num_in_flight:
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine did not finish its sequences in time")
             if self.step().idle and not self._inbox:
@@ -243,9 +203,9 @@ class Engine:
         self._drain()
         plan = self.scheduler.schedule()
         for spill in plan.spills:
-            self._save(spill, lambda seq: self._post(lambda: self._saved(seq), internal=True))
+            self.connector.save(spill)
         for seq in plan.to_load:
-            self._submit_io(functools.partial(self._load, seq))
+            self.connector.load(seq, self._loaded)
         if plan.scheduled:
             self._run(plan.scheduled)
         stats = self._stats(plan)
@@ -259,7 +219,7 @@ class Engine:
             num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_admitted=len(plan.admitted),
             num_preempted=plan.num_preempted, num_running=len(self.scheduler.running) + len(self.scheduler.loading),
             num_waiting=len(self.scheduler.waiting),
-            queue_wait_s=tuple(now - s.arrival for s in plan.admitted if not s.num_preemptions),
+            queue_wait_s=tuple(now - s.stats.arrival for s in plan.admitted if not s.stats.num_preemptions),
             num_prompt_tokens=plan.num_prompt_tokens, num_pool_hit_tokens=plan.num_pool_hit_tokens,
             num_coalesced_tokens=plan.num_coalesced_tokens,
             pool_used=self.pool.num_used, pool_free=self.pool.num_free, pool_cached=self.pool.num_cached,
@@ -268,7 +228,7 @@ class Engine:
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """One forward for the batch; if it fails, each sequence alone, so a failure fails only its own."""
         try:
-            tokens = self._forward_and_sample(scheduled)
+            tokens = self.runner.run(scheduled)
         except Exception as exc:
             if len(scheduled) == 1:
                 self._finish(scheduled[0][0], "error", error=f"{type(exc).__name__}: {exc}", save=False)
@@ -278,77 +238,12 @@ class Engine:
                 self._run([item])
             return
         for seq, n in scheduled:
-            self._advance(seq, n, tokens.get(id(seq)))
-
-    @torch.inference_mode()
-    def _forward_and_sample(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
-        fwd = self._prepare(scheduled)
-        m = self.model
-        rows = torch.tensor(fwd.logit_rows, dtype=torch.long, device=m.device)
-        kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
-        out = m.hf_model(
-            input_ids=fwd.input_ids, position_ids=fwd.positions, attention_mask=self._no_mask, use_cache=True,
-            kvserve_step=fwd.batch, **{m.cache_keyword: PagedCache(fwd.batch)}, **kwargs,
-        )
-        logits = out.logits[0] if self._logits_to_keep else out.logits[0, rows]  # [sampled, vocab]
-        if not fwd.sampled:
-            return {}
-        tokens = sample_batch(logits, [s.sampler for s in fwd.sampled])
-        for seq, row in zip(fwd.sampled, logits, strict=True):
-            if seq.keep_logits:
-                seq.logits = row.float()
-        return {id(seq): token for seq, token in zip(fwd.sampled, tokens, strict=True)}
-
-    def _prepare(self, scheduled: list[tuple[Sequence, int]]) -> _Forward:
-        bs, device = self.block_size, self.model.device
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        chunks: list[PromptChunk] = []
-        logit_rows: list[int] = []
-        sampled: list[Sequence] = []
-        for seq, n in scheduled:
-            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table[: -(-end // bs)]
-            slot_blocks.extend(table[p // bs] for p in range(start, end))
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(end)
-            else:
-                chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device),
-                                          chunk_mask(start, end, device)))
-            if end == len(seq.token_ids):
-                logit_rows.append(row + n - 1)
-                sampled.append(seq)
-        pos = torch.tensor(positions, device=device)
-        decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
-            lens = torch.tensor(decode_lens, device=device)
-            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
-            decode = (torch.tensor(decode_rows, device=device), tables, mask)
-        batch = StepBatch(
-            pool=self.pool,
-            slot_blocks=torch.tensor(slot_blocks, device=device),
-            slot_offsets=pos % bs,
-            decode_rows=decode[0] if decode else None,
-            decode_tables=decode[1] if decode else None,
-            decode_mask=decode[2] if decode else None,
-            chunks=tuple(chunks),
-        )
-        return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)
+            self._advance(seq, n, tokens.get(seq))
 
     def _advance(self, seq: Sequence, n: int, token: int | None) -> None:
         before = seq.num_computed_tokens
         seq.num_computed_tokens += n
-        seq.num_engine_computed_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
+        seq.stats.num_engine_computed_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
         self.scheduler.register(seq)
         if token is None:
             return
@@ -364,75 +259,15 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, error: str = "", save: bool = True) -> None:
         spill = self.scheduler.spill(seq, seq.num_computed_tokens) if save else None
-        if spill is not None:  # saved straight out of the pool: its blocks stay in use until then
-            self.pool.retain(spill.blocks)
-            self._retained[id(spill)] = spill.blocks
-        self.scheduler.finish(seq)
         if spill is None:
+            self.scheduler.finish(seq)
             seq.events.put(Finished(reason, error))
-        else:
-            self._save(spill, lambda s: s.events.put(Finished(reason, error)), retained=True)
+            return
+        ticket = self.connector.retain(spill)  # saved straight out of the KV cache: in use until then
+        self.scheduler.finish(seq)
+        self.connector.save(spill, lambda: seq.events.put(Finished(reason, error)), ticket=ticket)
 
-    def _save(self, spill: Spill, then: Callable[[Sequence], None], *, retained: bool = False) -> None:
-        # A preempted sequence's blocks go to others at once, so a copy of them is saved; a finished
-        # one's stay in use (retained) until the save has read the pool's slots themselves.
-        kv = [self.pool.kv[b] for b in spill.blocks] if retained else list(self.pool.kv[spill.blocks])
-        source = spill.seq.source
-        assert source is not None
-
-        def done() -> None:
-            if retained:
-                self._post(lambda: self._release(spill), internal=True)
-            then(spill.seq)
-
-        def save() -> None:
-            try:
-                source.save(spill.seq, spill.first_block, kv, spill.num_tokens)
-                spill.seq.num_saved_blocks = spill.first_block + spill.num_tokens // self.block_size
-            except Exception:
-                log.exception("saving the KV of request %s failed", spill.seq.request_id)
-            done()
-
-        self._submit_io(save, on_cancel=done)
-
-    def _release(self, spill: Spill) -> None:
-        if self._retained.pop(id(spill), None) is not None:
-            self.pool.free(spill.blocks)
-
-    def _submit_io(self, fn: Callable[[], None], on_cancel: Callable[[], None] | None = None) -> None:
-        """Run ``fn`` on an I/O thread; ``on_cancel`` instead if the engine stops before it starts."""
-        with self._cond:
-            self._io_in_flight += 1
-
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                with self._cond:
-                    self._io_in_flight -= 1
-                    self._cond.notify()
-
-        future = self._io.submit(run)
-        if on_cancel is not None:
-            future.add_done_callback(lambda f: on_cancel() if f.cancelled() else None)
-
-    def _saved(self, seq: Sequence) -> None:
-        seq.saving = False
-
-    def _load(self, seq: Sequence) -> None:
-        first = seq.num_computed_tokens // self.block_size
-        try:
-            assert seq.source is not None
-            n = seq.source.load(seq, first, seq.block_table[first:], self.pool)
-            n = max(0, min(n, len(seq.token_ids) - 1 - seq.num_computed_tokens))
-        except Exception:
-            log.exception("loading the KV of request %s failed: recomputing it", seq.request_id)
-            n = 0
-        self._post(lambda: self._loaded(seq, first, n), internal=True)
-
-    def _loaded(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
-        # Blocks the source did not have are computed here, and saved there when the sequence leaves.
-        seq.num_saved_blocks = min(seq.num_saved_blocks, first_block + num_tokens // self.block_size)
+    def _loaded(self, seq: Sequence, num_tokens: int) -> None:
         self.scheduler.loaded(seq, num_tokens)
         self.scheduler.register(seq)
         if seq.aborting is not None:

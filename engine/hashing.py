@@ -73,27 +73,25 @@ def _check_parent(parent: bytes) -> None:
         raise ValueError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
 
 
-def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one block given its parent's hash (the namespace root for the first block)."""
+def prefix_hashes(token_ids: Sequence[int], block_size: int, parent: BlockHash) -> list[BlockHash]:
+    """Chained hashes of every *full* block of ``token_ids``; a trailing partial block gets none. The first
+    block chains on ``parent``: the namespace root, or the hash of the block before ``token_ids[0]``."""
     _check_parent(parent)
-    h = hashlib.sha256(parent)
-    h.update(_pack_uint32_le(token_ids))
-    return BlockHash(h.digest())
-
-
-def prefix_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash) -> list[BlockHash]:
-    """Chained hashes of every *full* block of ``token_ids``; a trailing partial block gets none."""
-    _check_parent(root)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     num_blocks = len(token_ids) // block_size
     packed = memoryview(_pack_uint32_le(token_ids[: num_blocks * block_size]))
     stride = 4 * block_size
     hashes: list[BlockHash] = []
-    parent = root
     for start in range(0, num_blocks * stride, stride):
         h = hashlib.sha256(parent)
         h.update(packed[start : start + stride])
         parent = BlockHash(h.digest())
         hashes.append(parent)
     return hashes
+
+
+def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one block given its parent's hash (the namespace root for the first block)."""
+    (block_hash,) = prefix_hashes(token_ids, len(token_ids), parent)
+    return block_hash

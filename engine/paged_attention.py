@@ -1,11 +1,11 @@
-"""The glue between Hugging Face's model code and the paged KV pool.
+"""The glue between Hugging Face's model code and the paged KV cache.
 
 One forward runs a packed batch: every token of every sequence in the step side by side
 (``input_ids`` of shape ``[1, total_tokens]``, positions per token). Two hooks of transformers
 carry it through the unchanged model code:
 
 - ``PagedCache``, given as the model's cache object: each attention layer hands it the new
-  keys and values, which it writes into the sequences' pool slots;
+  keys and values, which it writes into the sequences' cache slots;
 - ``paged_attention``, registered as the attention implementation ``kvserve_paged``: it reads
   each sequence's keys and values through its block table and runs SDPA, decode rows (one query
   each) as one batched call and each prompt chunk on its own with its causal offset.
@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "kvserve_paged"
 
@@ -51,8 +51,8 @@ class PromptChunk:
 class StepBatch:
     """Where one packed forward writes and reads KV; built once per step, read by every layer."""
 
-    pool: KVPool
-    slot_blocks: torch.Tensor  # [tokens] long: the pool block of each new token
+    cache: KVCache
+    slot_blocks: torch.Tensor  # [tokens] long: the cache block of each new token
     slot_offsets: torch.Tensor  # [tokens] long: its position in that block
     decode_rows: torch.Tensor | None  # [decodes] long: packed index of each single-token sequence
     decode_tables: torch.Tensor | None  # [decodes, max_blocks] long, padded with block 0
@@ -61,7 +61,7 @@ class StepBatch:
 
 
 class PagedCache:
-    """The cache object of one packed forward: writes each layer's new K/V into the pool."""
+    """The cache object of one packed forward: writes each layer's new K/V into the KV cache."""
 
     def __init__(self, batch: StepBatch) -> None:
         self.batch = batch
@@ -71,8 +71,8 @@ class PagedCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch
         # key_states, value_states: [1, kv_heads, tokens, head_dim] -> slots [tokens, kv_heads, head_dim]
-        b.pool.layer(layer_idx, 0)[b.slot_blocks, b.slot_offsets] = key_states[0].transpose(0, 1)
-        b.pool.layer(layer_idx, 1)[b.slot_blocks, b.slot_offsets] = value_states[0].transpose(0, 1)
+        b.cache.layer(layer_idx, 0)[b.slot_blocks, b.slot_offsets] = key_states[0].transpose(0, 1)
+        b.cache.layer(layer_idx, 1)[b.slot_blocks, b.slot_offsets] = value_states[0].transpose(0, 1)
         return key_states, value_states
 
 
@@ -89,11 +89,11 @@ def chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor | Non
     return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]  # [n, end]
 
 
-def _gather(pool_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[batch, kv_heads, blocks * block_size, head_dim] from pool slots [blocks, block_size, kv_heads, head_dim]."""
+def _gather(cache_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[batch, kv_heads, blocks * block_size, head_dim] from cache slots [blocks, block_size, kv_heads, head_dim]."""
     b, n = tables.shape
-    _, bs, h, d = pool_layer.shape
-    blocks = pool_layer.index_select(0, tables.view(-1))  # [batch * blocks, block_size, kv_heads, head_dim]
+    _, bs, h, d = cache_layer.shape
+    blocks = cache_layer.index_select(0, tables.view(-1))  # [batch * blocks, block_size, kv_heads, head_dim]
     return blocks.view(b, n * bs, h, d).transpose(1, 2)
 
 
@@ -113,7 +113,7 @@ def paged_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    k_pool, v_pool = batch.pool.layer(layer, 0), batch.pool.layer(layer, 1)
+    k_cache, v_cache = batch.cache.layer(layer, 0), batch.cache.layer(layer, 1)
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
     if batch.decode_rows is not None:
@@ -123,7 +123,7 @@ def paged_attention(
         n, heads, kv_heads, d = batch.decode_rows.numel(), query.shape[1], key.shape[1], query.shape[3]
         q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
         o = scaled_dot_product_attention(
-            q, _gather(k_pool, batch.decode_tables), _gather(v_pool, batch.decode_tables),
+            q, _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables),
             attn_mask=batch.decode_mask, scale=scaling,
         )  # [decodes, kv_heads, heads per kv head, head_dim]
         out[batch.decode_rows] = o.reshape(n, heads, d)
@@ -134,8 +134,8 @@ def paged_attention(
             o = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             table = c.block_table[None]
-            k = _gather(k_pool, table)[:, :, : c.context_len]  # [1, kv_heads, context, head_dim]
-            v = _gather(v_pool, table)[:, :, : c.context_len]
+            k = _gather(k_cache, table)[:, :, : c.context_len]  # [1, kv_heads, context, head_dim]
+            v = _gather(v_cache, table)[:, :, : c.context_len]
             mask = c.mask if c.mask is not None else causal_lower_right(c.num_tokens, c.context_len)
             o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[c.start : c.start + c.num_tokens] = o[0].transpose(0, 1)

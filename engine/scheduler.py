@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_pool import KVPool
+from engine.block_pool import BlockPool
 from engine.sequence import Sequence, Status
 from protos.block_hash import BlockHash
 
@@ -77,10 +77,10 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, config: SchedulerConfig) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, config: SchedulerConfig) -> None:
         self.pool = pool
+        self.block_size = block_size
         self.config = config
-        self.block_size = pool.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.loading: list[Sequence] = []  # admitted; their source is filling their blocks
@@ -117,7 +117,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             out.admitted.append(seq)
-            out.num_pool_hit_tokens += seq.num_pool_hit_tokens
+            out.num_pool_hit_tokens += seq.stats.num_pool_hit_tokens
             if seq.status is Status.LOADING:
                 out.to_load.append(seq)
             else:
@@ -150,8 +150,8 @@ class Scheduler:
         seq.block_table[first:end] = hits
         seq.num_computed_tokens = end * bs
         seq.num_registered_blocks = end
-        seq.num_pool_hit_tokens += len(hits) * bs
-        seq.num_coalesced_tokens += len(hits) * bs
+        seq.stats.num_pool_hit_tokens += len(hits) * bs
+        seq.stats.num_coalesced_tokens += len(hits) * bs
         out.num_pool_hit_tokens += len(hits) * bs
         out.num_coalesced_tokens += len(hits) * bs
 
@@ -212,10 +212,10 @@ class Scheduler:
 
     def _take(self, seq: Sequence, hashes: list[BlockHash], hits: int, need: int) -> None:
         seq.block_table = self.pool.take_hits(hashes[:hits]) + self.pool.allocate(need)
-        seq.num_computed_tokens = seq.num_pool_hit_tokens = hits * self.block_size
-        seq.num_coalesced_tokens = 0
+        seq.num_computed_tokens = seq.stats.num_pool_hit_tokens = hits * self.block_size
+        seq.stats.num_coalesced_tokens = 0
         seq.num_registered_blocks = hits
-        seq.num_loaded_tokens = 0
+        seq.stats.num_loaded_tokens = 0
         if seq.source is not None and seq.num_computed_tokens < len(seq.token_ids) - 1:
             seq.status = Status.LOADING
             self.loading.append(seq)
@@ -226,7 +226,7 @@ class Scheduler:
     def loaded(self, seq: Sequence, num_tokens: int) -> None:
         """The source filled ``num_tokens`` tokens after the pool's hits."""
         self.loading.remove(seq)
-        seq.num_loaded_tokens = num_tokens
+        seq.stats.num_loaded_tokens = num_tokens
         seq.num_computed_tokens += num_tokens
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -241,7 +241,7 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_registered_blocks = 0
-        seq.num_preemptions += 1
+        seq.stats.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         out.num_preempted += 1

@@ -1,4 +1,4 @@
-"""A sequence in the engine: its token ids and a block table into the KV pool, nothing else on the
+"""A sequence in the engine: its token ids and a block table into the KV cache, nothing else on the
 device. What a request thread hears back from the engine travels on the sequence's event queue."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from engine.hashing import hash_block_tokens
-from engine.kv_pool import KVPool
+from engine.hashing import prefix_hashes
+from engine.kv_cache import KVCache
 from engine.sampling import Sampler
 from protos.block_hash import BlockHash
 
@@ -29,18 +29,18 @@ class Status(enum.Enum):
 
 
 class KVSource(Protocol):
-    """Where a sequence's KV comes from beyond this engine's pool, and where it goes when the sequence
+    """Where a sequence's KV comes from beyond this engine's KV cache, and where it goes when the sequence
     leaves (the KV store). Both run on the engine's I/O threads, never on its step thread."""
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
-        """Write the KV of ``seq``'s blocks ``first_block, first_block + 1, ...`` into pool ``blocks``
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
+        """Write the KV of ``seq``'s blocks ``first_block, first_block + 1, ...`` into ``cache`` blocks ``blocks``
         (the last may be partial) and return how many tokens from ``first_block * block_size`` on are
         now there, leading and contiguous; 0 on any failure. Never more than ``len(token_ids) - 1``."""
         ...
 
     def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
         """Keep ``kv``, the sequence's blocks from ``first_block`` on (each [layers, 2, block_size, kv_heads,
-        head_dim], the pool's slots themselves, valid only during the call), holding ``num_tokens`` tokens
+        head_dim], the KV cache's slots themselves, valid only during the call), holding ``num_tokens`` tokens
         (the last block may be partial). Best effort."""
         ...
 
@@ -66,9 +66,21 @@ class Finished:
 Event = TokenEvent | Finished
 
 
+@dataclass(slots=True)
+class SequenceStats:
+    """Counters of one sequence, for metrics and tests: no scheduling decision reads them."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    num_pool_hit_tokens: int = 0  # prompt tokens taken from the pool since the latest admission
+    num_coalesced_tokens: int = 0  # of those, the ones taken after admission, computed by another sequence
+    num_loaded_tokens: int = 0  # from the source, at the latest admission
+    num_engine_computed_tokens: int = 0  # prompt tokens this engine computed (not generated ones)
+    num_preemptions: int = 0
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
-    """Token ids, of which the first ``num_computed_tokens`` have KV in the pool blocks of ``block_table``.
+    """Token ids, of which the first ``num_computed_tokens`` have KV in the KV cache blocks of ``block_table``.
 
     ``hash_root`` seeds the prefix hashes under which full blocks are shared with other sequences
     through the pool; None keeps them private. ``num_saved_blocks`` leading full blocks are known to be
@@ -92,15 +104,10 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks registered in the pool under their hash
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    num_pool_hit_tokens: int = 0  # prompt tokens taken from the pool since the latest admission
-    num_coalesced_tokens: int = 0  # of those, the ones taken after admission, computed by another sequence
-    num_loaded_tokens: int = 0  # from the source, at the latest admission
-    num_engine_computed_tokens: int = 0  # prompt tokens this engine computed (not generated ones)
-    num_preemptions: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
     aborting: str | None = None  # "save" or "drop", set while LOADING
     saving: bool = False  # a preemption's save is in flight; not admitted until it lands
     events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue, repr=False)
+    stats: SequenceStats = field(default_factory=SequenceStats)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # its own: the engine appends to it
@@ -118,8 +125,8 @@ class Sequence:
     def full_block_hashes(self, block_size: int, num_blocks: int) -> list[BlockHash]:
         """Prefix hashes of the first ``num_blocks`` full blocks, computed once each."""
         assert self.hash_root is not None
-        while len(self.block_hashes) < num_blocks:
-            i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else self.hash_root
-            self.block_hashes.append(hash_block_tokens(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        if (have := len(self.block_hashes)) < num_blocks:
+            parent = self.block_hashes[-1] if have else self.hash_root
+            self.block_hashes += prefix_hashes(self.token_ids[have * block_size : num_blocks * block_size], block_size,
+                                               parent)
         return self.block_hashes[:num_blocks]

@@ -18,8 +18,8 @@ from collections import abc
 
 import torch
 
-from engine.hashing import Namespace, hash_block_tokens
-from engine.kv_pool import KVPool
+from engine.hashing import Namespace, prefix_hashes
+from engine.kv_cache import KVCache
 from engine.sequence import Sequence, Status
 from handoff.codec import BlockError
 from handoff.requests import PrefillHandle
@@ -52,9 +52,8 @@ class DecodeKV:
         if self.cacheable:
             return seq.full_block_hashes(bs, num_blocks)
         keys = self.prompt_keys[:num_blocks]
-        for i in range(len(keys), num_blocks):  # private blocks past the prompt chain on from its last key
-            parent = keys[-1] if keys else self._private_root
-            keys.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        if (have := len(keys)) < num_blocks:  # private blocks past the prompt chain on from its last key
+            keys += prefix_hashes(seq.token_ids[have * bs : num_blocks * bs], bs, keys[-1] if keys else self._private_root)
         return keys
 
     def release_lease(self) -> None:
@@ -63,12 +62,12 @@ class DecodeKV:
             lease, self.lease_id = self.lease_id, ""
         self.store.release(lease)
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         bs = self.namespace.block_size
         num_full = min(seq.num_saved_blocks, (len(seq.token_ids) - 1) // bs)
         first_admission = len(seq.token_ids) == self.num_prompt_tokens + 1
         tail = self.tail if first_admission and num_full == self.num_prompt_tokens // bs else None
-        loaded = load_blocks(self.store, self.keys(seq, num_full)[first_block:], self.namespace, pool, blocks, tail)
+        loaded = load_blocks(self.store, self.keys(seq, num_full)[first_block:], self.namespace, cache, blocks, tail)
         self.release_lease()
         self.error = loaded.error or self.error
         return loaded.num_tokens

@@ -11,7 +11,7 @@ from collections import abc
 import torch
 
 from engine.hashing import Namespace
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 from engine.sequence import Sequence, Status
 from handoff.codec import BlockError
 from handoff.session import StoreSession
@@ -44,9 +44,9 @@ class PrefillKV:
         self.tail_stored = False
         self.error: BlockError | None = None
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         t = time.perf_counter()
-        loaded = load_blocks(self.store, self.keys[first_block : seq.num_saved_blocks], self.namespace, pool, blocks)
+        loaded = load_blocks(self.store, self.keys[first_block : seq.num_saved_blocks], self.namespace, cache, blocks)
         self.error = loaded.error or self.error
         self.fetch_s += time.perf_counter() - t
         return loaded.num_tokens

@@ -1,10 +1,10 @@
-"""Moving a sequence's KV between the pool and a block store (the KV store, through the services'
-best-effort session): verified blocks are copied straight into pool slots, and pool slots are
+"""Moving a sequence's KV between the KV cache and a store (the KV store, through the services'
+best-effort session): verified blocks are copied straight into cache slots, and cache slots are
 encoded straight into stored blocks (docs/DESIGN.md, "KV block format").
 
 Where the store's top tier is a device arena this process has opened (same node), blocks move device
-to device, a batch at a time: a put copies pool slots into arena slots, a get copies arena slots into
-pool slots, and only the 64-byte headers cross to the host. A pool on a GPU without such a store moves
+to device, a batch at a time: a put copies cache slots into arena slots, a get copies arena slots into
+cache slots, and only the 64-byte headers cross to the host. A cache on a GPU without such a store moves
 its blocks through host memory, in one copy per direction for the whole batch.
 
 A block rejected on load (bad checksum, header, shape or namespace, or NaN/infinite values) is
@@ -21,26 +21,27 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.hashing import Namespace
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 from handoff.codec import HEADER_BYTES, BlockError, check_header, encode_header, encode_parts, verify_block
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
-Payload = bytes | tuple[bytes, memoryview]  # a block, or its header and a view of its tensor
+EncodedBlock = bytes | tuple[bytes, memoryview]  # a block, or its header and a view of its tensor
 
 
-def payload_bytes(payload: Payload) -> bytes:
-    """A payload as one bytes object (for stores that keep bytes)."""
-    return payload if isinstance(payload, bytes) else b"".join(payload)
+def encoded_bytes(block: EncodedBlock) -> bytes:
+    """An encoded block as one bytes object (for stores that keep bytes)."""
+    return block if isinstance(block, bytes) else b"".join(block)
 
 
-class BlockStore(Protocol):
-    """What the engine needs of a store; a miss or a failure is None, never an exception."""
+class KVStoreLike(Protocol):
+    """What the engine needs of the KV store (its client, the services' store session, a dict in tests);
+    a miss or a failure is None, never an exception."""
 
     def get(self, hashes: Sequence[BlockHash]) -> list[bytes | None]: ...
 
-    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int: ...
+    def put(self, blocks: Iterable[tuple[BlockHash, EncodedBlock]], ephemeral: bool = False) -> int: ...
 
     def remove(self, hashes: Sequence[BlockHash]) -> int:
         """Drops blocks the engine found bad; returns how many the store held."""
@@ -48,18 +49,18 @@ class BlockStore(Protocol):
 
 
 @runtime_checkable
-class ScatterStore(BlockStore, Protocol):
+class ScatterStore(KVStoreLike, Protocol):
     """A store that copies blocks straight into caller buffers, verified against its own checksum
-    (the KV store's client): a block then lands in its pool slot in one copy and one hash pass."""
+    (the KV store's client): a block then lands in its cache slot in one copy and one hash pass."""
 
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]: ...
 
 
-_MOVE_BYTES = 64 << 20  # blocks move between a GPU pool and the store this many bytes a call (scratch on the device)
+MOVE_BYTES = 64 << 20  # blocks move between a GPU cache and the store this many bytes a call (scratch on the device)
 
 
 @runtime_checkable
-class TensorStore(BlockStore, Protocol):
+class TensorStore(KVStoreLike, Protocol):
     """A store that moves blocks as tensors (the KV store's client): device to device when
     ``tensor_device`` names the device of a store arena this process opened, else through host bytes."""
 
@@ -71,58 +72,60 @@ class TensorStore(BlockStore, Protocol):
                     ephemeral: bool = False) -> int: ...
 
 
-def _device_path(store: BlockStore, pool_device: torch.device) -> bool:
-    """Blocks go as tensors: the store holds them in a device arena this process opened, or the pool is on
+def _device_path(store: KVStoreLike, cache_device: torch.device) -> bool:
+    """Blocks go as tensors: the store holds them in a device arena this process opened, or the cache is on
     a GPU (where memoryviews of its slots cannot be had)."""
-    return isinstance(store, TensorStore) and (store.tensor_device() is not None or pool_device.type != "cpu")
+    return isinstance(store, TensorStore) and (store.tensor_device() is not None or cache_device.type != "cpu")
 
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    num_tokens: int  # leading tokens now in the pool
+    num_tokens: int  # leading tokens now in the cache
     error: BlockError | None = None  # the bad block that ended the run, if one did
     rejected: tuple[BlockHash, ...] = ()  # bad blocks seen, removed from the store
 
 
 def load_blocks(
-    store: BlockStore, keys: Sequence[BlockHash], namespace: Namespace, pool: KVPool, blocks: Sequence[int],
-    tail: tuple[BlockHash, int] | None = None,
+    store: KVStoreLike, keys: Sequence[BlockHash], namespace: Namespace, cache: KVCache, blocks: Sequence[int],
+    tail: tuple[BlockHash, int] | None = None, *, move_bytes: int = MOVE_BYTES,
 ) -> Loaded:
     """Fetch full blocks ``keys`` (then the partial ``tail`` (key, tokens) once every full one is there)
-    into pool ``blocks``, in order, up to the first miss or bad block: a bad block is a miss, and
-    nothing after it is used, since a prefix must be contiguous."""
+    into cache ``blocks``, in order, up to the first miss or bad block: a bad block is a miss, and
+    nothing after it is used, since a prefix must be contiguous. Blocks moved as tensors go
+    ``move_bytes`` at a time."""
     keys = list(keys[: len(blocks)])
     with_tail = tail is not None and len(blocks) > len(keys)
-    if _device_path(store, pool.kv.device):
-        return _load_tensors(store, keys, namespace, pool, blocks, tail if with_tail else None)  # type: ignore[arg-type]
+    if _device_path(store, cache.kv.device):
+        return _load_tensors(store, keys, namespace, cache, blocks, tail if with_tail else None,  # type: ignore[arg-type]
+                             move_bytes)
     if isinstance(store, ScatterStore):
-        return _load_in_place(store, keys, namespace, pool, blocks, tail if with_tail else None)
+        return _load_in_place(store, keys, namespace, cache, blocks, tail if with_tail else None)
     wanted = keys + [tail[0]] if with_tail and tail else keys
     payloads = store.get(wanted)
-    _, layers, _, _, heads, dim = pool.kv.shape
-    bs = pool.block_size
-    counts: list[int] = []  # tokens of each block landed in the pool, in order
+    _, layers, _, _, heads, dim = cache.kv.shape
+    bs = cache.block_size
+    counts: list[int] = []  # tokens of each block landed in the cache, in order
     for i, payload in enumerate(payloads):
         if payload is None:
             break
         num_tokens = bs if i < len(keys) else tail[1]  # type: ignore[index]
         try:
             body, _ = verify_block(payload, namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
-                                   dtype=pool.kv.dtype, num_tokens=num_tokens)
+                                   dtype=cache.kv.dtype, num_tokens=num_tokens)
         except BlockError as exc:
-            return _checked(store, wanted, pool, blocks, counts, exc)
-        pool.write(blocks[i], body, num_tokens)
+            return _checked(store, wanted, cache, blocks, counts, exc)
+        cache.write(blocks[i], body, num_tokens)
         counts.append(num_tokens)
-    return _checked(store, wanted, pool, blocks, counts)
+    return _checked(store, wanted, cache, blocks, counts)
 
 
-def _checked(store: BlockStore, keys: Sequence[BlockHash], pool: KVPool, blocks: Sequence[int], counts: list[int],
+def _checked(store: KVStoreLike, keys: Sequence[BlockHash], cache: KVCache, blocks: Sequence[int], counts: list[int],
              error: BlockError | None = None) -> Loaded:
     """The run of blocks that landed in ``blocks`` (``counts[i]`` tokens each), ended by ``error`` (a bad
     ``keys[len(counts)]``) if given, cut at its first block holding a NaN or an infinity; every bad block
     seen is removed from the store."""
     bad = [len(counts)] if error is not None else []
-    nonfinite = _nonfinite(pool, blocks, counts)
+    nonfinite = _nonfinite(cache, blocks, counts)
     if nonfinite:
         error = BlockError("nonfinite", f"block {keys[nonfinite[0]].hex()[:16]} holds NaN or infinite values")
         counts = counts[: nonfinite[0]]
@@ -132,19 +135,19 @@ def _checked(store: BlockStore, keys: Sequence[BlockHash], pool: KVPool, blocks:
     return Loaded(sum(counts), error, rejected)
 
 
-def _nonfinite(pool: KVPool, blocks: Sequence[int], counts: Sequence[int]) -> list[int]:
+def _nonfinite(cache: KVCache, blocks: Sequence[int], counts: Sequence[int]) -> list[int]:
     """Which of the first len(counts) ``blocks`` hold a NaN or an infinity in their first ``counts[i]`` tokens.
 
-    One sum per block (accumulated in float32, float64 for a float64 pool) and one check of them all:
+    One sum per block (accumulated in float32, float64 for a float64 cache) and one check of them all:
     NaN and infinities carry through a sum, so a block whose sum is finite is. A non-finite sum is
     confirmed element by element (huge finite values could overflow the sum). Measured on the tiny
     llama (256 KiB float32 blocks, CPU): 17-20 us a block, 8-19 % of loading it from a same-host
     store (93-250 us a block), 2 % over gRPC; `isfinite(...).all()` on every block costs 150 us."""
     if not counts:
         return []
-    acc = torch.float64 if pool.kv.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if cache.kv.dtype == torch.float64 else torch.float32
     # each block's first n tokens: [layers, 2, n, kv_heads, head_dim]
-    views = [pool.kv[b, :, :, :n] for b, n in zip(blocks, counts, strict=False)]
+    views = [cache.kv[b, :, :, :n] for b, n in zip(blocks, counts, strict=False)]
     finite = torch.isfinite(torch.stack([v.sum(dtype=acc) for v in views]))  # [len(counts)]
     if bool(finite.all()):
         return []
@@ -153,73 +156,73 @@ def _nonfinite(pool: KVPool, blocks: Sequence[int], counts: Sequence[int]) -> li
 
 
 def _load_in_place(
-    store: ScatterStore, keys: list[BlockHash], namespace: Namespace, pool: KVPool, blocks: Sequence[int],
+    store: ScatterStore, keys: list[BlockHash], namespace: Namespace, cache: KVCache, blocks: Sequence[int],
     tail: tuple[BlockHash, int] | None,
 ) -> Loaded:
-    # Full blocks: header into a scratch buffer, tensor straight into the pool slot; a slot that
+    # Full blocks: header into a scratch buffer, tensor straight into the cache slot; a slot that
     # receives a bad block is not counted, and the engine computes over it. The tail (fewer tokens
     # than a slot holds, so another layout) goes through a scratch buffer.
-    _, layers, _, _, heads, dim = pool.kv.shape
+    _, layers, _, _, heads, dim = cache.kv.shape
     headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
-    buffers: list[Sequence[memoryview]] = [(h, _slot_view(pool, b)) for h, b in zip(headers, blocks, strict=False)]
-    scratch = memoryview(bytearray(HEADER_BYTES + pool.kv[0].numel() * pool.kv.element_size() if tail else 0))
+    buffers: list[Sequence[memoryview]] = [(h, cache.slot_bytes(b)) for h, b in zip(headers, blocks, strict=False)]
+    scratch = memoryview(bytearray(HEADER_BYTES + cache.kv[0].nbytes if tail else 0))
     if tail is not None:
         buffers.append((scratch,))
     wanted = keys + [tail[0]] if tail is not None else keys
     sizes = store.get_into(wanted, buffers)
-    bs = pool.block_size
-    counts: list[int] = []  # tokens of each block landed in the pool, in order
+    bs = cache.block_size
+    counts: list[int] = []  # tokens of each block landed in the cache, in order
     for i, size in enumerate(sizes):
         if size is None:
             break
         try:
             if i < len(keys):
                 check_header(headers[i], size - HEADER_BYTES, namespace, num_layers=layers, num_kv_heads=heads,
-                             head_dim=dim, dtype=pool.kv.dtype, num_tokens=bs)
+                             head_dim=dim, dtype=cache.kv.dtype, num_tokens=bs)
                 counts.append(bs)
                 continue
             assert tail is not None
             body, n = verify_block(scratch[:size], namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
-                                   dtype=pool.kv.dtype, num_tokens=tail[1], checked=True)
+                                   dtype=cache.kv.dtype, num_tokens=tail[1], checked=True)
         except BlockError as exc:
-            return _checked(store, wanted, pool, blocks, counts, exc)
-        pool.write(blocks[i], body, n)
+            return _checked(store, wanted, cache, blocks, counts, exc)
+        cache.write(blocks[i], body, n)
         counts.append(n)
-    return _checked(store, wanted, pool, blocks, counts)
+    return _checked(store, wanted, cache, blocks, counts)
 
 
 def _load_tensors(
-    store: TensorStore, keys: list[BlockHash], namespace: Namespace, pool: KVPool, blocks: Sequence[int],
-    tail: tuple[BlockHash, int] | None,
+    store: TensorStore, keys: list[BlockHash], namespace: Namespace, cache: KVCache, blocks: Sequence[int],
+    tail: tuple[BlockHash, int] | None, move_bytes: int,
 ) -> Loaded:
     # A bounded number of bytes at a time (the scratch on the device: the copies out of the store, and
-    # the bodies stacked for the pool), up to the first miss or bad block. A device copy that fails (out
+    # the bodies stacked for the cache), up to the first miss or bad block. A device copy that fails (out
     # of memory) ends the run there: the engine computes the rest.
     wanted = keys + [tail[0]] if tail is not None else keys
-    per_call = max(1, _MOVE_BYTES // (pool.kv[0].numel() * pool.kv.element_size()))
-    counts: list[int] = []  # tokens of each block landed in the pool, in order
+    per_call = max(1, move_bytes // cache.kv[0].nbytes)
+    counts: list[int] = []  # tokens of each block landed in the cache, in order
     error: BlockError | None = None
     try:
         for start in range(0, len(wanted), per_call):
-            landed, error = _load_run(store, wanted[start : start + per_call], start, len(keys), namespace, pool,
+            landed, error = _load_run(store, wanted[start : start + per_call], start, len(keys), namespace, cache,
                                       blocks, tail)
             counts += landed
             if error is not None or len(landed) < len(wanted[start : start + per_call]):
                 break
     except RuntimeError:
-        log.warning("moving KV blocks from the store into the pool failed: computing them instead", exc_info=True)
-    return _checked(store, wanted, pool, blocks, counts, error)
+        log.warning("moving KV blocks from the store into the cache failed: computing them instead", exc_info=True)
+    return _checked(store, wanted, cache, blocks, counts, error)
 
 
 def _load_run(
-    store: TensorStore, wanted: list[BlockHash], first: int, num_full: int, namespace: Namespace, pool: KVPool,
+    store: TensorStore, wanted: list[BlockHash], first: int, num_full: int, namespace: Namespace, cache: KVCache,
     blocks: Sequence[int], tail: tuple[BlockHash, int] | None,
 ) -> tuple[list[int], BlockError | None]:
     """Blocks ``wanted`` (indexes ``first``... of the request: full blocks below ``num_full``, then the tail)
-    into their pool blocks: the tokens of each that landed, and the error that stopped the run, if any.
-    Every header goes to the host in one copy; full blocks' bodies into their pool slots in one
+    into their cache blocks: the tokens of each that landed, and the error that stopped the run, if any.
+    Every header goes to the host in one copy; full blocks' bodies into their cache slots in one
     index_copy (after one host-to-device copy for blocks that came as bytes); the tail by itself."""
-    _, layers, _, _, heads, dim = pool.kv.shape
+    _, layers, _, _, heads, dim = cache.kv.shape
     found: list[torch.Tensor] = []  # the leading run of hits
     for t in store.get_tensors(wanted):
         if t is None:
@@ -233,22 +236,22 @@ def _load_run(
     headers = _stack([t[:HEADER_BYTES] for t in found], torch.device("cpu")).numpy()
     counts: list[int] = []
     for i, (header, t) in enumerate(zip(headers, found, strict=True)):
-        num_tokens = pool.block_size if first + i < num_full else tail[1]  # type: ignore[index]
+        num_tokens = cache.block_size if first + i < num_full else tail[1]  # type: ignore[index]
         try:
             check_header(header, t.numel() - HEADER_BYTES, namespace, num_layers=layers, num_kv_heads=heads,
-                         head_dim=dim, dtype=pool.kv.dtype, num_tokens=num_tokens)
+                         head_dim=dim, dtype=cache.kv.dtype, num_tokens=num_tokens)
         except BlockError as exc:
             error = exc
             break
         counts.append(num_tokens)
     full = min(len(counts), num_full - first)
     if full:
-        slots = pool.kv.view(pool.num_blocks, -1).view(torch.uint8).view(torch.int64)  # 8-byte words move faster
-        index = torch.tensor(list(blocks[first : first + full]), dtype=torch.long).to(pool.kv.device, non_blocking=True)
-        bodies = _stack([t[HEADER_BYTES:] for t in found[:full]], pool.kv.device)
+        slots = cache.kv.view(cache.num_blocks, -1).view(torch.uint8).view(torch.int64)  # 8-byte words move faster
+        index = torch.tensor(list(blocks[first : first + full]), dtype=torch.long).to(cache.kv.device, non_blocking=True)
+        bodies = _stack([t[HEADER_BYTES:] for t in found[:full]], cache.kv.device)
         slots.index_copy_(0, index, bodies.view(torch.int64))
     if len(counts) > full:  # the tail
-        pool.write(blocks[first + len(counts) - 1], found[len(counts) - 1][HEADER_BYTES:].to(pool.kv.device),
+        cache.write(blocks[first + len(counts) - 1], found[len(counts) - 1][HEADER_BYTES:].to(cache.kv.device),
                    counts[-1])
     return counts, error
 
@@ -262,22 +265,20 @@ def _stack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     return torch.stack([t.to(device) for t in tensors])
 
 
-def _slot_view(pool: KVPool, block: int) -> memoryview:
-    return pool.kv[block].view(-1).view(torch.uint8).numpy().data
-
-
 def save_blocks(
-    store: BlockStore, keys: Sequence[BlockHash], namespace: Namespace, kv: Sequence[torch.Tensor], num_tokens: int,
-    tail_key: BlockHash | None = None, ephemeral: bool = False,
+    store: KVStoreLike, keys: Sequence[BlockHash], namespace: Namespace, kv: Sequence[torch.Tensor], num_tokens: int,
+    tail_key: BlockHash | None = None, ephemeral: bool = False, *, move_bytes: int = MOVE_BYTES,
 ) -> int:
     """Put the full blocks of ``kv`` (each [layers, 2, block_size, kv_heads, head_dim]; ``num_tokens``
     tokens) under ``keys``, and a partial last block under ``tail_key`` if given (always ephemeral);
     returns how many blocks the store took. Each block goes as its header and a view of its tensor,
-    so a same-host store copies it once, straight out of a pool slot."""
+    so a same-host store copies it once, straight out of a cache slot. Blocks moved as tensors go
+    ``move_bytes`` at a time."""
     bs = namespace.block_size
     num_full = num_tokens // bs
     if _device_path(store, kv[0].device if len(kv) else torch.device("cpu")):
-        return _save_tensors(store, keys, namespace, kv, num_tokens, tail_key, ephemeral)  # type: ignore[arg-type]
+        return _save_tensors(store, keys, namespace, kv, num_tokens, tail_key, ephemeral,  # type: ignore[arg-type]
+                             move_bytes)
     stored = store.put([(key, encode_parts(kv[i], namespace)) for i, key in enumerate(keys[:num_full])],
                        ephemeral=ephemeral)
     if tail_key is not None and num_tokens % bs:
@@ -288,13 +289,13 @@ def save_blocks(
 
 def _save_tensors(
     store: TensorStore, keys: Sequence[BlockHash], namespace: Namespace, kv: Sequence[torch.Tensor], num_tokens: int,
-    tail_key: BlockHash | None, ephemeral: bool,
+    tail_key: BlockHash | None, ephemeral: bool, move_bytes: int,
 ) -> int:
-    # Headers without a payload checksum (the store's covers each block), bodies as the pool's tensors: into
+    # Headers without a payload checksum (the store's covers each block), bodies as the cache's tensors: into
     # a device arena they never leave the device; anywhere else the store's client copies them to the host.
     bs = namespace.block_size
     num_full = num_tokens // bs
-    per_call = max(1, _MOVE_BYTES // (kv[0].numel() * kv[0].element_size())) if num_full else 1
+    per_call = max(1, move_bytes // kv[0].nbytes) if num_full else 1
     stored = 0
     for start in range(0, num_full, per_call):
         stored += store.put_tensors([(keys[i], (encode_header(kv[i], namespace), kv[i]))

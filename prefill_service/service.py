@@ -114,7 +114,7 @@ class PrefillService:
             self.metrics.running.inc()
             try:
                 first_token, t_first = self._first_token(seq, job)
-                num_cached = seq.num_pool_hit_tokens + seq.num_loaded_tokens
+                num_cached = seq.stats.num_pool_hit_tokens + seq.stats.num_loaded_tokens
                 handle = PrefillHandle(
                     request_id=job.request_id, prompt_token_ids=tuple(token_ids), block_size=bs, block_hashes=(),
                     tail_key=None, num_cached_tokens=num_cached, num_computed_tokens=len(token_ids) - num_cached,

@@ -1,4 +1,4 @@
-"""Shared helpers for the engine tests: tiny models built once per test process, engines with a pool of a
+"""Shared helpers for the engine tests: tiny models built once per test process, engines with a KV cache of a
 given size, running sequences to completion, oracle checks, and a KV store in a dict with a KV source
 over it."""
 
@@ -18,14 +18,14 @@ import torch
 
 from engine.engine import Engine, StepStats
 from engine.hashing import Namespace, prefix_hashes
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 from engine.model import Model, load_model
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Finished
 from engine.sequence import Sequence as KVSequence
 from engine.tiny import init_tiny_model
-from handoff.transfer import Payload, load_blocks, payload_bytes, save_blocks
+from handoff.transfer import EncodedBlock, encoded_bytes, load_blocks, save_blocks
 from protos.block_hash import BlockHash
 
 ARCHS = ("llama", "qwen2", "gpt2")
@@ -80,8 +80,8 @@ def make_engine(
     model: Model, block_size: int, num_blocks: int, *, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
     on_step: Callable[[StepStats], None] | None = None,
 ) -> Engine:
-    """An Engine whose KV pool holds exactly ``num_blocks`` blocks."""
-    per_block = KVPool.bytes_per_block(
+    """An Engine whose KV cache holds exactly ``num_blocks`` blocks."""
+    per_block = KVCache.bytes_per_block(
         num_layers=model.num_layers, block_size=block_size, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, dtype=model.dtype,
     )
@@ -163,7 +163,7 @@ def assert_matches_oracle(
 
 
 class DictStore:
-    """A BlockStore in a dict: what a KV source needs of the KV store."""
+    """A KVStoreLike in a dict: what a KV source needs of the KV store."""
 
     def __init__(self) -> None:
         self.blocks: dict[BlockHash, bytes] = {}
@@ -173,11 +173,11 @@ class DictStore:
         with self._lock:
             return [self.blocks.get(h) for h in hashes]
 
-    def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[BlockHash, EncodedBlock]], ephemeral: bool = False) -> int:
         with self._lock:
             n = 0
             for key, payload in blocks:
-                self.blocks[key] = payload_bytes(payload)
+                self.blocks[key] = encoded_bytes(payload)
                 n += 1
             return n
 
@@ -202,7 +202,7 @@ class Save:
 
 
 class PrefixSource:
-    """A KVSource over a BlockStore, full blocks keyed by the prefix hashes of the sequence's tokens in
+    """A KVSource over a KVStoreLike, full blocks keyed by the prefix hashes of the sequence's tokens in
     ``namespace`` (whatever the sequence's own ``hash_root``): a preempted sequence resumes from what it
     saved, and a later sequence with the same prefix loads it. Records every load and save."""
 
@@ -216,9 +216,9 @@ class PrefixSource:
     def keys(self, token_ids: Sequence[int]) -> list[BlockHash]:
         return prefix_hashes(token_ids, self.namespace.block_size, self.namespace.root())
 
-    def load(self, seq: KVSequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+    def load(self, seq: KVSequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         keys = self.keys(seq.token_ids[:-1])[first_block:]  # the last token is always computed
-        loaded = load_blocks(self.store, keys, self.namespace, pool, blocks)
+        loaded = load_blocks(self.store, keys, self.namespace, cache, blocks)
         with self._lock:
             self.loads.append(Load(seq.seq_id, first_block, loaded.num_tokens))
         return loaded.num_tokens
@@ -226,5 +226,5 @@ class PrefixSource:
     def save(self, seq: KVSequence, first_block: int, kv: Sequence[torch.Tensor], num_tokens: int) -> None:
         keys = self.keys(seq.token_ids[: first_block * self.namespace.block_size + num_tokens])[first_block:]
         save_blocks(self.store, keys, self.namespace, kv, num_tokens)
-        with self._lock:  # a copy: the pool's slots are valid only during the call
+        with self._lock:  # a copy: the KV cache's slots are valid only during the call
             self.saves.append(Save(seq.seq_id, first_block, torch.stack(list(kv)), num_tokens))

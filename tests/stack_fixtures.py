@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.model import Model, load_model
 from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
-from handoff.transfer import Payload, payload_bytes
+from handoff.transfer import EncodedBlock, encoded_bytes
 from kvstore import KVStoreClient
 from kvstore.client import scatter
 from kvstore.device_tier import as_uint8
@@ -119,14 +119,14 @@ class FakeStore:
         if self.down:
             raise FakeRpcError(grpc.StatusCode.UNAVAILABLE)
 
-    def put(self, blocks: Iterable[tuple[bytes, Payload]], ephemeral: bool = False) -> int:
+    def put(self, blocks: Iterable[tuple[bytes, EncodedBlock]], ephemeral: bool = False) -> int:
         self._call("put")
         new = 0
         with self._lock:
             for key, payload in blocks:
                 assert len(key) == 32
                 new += key not in self.blocks
-                self.blocks[key] = payload_bytes(payload)
+                self.blocks[key] = encoded_bytes(payload)
                 if ephemeral:
                     self.ephemeral.add(key)
         return new

@@ -102,21 +102,21 @@ def test_preempted_streams_resume_and_equal_hf_generate(arch: str, resume_from: 
     seqs = [make_seq(model, p, 24, source=source, hash_root=hash_root) for p in _prompts(8, seed=2, shortest=20,
                                                                                          spread=41)]
     outcomes = run(engine, seqs)
-    preempted = [s for s in seqs if s.num_preemptions]
-    assert preempted and sum(s.num_preemptions for s in seqs) == log.num_preempted
+    preempted = [s for s in seqs if s.stats.num_preemptions]
+    assert preempted and sum(s.stats.num_preemptions for s in seqs) == log.num_preempted
     assert all(step.pool_used <= engine.pool.num_blocks for step in log.steps)
     if resume_from == "store":
         assert source is not None
         # Resumed from the full blocks its preemption saved; only preempted sequences found any.
-        assert all(s.num_loaded_tokens > 0 and s.num_loaded_tokens % BLOCK == 0 for s in preempted)
+        assert all(s.stats.num_loaded_tokens > 0 and s.stats.num_loaded_tokens % BLOCK == 0 for s in preempted)
         assert {ld.seq_id for ld in source.loads if ld.num_tokens} == {s.seq_id for s in preempted}
     elif resume_from == "pool":  # its blocks were kept by hash when it was preempted
-        assert all(s.num_pool_hit_tokens > 0 and s.num_loaded_tokens == 0 for s in preempted)
+        assert all(s.stats.num_pool_hit_tokens > 0 and s.stats.num_loaded_tokens == 0 for s in preempted)
     if resume_from == "recompute":
-        assert all(s.num_engine_computed_tokens > s.num_prompt_tokens for s in preempted)
-        assert all(s.num_loaded_tokens == s.num_pool_hit_tokens == 0 for s in seqs)
+        assert all(s.stats.num_engine_computed_tokens > s.num_prompt_tokens for s in preempted)
+        assert all(s.stats.num_loaded_tokens == s.stats.num_pool_hit_tokens == 0 for s in seqs)
     else:  # no prompt token computed twice
-        assert all(s.num_engine_computed_tokens == s.num_prompt_tokens for s in seqs)
+        assert all(s.stats.num_engine_computed_tokens == s.num_prompt_tokens for s in seqs)
     for seq, outcome in zip(seqs, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
 
@@ -164,8 +164,8 @@ def test_a_shared_prefix_is_taken_from_the_pool(arch: str) -> None:
     next_turn = make_seq(model, [*first.token_ids, *random_tokens(5, seed=42)], MAX_NEW, hash_root=root)
     steps_before = len(log.steps)
     outcomes = run(engine, [other, next_turn])
-    assert (other.num_pool_hit_tokens, other.num_engine_computed_tokens) == (40, 10)
-    assert (next_turn.num_pool_hit_tokens, next_turn.num_engine_computed_tokens) == (56, 6)
+    assert (other.stats.num_pool_hit_tokens, other.stats.num_engine_computed_tokens) == (40, 10)
+    assert (next_turn.stats.num_pool_hit_tokens, next_turn.stats.num_engine_computed_tokens) == (56, 6)
     assert sum(s.num_pool_hit_tokens for s in log.steps[steps_before:]) == 96
     for seq, outcome in zip([other, next_turn], outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
@@ -185,7 +185,7 @@ def test_a_running_sequence_shares_its_blocks_and_a_whole_prompt_keeps_its_last_
     engine.add(same)
     engine.step()
     # The pool holds all 6 blocks, in use by ``first``; the last prompt token is computed all the same.
-    assert (same.num_pool_hit_tokens, same.num_engine_computed_tokens) == (40, 8)
+    assert (same.stats.num_pool_hit_tokens, same.stats.num_engine_computed_tokens) == (40, 8)
     assert same.block_table[:5] == first.block_table[:5] and same.block_table[5] != first.block_table[5]
     a, b = finish(engine, [first, same])
     assert a.tokens == b.tokens
@@ -268,7 +268,7 @@ def test_many_long_requests_in_a_quarter_of_their_memory() -> None:
     outcomes = run(engine, seqs)
     engine.stop()
     assert log.num_preempted > 0 and max(running) < 48
-    preempted = [s for s in seqs if s.num_preemptions]
-    assert all(s.num_loaded_tokens >= prompt_len // bs * bs for s in preempted)
+    preempted = [s for s in seqs if s.stats.num_preemptions]
+    assert all(s.stats.num_loaded_tokens >= prompt_len // bs * bs for s in preempted)
     for seq, outcome in zip(seqs, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)

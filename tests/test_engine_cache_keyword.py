@@ -69,7 +69,7 @@ def _assert_kv_filled_and_reused(model: Model) -> None:
 
     warm = make_seq(model, PROMPT, NEW, source=source)
     (warm_out,) = run(engine, [warm])
-    assert warm.num_loaded_tokens == len(PROMPT) // BLOCK * BLOCK
+    assert warm.stats.num_loaded_tokens == len(PROMPT) // BLOCK * BLOCK
     assert warm_out.tokens == cold_out.tokens
     assert_matches_oracle(model, cold, cold_out)
 

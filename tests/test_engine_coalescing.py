@@ -78,7 +78,7 @@ def _start_with_waiters_loading(engine: Engine, owner: KVSequence, waiters: list
         time.sleep(0.001)
     while engine.scheduler.loading:
         engine.step()
-    assert all(w.num_loaded_tokens == 0 and w.num_engine_computed_tokens == 0 for w in waiters)
+    assert all(w.stats.num_loaded_tokens == 0 and w.stats.num_engine_computed_tokens == 0 for w in waiters)
 
 
 @pytest.mark.parametrize("arrival", ["together", "loading"])
@@ -100,7 +100,7 @@ def test_a_fresh_shared_prefix_is_computed_once(arch: str, arrival: str) -> None
         for seq in seqs:
             engine.add(seq)
         engine.step()
-        assert [s.num_engine_computed_tokens for s in seqs] == [PREFIX + SUFFIX] + [0] * 7
+        assert [s.stats.num_engine_computed_tokens for s in seqs] == [PREFIX + SUFFIX] + [0] * 7
         assert all(s.status is Status.RUNNING for s in seqs)  # admitted, waiting
     else:
         source = PrefixSource(DictStore(), engine.namespace())
@@ -110,9 +110,9 @@ def test_a_fresh_shared_prefix_is_computed_once(arch: str, arrival: str) -> None
         assert 0 < seqs[0].num_computed_tokens < PREFIX  # the waiters came while the prefix was computed
     outcomes = _finish(engine, seqs)
 
-    assert [s.num_engine_computed_tokens for s in seqs] == [PREFIX + SUFFIX] + [SUFFIX] * 7
-    assert [s.num_coalesced_tokens for s in seqs] == [0] + [PREFIX] * 7
-    assert [s.num_pool_hit_tokens for s in seqs] == [0] + [PREFIX] * 7
+    assert [s.stats.num_engine_computed_tokens for s in seqs] == [PREFIX + SUFFIX] + [SUFFIX] * 7
+    assert [s.stats.num_coalesced_tokens for s in seqs] == [0] + [PREFIX] * 7
+    assert [s.stats.num_pool_hit_tokens for s in seqs] == [0] + [PREFIX] * 7
     assert (totals.prompt_tokens, totals.coalesced_tokens, totals.pool_hit_tokens) == (
         PREFIX + 8 * SUFFIX, 7 * PREFIX, 7 * PREFIX)
     cold = run(make_engine(model, BLOCK, 256), [make_seq(model, p, MAX_NEW) for p in prompts])  # nothing shared
@@ -134,7 +134,7 @@ def test_sixteen_users_of_one_system_prompt_compute_it_once() -> None:
     outcomes = run(engine, seqs)
     assert not engine.scheduler.in_flight
     assert (totals.prompt_tokens, totals.coalesced_tokens) == (2048 + 16 * 64, 15 * 2048)
-    assert sorted(s.num_engine_computed_tokens for s in seqs) == [64] * 15 + [2048 + 64]
+    assert sorted(s.stats.num_engine_computed_tokens for s in seqs) == [64] * 15 + [2048 + 64]
     for seq, outcome in zip(seqs, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
 
@@ -149,8 +149,8 @@ def _owner_and_waiters(model: Model, engine: Engine, seed: int) -> tuple[KVSeque
     for _ in range(2):
         engine.step()
     assert 2 * BLOCK <= owner.num_computed_tokens < PREFIX
-    assert all(w.status is Status.RUNNING and w.num_engine_computed_tokens == 0 for w in waiters)
-    assert all(0 < w.num_coalesced_tokens < owner.num_computed_tokens for w in waiters)
+    assert all(w.status is Status.RUNNING and w.stats.num_engine_computed_tokens == 0 for w in waiters)
+    assert all(0 < w.stats.num_coalesced_tokens < owner.num_computed_tokens for w in waiters)
     assert set(engine.scheduler.in_flight.values()) == {owner}
     return owner, waiters, source
 
@@ -158,7 +158,7 @@ def _owner_and_waiters(model: Model, engine: Engine, seed: int) -> tuple[KVSeque
 def _assert_waiters_took_over(waiters: list[KVSequence], owner_done: int) -> None:
     """One waiter computed the part of the prefix the owner had not (``owner_done`` tokens) and its suffix; the
     other only its suffix."""
-    assert sorted(w.num_engine_computed_tokens for w in waiters) == [SUFFIX, PREFIX - owner_done + SUFFIX]
+    assert sorted(w.stats.num_engine_computed_tokens for w in waiters) == [SUFFIX, PREFIX - owner_done + SUFFIX]
 
 
 def test_waiters_compute_the_prefix_themselves_when_its_owner_is_cancelled() -> None:
@@ -169,7 +169,7 @@ def test_waiters_compute_the_prefix_themselves_when_its_owner_is_cancelled() -> 
     engine.abort(owner)
     cancelled, *outcomes = _finish(engine, [owner, *waiters])
     assert cancelled == Outcome([], Finished("aborted"))
-    assert owner.num_engine_computed_tokens == done
+    assert owner.stats.num_engine_computed_tokens == done
     _assert_waiters_took_over(waiters, done)
     for seq, outcome in zip(waiters, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
@@ -188,9 +188,9 @@ def test_waiters_take_over_the_prefix_when_its_owner_is_preempted() -> None:
     assert out.num_preempted == 1 and not out.spills and owner.status is Status.WAITING
     assert not engine.scheduler.in_flight  # its claims went with it
     outcomes = _finish(engine, [owner, *waiters])
-    assert owner.num_preemptions == 1 and owner.num_pool_hit_tokens + owner.num_coalesced_tokens >= done
+    assert owner.stats.num_preemptions == 1 and owner.stats.num_pool_hit_tokens + owner.stats.num_coalesced_tokens >= done
     _assert_waiters_took_over(waiters, done)
-    assert owner.num_engine_computed_tokens == done + SUFFIX  # no prefix token computed twice
+    assert owner.stats.num_engine_computed_tokens == done + SUFFIX  # no prefix token computed twice
     for seq, outcome in zip([owner, *waiters], outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
 
@@ -211,10 +211,10 @@ def test_different_prefixes_do_not_wait_on_each_other_and_waiters_leave_the_budg
         engine.add(seq)
     engine.step()
     full = PREFIX + SUFFIX
-    assert [s.num_engine_computed_tokens for s in seqs] == [full, 0, full, 0, full]
+    assert [s.stats.num_engine_computed_tokens for s in seqs] == [full, 0, full, 0, full]
     outcomes = _finish(engine, seqs)
-    assert [s.num_engine_computed_tokens for s in seqs] == [full, SUFFIX, full, SUFFIX, full]
-    assert [s.num_coalesced_tokens for s in seqs] == [0, PREFIX, 0, PREFIX, 0]
+    assert [s.stats.num_engine_computed_tokens for s in seqs] == [full, SUFFIX, full, SUFFIX, full]
+    assert [s.stats.num_coalesced_tokens for s in seqs] == [0, PREFIX, 0, PREFIX, 0]
     assert (totals.prompt_tokens, totals.coalesced_tokens) == (3 * full + 2 * SUFFIX, 2 * PREFIX)
     for seq, outcome in zip(seqs, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
@@ -237,7 +237,7 @@ def test_sharing_a_prefix_in_a_small_pool_with_preemptions(resume_from: str) -> 
         engine.add(seq)
     outcomes = _finish(engine, seqs)
     assert totals.preempted > 0 and totals.coalesced_tokens == 3 * 32
-    computed = sorted(s.num_engine_computed_tokens for s in seqs)
+    computed = sorted(s.stats.num_engine_computed_tokens for s in seqs)
     assert computed[-1] == 35 and computed[-2] <= 2 * 3  # others: their suffix, again after a preemption
     for seq, outcome in zip(seqs, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)

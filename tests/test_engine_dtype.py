@@ -38,7 +38,7 @@ def _run_against_oracle(model: Model, dtype: torch.dtype) -> None:
     """Three streams, prompts in chunks of 32 tokens (the 77-token one over three steps, its later chunks
     attending to earlier context), each equal to the oracle's greedy tokens."""
     engine = make_engine(model, BLOCK, 32, max_num_batched_tokens=32, max_num_seqs=4)
-    assert (engine.pool.kv.dtype, engine.pool.kv.device.type) == (dtype, model.device.type)
+    assert (engine.kv_cache.kv.dtype, engine.kv_cache.kv.device.type) == (dtype, model.device.type)
     seqs = [make_seq(model, p, NEW_TOKENS) for p in _prompts()]
     for seq, outcome in zip(seqs, run(engine, seqs), strict=True):
         assert_matches_oracle(model, seq, outcome, NEAR_TIE[dtype])

@@ -130,7 +130,7 @@ def test_kv_io_threads_run_their_kernels_on_one_core() -> None:
     threads = torch.get_num_threads()
     engine = Engine(tiny_model("llama"), BLOCK, kv_cache_memory=1 << 20)
     try:
-        assert engine._io.submit(torch.get_num_threads).result(timeout=WAIT_S) == 1
+        assert engine.connector.io.submit(torch.get_num_threads).result(timeout=WAIT_S) == 1
         assert torch.get_num_threads() == threads
     finally:
         engine.stop()
@@ -196,9 +196,9 @@ def test_saves_in_flight_at_shutdown_leave_no_block_in_use() -> None:
     engine.start()
     engine.add(seq)
     deadline = time.monotonic() + WAIT_S
-    while not engine._retained and time.monotonic() < deadline:
+    while not engine.connector.num_retained and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine._retained
+    assert engine.connector.num_retained
     engine.stop()
     source.gate.set()
     engine.pool.check_integrity()

@@ -1,26 +1,26 @@
-"""Engine helpers the services share: sizing the KV pool from a byte budget, and the number of tokens a
-request may generate. (Moving KV between the pool and a store: tests/test_kv_transfer.py.)"""
+"""Engine helpers the services share: sizing the KV cache from a byte budget, and the number of tokens a
+request may generate. (Moving KV between the KV cache and a store: tests/test_kv_transfer.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.engine import Engine, RequestTooLarge, kv_pool_blocks
-from engine.kv_pool import KVPool
+from engine.engine import Engine, RequestTooLarge
+from engine.kv_cache import KVCache, kv_cache_blocks
 from engine.model import DEFAULT_MAX_NEW_TOKENS, ContextLengthError, max_new_tokens
 from tests.engine_fixtures import tiny_model
 
 
-def test_the_pool_is_sized_by_bytes() -> None:
+def test_the_kv_cache_is_sized_by_bytes() -> None:
     model = tiny_model("llama")
-    per_block = KVPool.bytes_per_block(num_layers=model.num_layers, block_size=16, num_kv_heads=model.num_kv_heads,
-                                       head_dim=model.head_dim, dtype=model.dtype)
+    per_block = KVCache.bytes_per_block(num_layers=model.num_layers, block_size=16, num_kv_heads=model.num_kv_heads,
+                                        head_dim=model.head_dim, dtype=model.dtype)
     assert per_block == model.num_layers * 2 * 16 * model.num_kv_heads * model.head_dim * 4
-    assert kv_pool_blocks(model, 16, 10 * per_block + per_block - 1) == 10
+    assert kv_cache_blocks(model, 16, 10 * per_block + per_block - 1) == 10
     with pytest.raises(ValueError, match="holds no block"):
-        kv_pool_blocks(model, 16, per_block - 1)
+        kv_cache_blocks(model, 16, per_block - 1)
     engine = Engine(model, 16, kv_cache_memory=3 * per_block)
-    assert engine.pool.kv.shape == (3, model.num_layers, 2, 16, model.num_kv_heads, model.head_dim)
+    assert engine.kv_cache.kv.shape == (3, model.num_layers, 2, 16, model.num_kv_heads, model.head_dim)
     assert (engine.pool.num_free, engine.pool.num_used, engine.pool.num_cached) == (3, 0, 0)
     assert RequestTooLarge.grpc_status == "RESOURCE_EXHAUSTED"
 

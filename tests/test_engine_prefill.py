@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from engine.engine import Engine
 from engine.hashing import prefix_hashes
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 from engine.model import Model, layer_kv
 from engine.sequence import Sequence
 from handoff.codec import decode_block, encode_block
@@ -102,7 +102,7 @@ def test_a_prompt_over_stored_blocks_continues_as_from_scratch(cold: Cold, num_s
     seq = make_seq(model, PROMPT, NEW, source=source)
     (outcome,) = run(engine, [seq])
     loaded = BLOCK * num_stored_blocks
-    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (loaded, 61 - loaded)
+    assert (seq.stats.num_loaded_tokens, seq.stats.num_engine_computed_tokens) == (loaded, 61 - loaded)
     assert_matches_oracle(model, seq, outcome)
     # What it computed over the loaded blocks is what the cold run computed.
     warm = _tokens(source.saves[-1].kv)
@@ -114,15 +114,15 @@ def test_a_block_aligned_prompt_computes_its_last_block(cold: Cold) -> None:
     engine = _engine(model)
     seq = make_seq(model, PROMPT[:56], NEW, source=PrefixSource(_store_with(cold, 7), engine.namespace()))
     (outcome,) = run(engine, [seq])
-    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (48, 8)
+    assert (seq.stats.num_loaded_tokens, seq.stats.num_engine_computed_tokens) == (48, 8)
     assert_matches_oracle(model, seq, outcome)
 
 
 class Overreaching(PrefixSource):
     """Loads every full block, the last prompt token's too, and claims more tokens than the sequence has."""
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
-        loaded = load_blocks(self.store, self.keys(seq.token_ids)[first_block:], self.namespace, pool, blocks)
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
+        loaded = load_blocks(self.store, self.keys(seq.token_ids)[first_block:], self.namespace, cache, blocks)
         return loaded.num_tokens + 100
 
 
@@ -131,16 +131,16 @@ def test_the_last_prompt_token_is_computed_whatever_the_source_says(cold: Cold) 
     engine = _engine(model)
     seq = make_seq(model, PROMPT[:56], NEW, source=Overreaching(_store_with(cold, 7), engine.namespace()))
     (outcome,) = run(engine, [seq])
-    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (55, 1)
+    assert (seq.stats.num_loaded_tokens, seq.stats.num_engine_computed_tokens) == (55, 1)
     assert_matches_oracle(model, seq, outcome)
 
 
 class HandOff(PrefixSource):
     """Decode's side of the hand-off: the prompt's full blocks, then its partial tail."""
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         keys = self.keys(PROMPT)[first_block:]
-        return load_blocks(self.store, keys, self.namespace, pool, blocks, tail=(TAIL_KEY, 5)).num_tokens
+        return load_blocks(self.store, keys, self.namespace, cache, blocks, tail=(TAIL_KEY, 5)).num_tokens
 
 
 def test_a_handed_off_prompt_with_its_tail_computes_only_the_first_token(cold: Cold) -> None:
@@ -152,13 +152,13 @@ def test_a_handed_off_prompt_with_its_tail_computes_only_the_first_token(cold: C
     source = HandOff(store, engine.namespace())
     seq = make_seq(model, [*PROMPT, cold.first_token], NEW, source=source, num_saved_blocks=7)
     (outcome,) = run(engine, [seq])
-    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (61, 1)
+    assert (seq.stats.num_loaded_tokens, seq.stats.num_engine_computed_tokens) == (61, 1)
     assert_matches_oracle(model, seq, outcome)
     assert source.saves[-1].first_block == 7  # blocks the store already holds are not saved again
 
 
 class Failing(PrefixSource):
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         raise ConnectionError("the store is down")
 
 
@@ -182,5 +182,5 @@ def test_a_bad_block_is_a_miss_and_what_follows_is_recomputed(cold: Cold, fault:
     seq = make_seq(model, PROMPT, NEW, source=source)
     (outcome,) = run(engine, [seq])
     loaded = 24 if fault == "corrupt" else 0
-    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (loaded, 61 - loaded)
+    assert (seq.stats.num_loaded_tokens, seq.stats.num_engine_computed_tokens) == (loaded, 61 - loaded)
     assert_matches_oracle(model, seq, outcome)

@@ -1,6 +1,6 @@
-"""The engine on CUDA, in the half-precision dtypes models are served in: the paged pool and the packed,
+"""The engine on CUDA, in the half-precision dtypes models are served in: the paged KV cache and the packed,
 batched step (with chunked prompts and preemptions) against the oracle run on the same CUDA model, KV
-moving between CUDA pools through the block codec, and seeded sampling with a CUDA generator.
+moving between CUDA KV caches through the block codec, and seeded sampling with a CUDA generator.
 Skipped where CUDA is absent."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.hashing import Namespace
-from engine.kv_pool import KVPool
+from engine.kv_cache import KVCache
 from engine.model import Model, load_model
 from engine.sampling import SamplingParams
 from handoff.transfer import load_blocks, save_blocks
@@ -57,7 +57,7 @@ def test_batched_streams_on_cuda_equal_hf_generate(arch: str, dtype: torch.dtype
     preempted: list[int] = []
     engine = make_engine(model, BLOCK, 12, max_num_batched_tokens=32, max_num_seqs=32,
                          on_step=lambda stats: preempted.append(stats.num_preempted))
-    assert engine.pool.kv.device.type == "cuda" and engine.pool.kv.dtype == dtype
+    assert engine.kv_cache.kv.device.type == "cuda" and engine.kv_cache.kv.dtype == dtype
     source = PrefixSource(DictStore(), engine.namespace())
     seqs = [make_seq(model, p, 32, source=source) for p in _prompts(8)]
     outcomes = run(engine, seqs)
@@ -67,9 +67,9 @@ def test_batched_streams_on_cuda_equal_hf_generate(arch: str, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_kv_moves_between_cuda_pools_through_the_codec(dtype: torch.dtype) -> None:
+def test_kv_moves_between_cuda_kv_caches_through_the_codec(dtype: torch.dtype) -> None:
     shape = {"num_layers": 2, "block_size": BLOCK, "num_kv_heads": 2, "head_dim": 8, "dtype": dtype}
-    src, dst = KVPool(6, **shape, device=DEVICE), KVPool(6, **shape, device=DEVICE)
+    src, dst = KVCache(6, **shape, device=DEVICE), KVCache(6, **shape, device=DEVICE)
     src.kv.copy_(torch.randn(src.kv.shape, device=DEVICE))
     namespace = Namespace("cd" * 32, str(dtype).removeprefix("torch."), BLOCK)
     keys = [BlockHash(bytes([i]) * 32) for i in range(2)]
@@ -93,7 +93,7 @@ def test_a_prompt_over_blocks_from_another_cuda_engine(dtype: torch.dtype) -> No
     second = make_engine(model, BLOCK, 16)
     seq = make_seq(model, prompt, 16, source=PrefixSource(source.store, second.namespace()))
     (outcome,) = run(second, [seq])
-    assert (seq.num_loaded_tokens, seq.num_engine_computed_tokens) == (64, 13)
+    assert (seq.stats.num_loaded_tokens, seq.stats.num_engine_computed_tokens) == (64, 13)
     assert_matches_oracle(model, seq, outcome, NEAR_TIE[dtype])
 
 

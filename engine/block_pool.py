@@ -1,5 +1,6 @@
-"""The paged KV pool: one preallocated tensor of fixed-size blocks, reference counts, and the
-blocks of finished sequences kept by hash for reuse (automatic prefix caching).
+"""The bookkeeping of the paged KV cache's blocks: reference counts, a free list, and the blocks of
+finished sequences kept by hash for reuse (automatic prefix caching). No tensors: the KV itself is
+in engine.kv_cache.
 
 A block is in exactly one state:
 - free: no owner, no hash; on the free list;
@@ -12,11 +13,8 @@ Every operation is O(1) per block. Only the engine's thread calls it.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-
-import torch
 
 from protos.block_hash import BlockHash
 
@@ -25,32 +23,17 @@ class PoolExhausted(RuntimeError):
     """More blocks were asked for than are free or evictable; the scheduler checks before it asks."""
 
 
-class KVPool:
-    def __init__(
-        self, num_blocks: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str = "cpu",
-    ) -> None:
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
-            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+            raise ValueError(f"the block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        # [blocks, layers, 2, block_size, kv_heads, head_dim]: a block is one contiguous slot, in the
-        # layout of a stored block (docs/DESIGN.md, "KV block format"), so moving it is one copy.
-        self.kv = torch.empty(
-            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
-        self.kv.zero_()  # writes every page now: a block copied into a page never written costs 2.3x
         self._refs = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._by_hash: dict[BlockHash, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first: evicted first
         self.num_evicted = 0
-
-    @staticmethod
-    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:
@@ -68,27 +51,6 @@ class KVPool:
     def num_available(self) -> int:
         """Blocks an allocation can take: free ones, then cached ones (evicting them)."""
         return len(self._free) + len(self._cached)
-
-    def layer(self, layer_idx: int, kind: int) -> torch.Tensor:
-        """Keys (kind 0) or values (kind 1) of one layer: a view [blocks, block_size, kv_heads, head_dim]."""
-        return self.kv[:, layer_idx, kind]
-
-    def write(self, block: int, payload: memoryview | torch.Tensor, num_tokens: int) -> None:
-        """Copy the raw bytes of ``num_tokens`` tokens of KV ([layers, 2, num_tokens, kv_heads, head_dim], the
-        layout of a stored block; bytes, or a flat uint8 tensor on any device) into the first ``num_tokens``
-        slots of ``block``: one copy."""
-        if isinstance(payload, torch.Tensor):
-            src = payload.view(self.kv.dtype)
-        else:
-            with warnings.catch_warnings():  # read-only source: torch warns that it may not write to it; it does not
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(payload, dtype=self.kv.dtype)
-        dst = self.kv[block]  # [layers, 2, block_size, kv_heads, head_dim]
-        if num_tokens == self.block_size:
-            dst.view(-1).copy_(src)
-        else:
-            layers, _, _, heads, dim = dst.shape
-            dst[:, :, :num_tokens].copy_(src.view(layers, 2, num_tokens, heads, dim))
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for one owner (reference count 1), evicting cached blocks when no free one is left."""

@@ -1,4 +1,4 @@
-"""The paged KV pool and the scheduler over it, with tiny pools: exact blocks, exact order, and
+"""The block pool and the scheduler over it, with tiny pools: exact blocks, exact order, and
 ``check_integrity()`` (free + used + cached == total) after every operation."""
 
 from __future__ import annotations
@@ -9,26 +9,27 @@ from collections import abc
 import pytest
 import torch
 
-from engine.kv_pool import KVPool, PoolExhausted
+from engine.block_pool import BlockPool, PoolExhausted
+from engine.kv_cache import KVCache
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
 from engine.sequence import Sequence, Status
 from protos.block_hash import BlockHash
 
-ROOT = BlockHash(hashlib.sha256(b"test_kv_pool").digest())
+ROOT = BlockHash(hashlib.sha256(b"test_block_pool").digest())
 
 
 def _h(name: str) -> BlockHash:
     return BlockHash(hashlib.sha256(name.encode()).digest())
 
 
-def _pool(num_blocks: int, block_size: int = 4) -> KVPool:
-    pool = KVPool(num_blocks, num_layers=1, block_size=block_size, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+def _pool(num_blocks: int) -> BlockPool:
+    pool = BlockPool(num_blocks)
     pool.check_integrity()
     return pool
 
 
-def _counts(pool: KVPool) -> tuple[int, int, int]:
+def _counts(pool: BlockPool) -> tuple[int, int, int]:
     """(free, used, cached), after checking that they add up."""
     pool.check_integrity()
     return pool.num_free, pool.num_used, pool.num_cached
@@ -168,7 +169,7 @@ def test_pool_exhausted_takes_nothing() -> None:
     assert pool.allocate(2) == [2, 0]  # the cached block counts as available
     assert _counts(pool) == (0, 3, 0)
     with pytest.raises(ValueError):
-        KVPool(0, num_layers=1, block_size=4, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+        BlockPool(0)
 
 
 def test_check_integrity_fails_on_a_broken_pool() -> None:
@@ -179,34 +180,13 @@ def test_check_integrity_fails_on_a_broken_pool() -> None:
         pool.check_integrity()
 
 
-def test_write_lands_full_and_tail_blocks_in_their_slots_token_major() -> None:
-    layers, bs, heads, dim = 2, 4, 2, 3
-    pool = KVPool(4, num_layers=layers, block_size=bs, num_kv_heads=heads, head_dim=dim, dtype=torch.float32)
-    pool.kv.fill_(-1)
-    full = torch.arange(layers * 2 * bs * heads * dim, dtype=torch.float32).view(layers, 2, bs, heads, dim)
-    tail = 1000 + torch.arange(layers * 2 * 3 * heads * dim, dtype=torch.float32).view(layers, 2, 3, heads, dim)
-
-    pool.write(1, memoryview(full.numpy().tobytes()), bs)
-    pool.write(2, memoryview(tail.numpy().tobytes()), 3)
-
-    assert torch.equal(pool.kv[1], full)
-    assert torch.equal(pool.kv[2, :, :, :3], tail)
-    assert bool((pool.kv[2, :, :, 3:] == -1).all())  # the slot past the tail is untouched
-    assert bool((pool.kv[0] == -1).all()) and bool((pool.kv[3] == -1).all())
-    # token-major: token t of layer l, keys, head h is full[l, 0, t, h]
-    assert torch.equal(pool.layer(1, 0)[1, 2], full[1, 0, 2])
-    assert torch.equal(pool.layer(0, 1)[2, 1], tail[0, 1, 1])
-    assert pool.layer(1, 1)[1, 3, 1].tolist() == [float(x) for x in range(93, 96)]
-    assert _counts(pool) == (4, 0, 0)  # writing owns nothing
-
-
 # ---- the scheduler over a tiny pool --------------------------------------------------------
 
 
 class _Source:
     """A KVSource the scheduler only needs to see; loads and saves are driven by hand here."""
 
-    def load(self, seq: Sequence, first_block: int, blocks: list[int], pool: KVPool) -> int:
+    def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         return 0
 
     def save(self, seq: Sequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
@@ -223,7 +203,7 @@ def _seq(num_tokens: int, start: int = 0, *, max_new_tokens: int = 16, cached: b
 
 
 def _scheduler(num_blocks: int, block_size: int = 4, *, budget: int = 64, max_seqs: int | None = None) -> Scheduler:
-    return Scheduler(_pool(num_blocks, block_size), SchedulerConfig(budget, max_seqs or min(budget, 64)))
+    return Scheduler(_pool(num_blocks), block_size, SchedulerConfig(budget, max_seqs or min(budget, 64)))
 
 
 def _schedule(sched: Scheduler) -> Schedule:
@@ -364,7 +344,7 @@ def test_preemption_takes_the_newest_running_sequence_and_frees_its_blocks() -> 
     assert plan.scheduled == [(a, 1), (b, 1)]
     assert (a.block_table, b.block_table) == ([0, 4], [1, 3])
     assert c.status is Status.WAITING and c.block_table == [] and c.num_computed_tokens == 0
-    assert c.num_preemptions == 1 and list(sched.waiting) == [c] and sched.running == [a, b]
+    assert c.stats.num_preemptions == 1 and list(sched.waiting) == [c] and sched.running == [a, b]
     assert (sched.pool.num_free, sched.pool.num_used, sched.pool.num_cached) == (1, 4, 0)
 
 
@@ -381,7 +361,7 @@ def test_a_preempted_sequence_comes_back_through_its_cached_blocks() -> None:
     _finish(sched, b)
     plan = _schedule(sched)
     assert plan.admitted == [c] and plan.scheduled == [(c, 2)]
-    assert c.block_table == [2, 4] and c.num_computed_tokens == 4 and c.num_pool_hit_tokens == 4
+    assert c.block_table == [2, 4] and c.num_computed_tokens == 4 and c.stats.num_pool_hit_tokens == 4
     assert (sched.pool.num_free, sched.pool.num_used, sched.pool.num_cached) == (3, 2, 0)
 
 

@@ -1,0 +1,80 @@
+"""The paged KV cache: one preallocated tensor of fixed-size blocks. Which block holds what is kept by
+engine.block_pool; this is only the memory."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model import Model
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB on CPU, when --kv-cache-memory is not given
+DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5  # of the device memory free once the model is loaded
+
+
+class KVCache:
+    def __init__(
+        self, num_blocks: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # [blocks, layers, 2, block_size, kv_heads, head_dim]: a block is one contiguous slot, in the
+        # layout of a stored block (docs/DESIGN.md, "KV block format"), so moving it is one copy.
+        self.kv = torch.empty(
+            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.kv.zero_()  # writes every page now: a block copied into a page never written costs 2.3x
+
+    @staticmethod
+    def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def layer(self, layer_idx: int, kind: int) -> torch.Tensor:
+        """Keys (kind 0) or values (kind 1) of one layer: a view [blocks, block_size, kv_heads, head_dim]."""
+        return self.kv[:, layer_idx, kind]
+
+    def slot_bytes(self, block: int) -> memoryview:
+        """The bytes of ``block``'s slot themselves (a CPU cache only): writing them writes the cache."""
+        return self.kv[block].view(-1).view(torch.uint8).numpy().data
+
+    def write(self, block: int, payload: memoryview | torch.Tensor, num_tokens: int) -> None:
+        """Copy the raw bytes of ``num_tokens`` tokens of KV ([layers, 2, num_tokens, kv_heads, head_dim], the
+        layout of a stored block; bytes, or a flat uint8 tensor on any device) into the first ``num_tokens``
+        slots of ``block``: one copy."""
+        if isinstance(payload, torch.Tensor):
+            src = payload.view(self.kv.dtype)
+        else:
+            with warnings.catch_warnings():  # read-only source: torch warns that it may not write to it; it does not
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(payload, dtype=self.kv.dtype)
+        dst = self.kv[block]  # [layers, 2, block_size, kv_heads, head_dim]
+        if num_tokens == self.block_size:
+            dst.view(-1).copy_(src)
+        else:
+            layers, _, _, heads, dim = dst.shape
+            dst[:, :, :num_tokens].copy_(src.view(layers, 2, num_tokens, heads, dim))
+
+
+def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None) -> int:
+    """Blocks that fit ``kv_cache_memory`` bytes (default: 1 GiB on CPU, half the free memory on CUDA)."""
+    per_block = KVCache.bytes_per_block(
+        num_layers=model.num_layers, block_size=block_size, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, dtype=model.dtype,
+    )
+    if kv_cache_memory is None:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            kv_cache_memory = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
+        else:
+            kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+    blocks = kv_cache_memory // per_block
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {per_block} bytes")
+    return blocks

@@ -1,0 +1,105 @@
+"""One packed forward for a step's sequences: their scheduled tokens side by side, KV written and read
+through their block tables (engine.paged_attention), and a token sampled for each sequence whose
+scheduled tokens reach its end."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model import Model
+from engine.paged_attention import PagedCache, PromptChunk, StepBatch, chunk_mask, install
+from engine.sampling import sample_batch
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Forward:
+    """The inputs of one packed forward and which rows of its logits are sampled."""
+
+    batch: StepBatch
+    input_ids: torch.Tensor  # [1, tokens]
+    positions: torch.Tensor  # [1, tokens]
+    logit_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: Model, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        install(model.hf_model)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
+        # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        """Compute the KV of each sequence's next ``n`` tokens in one forward; the token sampled for each
+        sequence whose tokens are now all computed (keeping its logits if it asks)."""
+        fwd = self._prepare(scheduled)
+        m = self.model
+        rows = torch.tensor(fwd.logit_rows, dtype=torch.long, device=m.device)
+        kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
+        out = m.hf_model(
+            input_ids=fwd.input_ids, position_ids=fwd.positions, attention_mask=self._no_mask, use_cache=True,
+            kvserve_step=fwd.batch, **{m.cache_keyword: PagedCache(fwd.batch)}, **kwargs,
+        )
+        logits = out.logits[0] if self._logits_to_keep else out.logits[0, rows]  # [sampled, vocab]
+        if not fwd.sampled:
+            return {}
+        tokens = sample_batch(logits, [s.sampler for s in fwd.sampled])
+        for seq, row in zip(fwd.sampled, logits, strict=True):
+            if seq.keep_logits:
+                seq.logits = row.float()
+        return dict(zip(fwd.sampled, tokens, strict=True))
+
+    def _prepare(self, scheduled: list[tuple[Sequence, int]]) -> _Forward:
+        bs, device = self.block_size, self.model.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        chunks: list[PromptChunk] = []
+        logit_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in scheduled:
+            start, end, row = seq.num_computed_tokens, seq.num_computed_tokens + n, len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table[: -(-end // bs)]
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device),
+                                          chunk_mask(start, end, device)))
+            if end == len(seq.token_ids):
+                logit_rows.append(row + n - 1)
+                sampled.append(seq)
+        pos = torch.tensor(positions, device=device)
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
+            lens = torch.tensor(decode_lens, device=device)
+            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            decode = (torch.tensor(decode_rows, device=device), tables, mask)
+        batch = StepBatch(
+            cache=self.cache,
+            slot_blocks=torch.tensor(slot_blocks, device=device),
+            slot_offsets=pos % bs,
+            decode_rows=decode[0] if decode else None,
+            decode_tables=decode[1] if decode else None,
+            decode_mask=decode[2] if decode else None,
+            chunks=tuple(chunks),
+        )
+        return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)
