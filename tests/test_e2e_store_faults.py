@@ -301,13 +301,13 @@ def test_a_poisoned_block_is_removed_and_replaced_by_the_recomputed_one(roomy: R
     engine = roomy.stack.prefill.engine
     namespace = engine.namespace()
     key = prefix_hashes(ids, BLOCK_SIZE, namespace.root())[0]
-    _, layers, _, _, heads, dim = engine.pool.kv.shape
+    _, layers, _, _, heads, dim = engine.kv_cache.kv.shape
     shape = (layers, 2, BLOCK_SIZE, heads, dim)
     if poison == "nan":
-        bad = encode_block(torch.full(shape, float("nan"), dtype=engine.pool.kv.dtype), namespace)
+        bad = encode_block(torch.full(shape, float("nan"), dtype=engine.kv_cache.kv.dtype), namespace)
     else:
         other = Namespace(namespace.model_fingerprint, namespace.kv_dtype, BLOCK_SIZE, cache_salt="someone-else")
-        bad = encode_block(torch.randn(shape).to(engine.pool.kv.dtype), other)
+        bad = encode_block(torch.randn(shape).to(engine.kv_cache.kv.dtype), other)
     removed = roomy.kv.stats().removed_blocks
     assert roomy.kv.put([(key, bad)]) == 1
     kind = "nonfinite" if poison == "nan" else "namespace"
@@ -320,7 +320,7 @@ def test_a_poisoned_block_is_removed_and_replaced_by_the_recomputed_one(roomy: R
     [stored] = roomy.kv.get([key])
     assert stored is not None and stored != bad  # the recomputed block took its place
     good = decode_block(stored, namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim,
-                        dtype=engine.pool.kv.dtype, num_tokens=BLOCK_SIZE)
+                        dtype=engine.kv_cache.kv.dtype, num_tokens=BLOCK_SIZE)
     assert bool(torch.isfinite(good).all())
 
     again = greedy(roomy, ids)
