@@ -103,10 +103,12 @@ def check_tokens(traces: list[StreamTrace], new_tokens: int) -> int:
 
 def hf_baseline(model: Path, prompts: list[list[int]], levels: list[int], new_tokens: int,
                 engine_args: list[str]) -> dict[str, Any]:
-    """Runs `python -m bench.hf_batch` on these prompts (client/ imports no torch)."""
-    return run_module("bench.hf_batch", ["--model", str(model), "--prompts", "-", "--streams",
-                                                ",".join(map(str, levels)), "--new-tokens", str(new_tokens),
-                                                *engine_args], stdin=json.dumps(prompts))
+    """Runs `python -m bench.hf_batch` on these prompts, alone: before the stack starts."""
+    from bench import hf_batch
+
+    return run_module(hf_batch.__name__, ["--model", str(model), "--prompts", "-", "--streams",
+                                          ",".join(map(str, levels)), "--new-tokens", str(new_tokens),
+                                          *engine_args], stdin=json.dumps(prompts))
 
 
 def stack_throughput(client: Client, prompts: list[list[int]], levels: list[int], new_tokens: int,

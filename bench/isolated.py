@@ -28,7 +28,9 @@ def ttft_baselines(model: Path, turns: Sequence[tuple[int, int]], repeats: int, 
     DynamicCache of the `cached` tokens (`reuse_s`), and of the decode step after it (`decode_step_s`),
     `repeats` times each after `untimed` rounds; their medians as `full_median_s` and so on. The model runs on
     `device` in `dtype` (the services' --device and --dtype)."""
+    from bench import prefill  # loads torch here too, only to name the module the subprocess runs
+
     spec = ",".join(f"{cached}:{new}" for cached, new in turns)
     args = ["baselines", "--model", str(model), "--turns", spec, "--repeats", str(repeats), "--untimed", str(untimed),
             "--device", device, "--dtype", dtype]
-    return run_module("bench.prefill", [*args, *([] if full else ["--no-full"])])
+    return run_module(prefill.__name__, [*args, *([] if full else ["--no-full"])])

@@ -21,8 +21,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from unittest import mock
+from typing import Any
 
 from bench.report import (
     Column,
@@ -35,16 +34,29 @@ from bench.report import (
     line_panel,
     percentiles_s,
 )
+from bench.sessions import Settings, random_tokens, run_session
 from bench.streams import StreamTrace, timed_stream
 from bench.target import delta, ensure_model, free_port, local_stack, scrape
 from client.client import Client
 from stack.stack import Stack, start_service, stop_service
 
-if TYPE_CHECKING:
-    from bench.multi_turn import Settings
-
 TTFT_GOAL = 0.7  # TTFT p50, prefix routing / round robin
 HIT_GOAL = 0.9  # hit rate, prefix routing / one replica
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """os.environ with `values` set (the processes started inside inherit them), as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -55,7 +67,7 @@ def nodes_and_routers(args: argparse.Namespace, policies: list[str]) -> Iterator
     ensure_model(args.model)
     threads = str(max(1, (os.cpu_count() or 1) // args.replicas))
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-routing-") as tmp, contextlib.ExitStack() as stack, \
-            mock.patch.dict(os.environ, {"OMP_NUM_THREADS": threads}):
+            environ(OMP_NUM_THREADS=threads):
         logs = args.log_dir or Path(tmp)
         nodes = [stack.enter_context(local_stack(args.model, Path(tmp), f"node-{i}", args.log_dir))
                  for i in range(args.replicas)]
@@ -95,8 +107,6 @@ def session_row(name: str, traces: list[list[StreamTrace]], routed: dict[str, fl
 
 
 def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
-    from bench.multi_turn import random_tokens, run_session
-
     policies = list(dict.fromkeys(args.policy or ["prefix", "round-robin"]))
     with Progress(2 + (1 + len(policies)) * s.users * s.rounds, "multi-turn: starting the nodes",
                   quiet=args.quiet) as progress, nodes_and_routers(args, policies) as (nodes, routers, metrics):

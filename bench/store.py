@@ -93,8 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"total": args.total or ("1GiB" if on_device else "256MiB"),
                 "block_size": args.block_size or ("768KiB" if on_device else "256KiB"),
                 "batch": args.batch, "repeat": args.repeat, **({"device": args.device} if on_device else {})}
-    module, what = ("bench.store_device", "device copy, put, hand-off") if on_device else (
-        "bench.store_transfer", "memcpy, put, get, lookups")
+    if on_device:
+        from bench import store_device  # torch: only with --device
+
+        module, what = store_device.__name__, "device copy, put, hand-off"
+    else:
+        from bench import store_transfer
+
+        module, what = store_transfer.__name__, "memcpy, put, get, lookups"
     with Progress(1, f"store: {what}", quiet=args.quiet) as progress:
         measured = run_module(module, [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()] + ["--json"])
         progress.step()

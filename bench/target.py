@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.cli import parse_metrics
+from client.metrics import parse_metrics
 from stack.stack import Stack, StackConfig
 
 DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")

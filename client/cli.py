@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import signal
@@ -12,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,38 +19,55 @@ import grpc
 
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
 from client.health import positive_float
+from client.metrics import parse_metrics
 from stack.stack import Stack, StackConfig, StackError, health_credentials, tls_flags
 from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
 
-# Commands whose arguments belong to another package's own parser.
-FORWARDED = {
-    ("model", "init"): "engine.tiny",
-    ("bench", "hash"): "bench.hashing",
-    ("bench", "prefill"): "bench.prefill",
-    ("bench", "multi-turn"): "bench.multi_turn",
-    ("bench", "e2e"): "bench.multi_turn",  # the old name of multi-turn
-    ("bench", "shared-prefix"): "bench.shared_prefix",
-    ("bench", "decode"): "bench.decode",
-    ("bench", "handoff"): "bench.handoff",
-    ("bench", "store"): "bench.store",
-    ("kvstore",): "kvstore.__main__",
-    ("prefill",): "prefill_service.__main__",
-    ("decode",): "decode_service.__main__",
-    ("certs",): "rpc.tls",
-    ("token",): "rpc.auth",
-    ("router",): "router.__main__",
-    ("health",): "client.health",
-}
+Main = Callable[[list[str]], int]
 
 
-def _forward(argv: Sequence[str]) -> int | None:
-    for key, module in FORWARDED.items():
-        if tuple(argv[: len(key)]) == key:
-            return int(importlib.import_module(module).main(list(argv[len(key):])) or 0)
-    return None
+def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
+    """The `main` of a command whose arguments belong to another module's own parser, and those arguments;
+    None for the commands of this parser. The module is imported only here: the CLI imports no torch
+    until a command needs it."""
+    command_main: Main
+    match list(argv):
+        case ["model", "init", *rest]:
+            from engine.tiny import main as command_main
+        case ["bench", "hash", *rest]:
+            from bench.hashing import main as command_main
+        case ["bench", "prefill", *rest]:
+            from bench.prefill import main as command_main
+        case ["bench", "multi-turn" | "e2e", *rest]:  # e2e: the old name of multi-turn
+            from bench.multi_turn import main as command_main
+        case ["bench", "shared-prefix", *rest]:
+            from bench.shared_prefix import main as command_main
+        case ["bench", "decode", *rest]:
+            from bench.decode import main as command_main
+        case ["bench", "handoff", *rest]:
+            from bench.handoff import main as command_main
+        case ["bench", "store", *rest]:
+            from bench.store import main as command_main
+        case ["kvstore", *rest]:
+            from kvstore.__main__ import main as command_main
+        case ["prefill", *rest]:
+            from prefill_service.__main__ import main as command_main
+        case ["decode", *rest]:
+            from decode_service.__main__ import main as command_main
+        case ["router", *rest]:
+            from router.__main__ import main as command_main
+        case ["certs", *rest]:
+            from rpc.certs import main as command_main
+        case ["token", *rest]:
+            from rpc.auth import main as command_main
+        case ["health", *rest]:
+            from client.health import main as command_main
+        case _:
+            return None
+    return command_main, rest
 
 
 def _non_negative_int(text: str) -> int:
@@ -229,7 +245,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               "door)", file=sys.stderr)
     if args.tls:
         config.tls_dir = args.data_dir / "certs"
-        certs = importlib.import_module("rpc.certs")
+        from rpc import certs
         host = args.host.strip("[]")
         try:
             certs.make_certs(config.tls_dir, hosts=[] if host in ("", "0.0.0.0", "::") else [host],
@@ -379,16 +395,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name with labels: value}, comments dropped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def _scrape(url: str) -> dict[str, float]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -484,9 +490,10 @@ COMMANDS = {"up": cmd_up, "generate": cmd_generate, "chat": cmd_chat, "stats": c
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    forwarded = _forward(argv)
-    if forwarded is not None:
-        return forwarded
+    command = forwarded(argv)
+    if command is not None:
+        command_main, rest = command
+        return int(command_main(rest) or 0)
     args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

@@ -1,5 +1,5 @@
 """The store's arenas as same-host clients see them: a socket that hands out one buffer of fixed-size
-slots, and the client's opening of it.
+slots, and the calls on it (a client opens it with kvstore/arena_map.py's ArenaMap).
 
 The host tier's arena is shared memory: the store creates the segment once (a memfd, pre-faulted,
 sealed against shrinking and growing) and hands its file descriptor to same-host clients over a Unix
@@ -28,15 +28,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import xxhash
-
 from kvstore.slab import PAGE_BYTES
 from kvstore.types import Buffer
 
 SOCKET_NAME = "arena.sock"
-_GREETING = b"kvserve-arena/2\n"  # then the buffer's description, as JSON
-_MAX_GREETING = 4096
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+GREETING = b"kvserve-arena/2\n"  # then the buffer's description, as JSON
+MAX_GREETING = 4096
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _UCRED = struct.Struct("3i")
 
 
@@ -74,7 +72,7 @@ class Arena:
         try:
             os.ftruncate(self.fd, self.size)
             os.posix_fallocate(self.fd, 0, self.size)  # every page exists now: no fault can fail later
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except BaseException:
             os.close(self.fd)
@@ -109,7 +107,7 @@ class ArenaSocket:
 
     def __init__(self, arena: Shared, path: Path, handler: Handler | None = None, max_connections: int = 256) -> None:
         fields, self._fds = arena.export()
-        self._greeting = _GREETING + json.dumps(fields).encode()
+        self._greeting = GREETING + json.dumps(fields).encode()
         self.path = path
         self.handler = handler
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -139,9 +137,9 @@ class ArenaSocket:
                     socket.send_fds(conn, [self._greeting], self._fds)
                 else:
                     conn.sendall(self._greeting)
-                while (request := _recv_frame(conn)) is not None:
+                while (request := recv_frame(conn)) is not None:
                     method, body = request
-                    _send_frame(conn, *self._answer(method, body, reservations))
+                    send_frame(conn, *self._answer(method, body, reservations))
         except OSError:
             pass  # the client went away
         finally:
@@ -152,12 +150,12 @@ class ArenaSocket:
 
     def _answer(self, method: int, body: bytes, reservations: set[str]) -> tuple[int, bytes]:
         if self.handler is None:
-            return _STATUSES.index("UNIMPLEMENTED"), b"this store answers no calls on its arena socket"
+            return STATUSES.index("UNIMPLEMENTED"), b"this store answers no calls on its arena socket"
         try:
             return 0, self.handler(method, body, reservations)
         except Exception as exc:  # the status the store names, as its gRPC server would
             status = getattr(exc, "grpc_status", "INTERNAL")
-            return _STATUSES.index(status if status in _STATUSES else "INTERNAL"), str(exc).encode()
+            return STATUSES.index(status if status in STATUSES else "INTERNAL"), str(exc).encode()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -167,16 +165,16 @@ class ArenaSocket:
 
 
 GET, RESERVE, PUT, END_RESERVATIONS = 1, 2, 3, 4  # methods of the same-host channel
-_STATUSES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "UNIMPLEMENTED", "INTERNAL")
+STATUSES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "UNIMPLEMENTED", "INTERNAL")
 _FRAME = struct.Struct("<IB")  # body length, method (request) or status index (reply)
 MAX_FRAME_BYTES = 64 << 20
 
 
-def _send_frame(conn: socket.socket, kind: int, body: bytes) -> None:
+def send_frame(conn: socket.socket, kind: int, body: bytes) -> None:
     conn.sendall(_FRAME.pack(len(body), kind) + body)
 
 
-def _recv_frame(conn: socket.socket) -> tuple[int, bytes] | None:
+def recv_frame(conn: socket.socket) -> tuple[int, bytes] | None:
     head = _recv_exactly(conn, _FRAME.size)
     if head is None:
         return None
@@ -204,130 +202,3 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return int(_UCRED.unpack(creds)[1])  # struct ucred: pid, uid, gid
-
-
-class ArenaMap:
-    """A client's opening of a store's arena: its same-host channel, and the `segment` that copies blocks
-    out of slots and into them (a HostSegment, or a device arena's OpenedSegment)."""
-
-    def __init__(self, socket_path: Path | str, timeout_s: float = 2.0) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._lock = threading.Lock()
-        fds: list[int] = []
-        try:
-            self._sock.settimeout(timeout_s)
-            self._sock.connect(str(socket_path))
-            msg, fds, _, _ = socket.recv_fds(self._sock, _MAX_GREETING, 1)
-            if not msg.startswith(_GREETING):
-                raise OSError(f"{socket_path} is not a kvserve arena socket")
-            try:
-                fields = json.loads(msg[len(_GREETING) :])
-            except ValueError:
-                raise OSError(f"{socket_path} sent a garbled greeting") from None
-            self.segment = open_segment(fields, fds)
-        except BaseException:
-            self._sock.close()
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-        self.size = self.segment.size
-        self._closing = threading.Lock()  # taken by the first close, never given back
-
-    def call(self, method: int, body: bytes, timeout_s: float) -> bytes:
-        """One call on the same-host channel; LocalCallError if the store refused it, OSError if the
-        channel broke."""
-        with self._lock:
-            self._sock.settimeout(timeout_s)
-            _send_frame(self._sock, method, body)
-            reply = _recv_frame(self._sock)
-        if reply is None:
-            raise OSError("the store closed its arena socket")
-        status, payload = reply
-        if status:
-            name = _STATUSES[status] if status < len(_STATUSES) else "UNKNOWN"
-            raise LocalCallError(name, payload.decode(errors="replace"))
-        return payload
-
-    def close(self) -> None:
-        if self._closing.acquire(blocking=False):  # once: a device segment counts the clients that hold it
-            self._sock.close()
-            self.segment.close()
-
-
-class Segment(Protocol):
-    """A client's copies into and out of an arena's slots, each checked with the arena's kind of checksum."""
-
-    size: int
-
-    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
-        """A copy of the slot's `size` bytes if they match `checksum`, else None."""
-
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
-        """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header into one
-        and its tensor straight into a KV pool slot); True if they match `checksum`."""
-
-    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[Buffer]]) -> list[int]:
-        """Copies each block's parts one after another into the slot at its offset; their checksums."""
-
-    def close(self) -> None: ...
-
-
-def open_segment(fields: dict[str, Any], fds: list[int]) -> Segment:
-    """The client's side of an arena, from the greeting's description."""
-    if fields.get("kind") == "memfd":
-        if len(fds) != 1:
-            raise OSError("a shared-memory arena comes with one file descriptor")
-        return HostSegment(fds[0])
-    from kvstore.device_tier import open_device_segment  # torch only for a device arena
-
-    return open_device_segment(fields, fds)
-
-
-class HostSegment:
-    """A mapping of the host arena's segment; blocks are checked with xxh3, as the store keeps them."""
-
-    def __init__(self, fd: int) -> None:
-        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-            raise OSError("the store's arena is not sealed against resizing: not mapping it")
-        self.size = os.fstat(fd).st_size
-        self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no faults later
-        self.view = memoryview(self._map)
-
-    def read(self, offset: int, size: int, checksum: int) -> bytes | None:
-        if offset < 0 or offset + size > self.size:
-            return None
-        payload = bytes(self.view[offset : offset + size])
-        return payload if xxhash.xxh3_64_intdigest(payload) == checksum else None
-
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
-        if offset < 0 or offset + size > self.size or size > sum(len(b) for b in out):
-            return False
-        hasher = xxhash.xxh3_64()
-        for buf in out:
-            n = min(len(buf), size)
-            dest = buf[:n]
-            dest[:] = self.view[offset : offset + n]
-            hasher.update(dest)  # hashed while still in cache
-            offset, size = offset + n, size - n
-        return hasher.intdigest() == checksum
-
-    def write(self, offset: int, parts: Sequence[Buffer]) -> int:
-        # Hashed from the copy while it is still in cache: a fraction of the cost of hashing apart.
-        if offset < 0 or offset + sum(len(p) for p in parts) > self.size:
-            raise ValueError(f"slot at {offset} lies outside the arena")
-        hasher = xxhash.xxh3_64()
-        for part in parts:
-            dest = self.view[offset : offset + len(part)]
-            dest[:] = part
-            hasher.update(dest)
-            offset += len(part)
-        return hasher.intdigest()
-
-    def write_many(self, offsets: Sequence[int], blocks: Sequence[Sequence[Buffer]]) -> list[int]:
-        return [self.write(offset, parts) for offset, parts in zip(offsets, blocks, strict=True)]
-
-    def close(self) -> None:
-        with contextlib.suppress(BufferError):  # another thread is copying: the mapping goes with it
-            self.view.release()
-            self._map.close()

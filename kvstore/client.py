@@ -23,7 +23,8 @@ import grpc
 from kvstore.arena import GET as LOCAL_GET
 from kvstore.arena import PUT as LOCAL_PUT
 from kvstore.arena import RESERVE as LOCAL_RESERVE
-from kvstore.arena import ArenaMap, LocalCallError, host_id, scatter
+from kvstore.arena import LocalCallError, host_id, scatter
+from kvstore.arena_map import ArenaMap
 from kvstore.block_format import checksum
 from kvstore.types import Buffer, Latency, LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block

@@ -1,29 +1,16 @@
-"""The store's configuration and the tiers it builds, top to bottom."""
+"""The store's configuration: its tiers' sizes and the remote tier's settings (kvstore/build.py builds them)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import lmdb
-
-from kvstore.disk_tier import DiskTier
-from kvstore.host_tier import ArenaHostTier, MemoryHostTier, new_shm_dir
 from kvstore.leases import MAX_TTL_S
-from kvstore.tier import TierStorage
-
-if TYPE_CHECKING:
-    from kvstore.remote_tier import RemoteTier
-
-log = logging.getLogger(__name__)
 
 _MiB = 1024**2
 _GiB = 1024**3
 MAX_BLOCK_BYTES = 256 * _MiB  # a 16-token block of a 405B model is 8 MiB
-MIN_PIN_CAP = 64 * _MiB  # the default per-caller cap never goes below: leases must fit a long prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +57,7 @@ class StoreConfig:
     flush_timeout_s: float = 10.0
     max_block_bytes: int = MAX_BLOCK_BYTES  # and never more than the largest tier
     max_lease_ttl_s: float = MAX_TTL_S  # a longer lease gets this much
-    max_pinned_bytes_per_caller: int | None = None  # None: a quarter of the top tier, at least MIN_PIN_CAP
+    max_pinned_bytes_per_caller: int | None = None  # None: a quarter of the top tier, at least build.MIN_PIN_CAP
     remote: RemoteConfig | None = None  # a shared remote tier under the local ones
 
     def __post_init__(self) -> None:
@@ -84,44 +71,3 @@ class StoreConfig:
             raise ValueError("--max-block-bytes and --max-lease-ttl-s must be > 0")
         if self.max_pinned_bytes_per_caller is not None and self.max_pinned_bytes_per_caller <= 0:
             raise ValueError("--max-pinned-bytes-per-caller must be > 0")
-
-
-def pinned_bytes_cap(config: StoreConfig, tiers: list[tuple[TierStorage, int]]) -> int:
-    """The bytes one caller's leases may pin at once: --max-pinned-bytes-per-caller, by default a quarter
-    of the top tier (where writes land), at least MIN_PIN_CAP. Callers are told apart by certificate
-    with mTLS, else by host, so a host's prefill and decode share one cap."""
-    if config.max_pinned_bytes_per_caller is not None:
-        return config.max_pinned_bytes_per_caller
-    return max(tiers[0][1] // 4, MIN_PIN_CAP)
-
-
-def build_remote(config: StoreConfig) -> RemoteTier | None:
-    if config.remote is None:
-        return None
-    from kvstore.remote_tier import RemoteTier  # redis only when a remote tier is on
-
-    return RemoteTier(config.remote)
-
-
-def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
-    """The tiers top to bottom. Same-host clients reach one arena: the device tier's when it is on (the
-    host tier is then a plain dict, read over gRPC), else the host tier's shared memory (with --shm)."""
-    tiers: list[tuple[TierStorage, int]] = []
-    device_arena = config.device != "off" and config.device_capacity > 0
-    if device_arena:
-        from kvstore.device_tier import DeviceArenaTier  # torch (and cupy) only when the device tier is on
-
-        device = DeviceArenaTier(new_shm_dir(config.shm_root), config.device_capacity, config.device)
-        tiers.append((device, config.device_capacity))
-    if config.host_capacity > 0:
-        shm = config.shm and not device_arena
-        host = ArenaHostTier.create(config.host_capacity, config.shm_root) if shm else MemoryHostTier()
-        tiers.append((host, config.host_capacity))
-    if config.disk_capacity > 0 and config.disk_path is not None:
-        try:
-            tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
-        except (OSError, lmdb.Error) as exc:  # read-only, missing, full: the tier only holds cache
-            log.error("disk tier at %s cannot be used (%s): serving from the memory tiers only", config.disk_path, exc)
-    if not tiers:
-        raise ValueError("every tier is off: give --host-capacity or --disk-capacity")
-    return tiers

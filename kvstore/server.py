@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from kvstore import arena
 from kvstore.arena import host_id
-from kvstore.config import StoreConfig, build_remote, build_tiers, pinned_bytes_cap
+from kvstore.build import build_remote, build_tiers, pinned_bytes_cap
+from kvstore.config import StoreConfig
 from kvstore.errors import InvalidRequest, StoreFull
 from kvstore.events import StoreEvent
 from kvstore.metrics import StoreCollector

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rpc.metrics import LATENCY_BUCKETS, EngineMetrics
+from engine.metrics import EngineMetrics
+from rpc.metrics import LATENCY_BUCKETS
 
 
 class PrefillMetrics:

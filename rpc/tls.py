@@ -1,4 +1,5 @@
-"""TLS between the services, and `kvserve certs`, which makes a local CA and the services' certificates.
+"""TLS between the services: settings, credentials and channels (`kvserve certs`, in rpc/certs.py, makes
+the certificates).
 
 A service given a certificate and its key (--tls-cert, --tls-key) serves TLS. Given the CA that signs
 the services' certificates as well (--tls-ca), the internal servers (store, prefill) accept only
@@ -146,10 +147,3 @@ def channel(addr: str, options: Sequence[tuple[str, Any]] = (), tls: TLSConfig |
     credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
                                                certificate_chain=tls.cert)
     return grpc.secure_channel(addr, credentials, options=list(options))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`kvserve certs` (client/cli.py forwards it here); see rpc/certs.py."""
-    from rpc.certs import main as certs_main
-
-    return certs_main(argv)

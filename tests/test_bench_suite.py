@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from matplotlib import image
 
 from bench import handoff as bench_handoff
 from bench import multi_turn as bench_multi_turn
+from bench import routing as bench_routing
 from bench import shared_prefix as bench_shared_prefix
 from bench import store as bench_store
 from bench.report import (
@@ -99,11 +101,29 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
     assert_png(path)
 
 
-def test_bench_commands_are_dispatched() -> None:
-    names = {key[1]: module for key, module in cli.FORWARDED.items() if key[0] == "bench"}
-    assert names == {"hash": "bench.hashing", "prefill": "bench.prefill", "multi-turn": "bench.multi_turn",
-                     "e2e": "bench.multi_turn", "shared-prefix": "bench.shared_prefix",
-                     "decode": "bench.decode", "handoff": "bench.handoff", "store": "bench.store"}
+@pytest.mark.parametrize(("name", "module"), [
+    ("hash", "bench.hashing"), ("prefill", "bench.prefill"), ("multi-turn", "bench.multi_turn"),
+    ("e2e", "bench.multi_turn"), ("shared-prefix", "bench.shared_prefix"), ("decode", "bench.decode"),
+    ("handoff", "bench.handoff"), ("store", "bench.store"),
+])
+def test_bench_commands_are_dispatched(name: str, module: str) -> None:
+    command = cli.forwarded(["bench", name, "--json", "out.json"])
+    assert command is not None
+    main, rest = command
+    assert (main.__module__, main.__name__, rest) == (module, "main", ["--json", "out.json"])
+
+
+def test_environ_sets_variables_and_restores_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_PROBE_SET", "before")
+    monkeypatch.delenv("KVSERVE_PROBE_UNSET", raising=False)
+    with bench_routing.environ(KVSERVE_PROBE_SET="during", KVSERVE_PROBE_UNSET="during"):
+        assert (os.environ["KVSERVE_PROBE_SET"], os.environ["KVSERVE_PROBE_UNSET"]) == ("during", "during")
+    assert (os.environ["KVSERVE_PROBE_SET"], os.environ.get("KVSERVE_PROBE_UNSET")) == ("before", None)
+
+
+def test_the_cli_keeps_its_own_commands() -> None:
+    assert cli.forwarded(["bench", "nothing"]) is None
+    assert cli.forwarded(["generate", "hi"]) is None
 
 
 # ---- the scenarios, short forms -------------------------------------------------------------

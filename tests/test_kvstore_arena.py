@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from kvstore import KVStoreClient, arena
-from kvstore.arena import Arena, ArenaMap, ArenaSocket
+from kvstore.arena import Arena, ArenaSocket
+from kvstore.arena_map import ArenaMap
 from kvstore.block_format import checksum
 from kvstore.slab import PAGE_BYTES, SlabAllocator, slot_bytes
 from protos.kvserve.v1 import kvstore_pb2 as pb

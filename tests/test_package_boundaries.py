@@ -1,112 +1,199 @@
-"""docs/DESIGN.md, "Packages": who may import whom, module by module.
+"""docs/DESIGN.md, "Packages": dependencies point one way.
 
-Each package may import, besides its own modules, exactly the first-party modules listed here.
-The store is reached only through its public package (`KVStoreClient`), the prefill service only
-through `prefill_service.client`, and the request types both services use only from the neutral
-`handoff.requests`. Third-party rules: no torch in the client, the shared server code or the store
-(but its device tier), no grpc in the engine.
+The packages are layers, bottom to top (LAYERS); each imports only the packages below it that its rule
+names (MAY_IMPORT), so no two packages import each other, and no module of a package is in an import
+cycle with others (imports inside functions and under TYPE_CHECKING count). Entry points (modules run as
+programs) are roots: they may import anything, and nothing imports them. The store is reached only
+through its public package (`KVStoreClient`) but by the stack and the benchmarks, which start it; the
+prefill service only through `prefill_service.client`. Third-party: no torch in the RPC plumbing, the
+router (it holds no model), the client or the stack; no grpc in the engine; torch (or cupy) in the
+store only in its device tier.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protos", "engine", "kvstore", "serving", "prefill_service", "decode_service", "router", "client")
-PROTOS = {f"protos.kvserve.v1.{name}_pb2{grpc}" for name in ("common", "kvstore", "prefill", "decode")
-          for grpc in ("", "_grpc")}
-SERVING = {"rpc.addresses", "rpc.auth", "handoff.session", "rpc.cli", "rpc.errors", "rpc.metrics", "handoff.requests",
-           "rpc.server", "rpc.tls"}
-ENGINE_FOR_SERVICES = {"engine.engine", "engine.hashing", "handoff.codec", "engine.kv_pool", "handoff.transfer",
-                       "engine.model", "engine.sampling", "engine.scheduler", "engine.sequence"}
-
-ALLOWED: dict[str, set[str]] = {
+LAYERS = ("protos", "rpc", "engine", "kvstore", "handoff", "prefill_service", "decode_service", "router", "client",
+          "stack", "bench")
+MAY_IMPORT: dict[str, set[str]] = {
     "protos": set(),
-    "engine": {"protos.block_hash"},
-    "kvstore": {"protos.block_hash", "rpc.cli", "rpc.server", "rpc.tls"} | PROTOS,
-    # requests: the contract names engine's SamplingParams and encodes a prompt with the model's
-    # tokenizer (prefill for its forward, decode for a router's prefix hashes); metrics: the engine's StepStats;
-    # cache_session: the store's public client.
-    "serving": {"protos.block_hash", "engine.model", "engine.sampling", "engine.engine", "kvstore"} | PROTOS,
-    "prefill_service": {"protos.block_hash", "kvstore"} | ENGINE_FOR_SERVICES | SERVING | PROTOS,
-    "decode_service": {"protos.block_hash", "kvstore", "prefill_service.client"}
-    | ENGINE_FOR_SERVICES | SERVING | PROTOS,
-    # the router holds no model: the shared server code without the request contract (which names the engine's)
-    "router": {"protos.block_hash", "rpc.addresses", "rpc.cli", "rpc.errors", "rpc.server", "rpc.tls"} | PROTOS,
-    "client": set(PROTOS),
+    "rpc": {"protos"},
+    "engine": {"protos"},
+    "kvstore": {"protos", "rpc"},
+    "handoff": {"protos", "rpc", "engine", "kvstore"},
+    "prefill_service": {"protos", "rpc", "engine", "kvstore", "handoff"},
+    "decode_service": {"protos", "rpc", "engine", "kvstore", "handoff", "prefill_service"},
+    "router": {"protos", "rpc"},  # it holds no model
+    "client": {"protos"},  # the library: Client, the metrics page reader (the rest of client/ are entry points)
+    "stack": set(),  # it starts the services as `python -m` processes
+    "bench": set(LAYERS[:-1]),
 }
-# Modules allowed more than the rest of their package: the pytest plugin hands its users a client
-# of the store too (its public package, which imports no torch).
-ALLOWED_IN_MODULE: dict[str, set[str]] = {"client/pytest_plugin.py": {"kvstore"}}
-FORBIDDEN_THIRD_PARTY = {
-    "engine": {"grpc"},
-    "serving": {"torch", "transformers"},
-    "router": {"torch", "transformers"},
-    "client": {"torch", "transformers"},
-}
-TORCH_IN_KVSTORE = {"device_tier.py", "device_bench.py"}  # torch (or cupy) only in the device tier and its bench
+# Besides every __main__.py: the `kvserve` command, `make demo`, `kvserve health` and the pytest plugin.
+ENTRY_POINTS = {"client.cli", "client.demo", "client.health", "client.pytest_plugin"}
+# The only modules of these packages that other packages import (the store's public package holds KVStoreClient).
+PUBLIC = {"kvstore": {"kvstore"}, "prefill_service": {"prefill_service.client"}}
+STARTERS = {"stack", "bench"}  # they start the store, so they may reach into it
+NEVER = {package: {"torch", "transformers"} for package in ("rpc", "router", "client", "stack")} | {"engine": {"grpc"}}
+TORCH_IN_KVSTORE = {"kvstore.device_tier"}
 
 
-def _is_module(name: str) -> bool:
-    path = ROOT / name.replace(".", "/")
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+def module_paths(root: Path, packages: Iterable[str]) -> dict[str, Path]:
+    """Every module of `packages` under `root` by its dotted name (a package by its own)."""
+    paths = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return paths
 
 
-def imports(path: Path) -> set[str]:
-    """Every module `path` imports; `from a.b import c` names a.b.c when that is a module."""
-    names: set[str] = set()
+def imported_names(name: str, path: Path) -> set[str]:
+    """Every name module `name` imports anywhere in its file; `from a import b` names a.b (a module or not)."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:
-                full = f"{node.module}.{alias.name}"
-                names.add(full if node.module.split(".")[0] in PACKAGES and _is_module(full) else node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from `level` packages up, the first being the module's own
+                here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join([*here[: len(here) - node.level + 1], *([base] if base else [])])
+            names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
 
 
-def violations(package: str, paths: list[Path]) -> list[str]:
-    """First-party imports of other packages, in `paths` of `package`, that the rules do not allow."""
-    return sorted(
-        f"{package}/{path.name}: {name}"
-        for path in paths
-        for name in imports(path)
-        if name.split(".")[0] in PACKAGES and name.split(".")[0] != package
-        and name not in ALLOWED[package] | ALLOWED_IN_MODULE.get(f"{package}/{path.name}", set())
-    )
+def module_graph(root: Path = ROOT, packages: Iterable[str] = LAYERS) -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports (`a.b.c` counts as the longest of a.b.c, a.b, a that is one)."""
+    paths = module_paths(root, packages)
+
+    def module_of(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {name: {m for n in imported_names(name, path) if (m := module_of(n)) and m != name}
+            for name, path in paths.items()}
 
 
-def test_every_package_has_a_rule() -> None:
-    assert set(ALLOWED) == set(PACKAGES)
+def entry_points(graph: Mapping[str, set[str]]) -> set[str]:
+    return ENTRY_POINTS | {name for name in graph if name.endswith(".__main__")}
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
-def test_packages_import_only_what_the_design_allows(package: str) -> None:
-    bad = violations(package, sorted((ROOT / package).glob("*.py")))
+def violations(graph: Mapping[str, set[str]]) -> list[str]:
+    """The imports the rules forbid (an entry point's are all allowed): of an entry point, of a package
+    MAY_IMPORT does not name, of a module another package keeps to itself."""
+    roots = entry_points(graph)
+    bad = []
+    for name, imported in graph.items():
+        package = name.split(".")[0]
+        for other in imported:
+            target = other.split(".")[0]
+            if name in roots or target == package and other not in roots:
+                continue
+            if other in roots:
+                bad.append(f"{name} -> {other}: an entry point")
+            elif target not in MAY_IMPORT[package]:
+                bad.append(f"{name} -> {other}: {package} may not import {target}")
+            elif target in PUBLIC and other not in PUBLIC[target] and package not in STARTERS:
+                bad.append(f"{name} -> {other}: only {', '.join(sorted(PUBLIC[target]))} of {target}")
+    return sorted(bad)
+
+
+def package_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import, entry points left out."""
+    roots = entry_points(graph)
+    packages: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        if name not in roots:
+            package = name.split(".")[0]
+            packages.setdefault(package, set()).update(m.split(".")[0] for m in imported if m.split(".")[0] != package)
+    return packages
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Every import cycle: the strongly connected components of more than one node."""
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(graph.get(start, ()))
+        while todo:
+            if (node := todo.pop()) not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return seen
+
+    reach = {node: reachable(node) for node in graph}
+    components = {frozenset(n for n in reach[node] if node in reach.get(n, ())) for node in graph if node in reach[node]}
+    return sorted(sorted(component) for component in components)
+
+
+GRAPH = module_graph()
+
+
+def test_each_package_may_import_only_packages_below_it() -> None:
+    assert list(MAY_IMPORT) == list(LAYERS)
+    assert {p: MAY_IMPORT[p] - set(LAYERS[: LAYERS.index(p)]) for p in LAYERS} == {p: set() for p in LAYERS}
+
+
+def test_the_entry_points_are_the_programs_pyproject_names() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = [*project["scripts"].values(), *project["entry-points"]["pytest11"].values()]
+    assert {target.split(":")[0] for target in named} <= entry_points(GRAPH)
+
+
+def test_imports_follow_the_layers() -> None:
+    bad = violations(GRAPH)
     assert not bad, bad
 
 
-def test_the_rule_catches_a_forbidden_import(tmp_path: Path) -> None:
-    """decode_service reaching into prefill_service's or the store's internals is caught."""
-    probe = tmp_path / "probe.py"
-    probe.write_text("from prefill_service.service import PrefillService\nfrom kvstore.store import BlockStore\n"
-                     "from prefill_service.client import PrefillClient\nfrom kvstore import KVStoreClient\n")
-    assert violations("decode_service", [probe]) == [
-        "decode_service/probe.py: kvstore.store", "decode_service/probe.py: prefill_service.service",
+def test_no_cycle_between_packages() -> None:
+    assert cycles(package_graph(GRAPH)) == []
+
+
+def test_no_cycle_between_modules() -> None:
+    assert cycles(GRAPH) == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
+    """Two modules that import each other, one of them inside a function; and two packages."""
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "__init__.py").write_text("")
+    (tmp_path / "probe" / "a.py").write_text("def f() -> None:\n    from probe import b\n")
+    (tmp_path / "probe" / "b.py").write_text("from probe.a import f\n")
+    (tmp_path / "probe" / "c.py").write_text("import probe.b\n")
+    assert cycles(module_graph(tmp_path, ["probe"])) == [["probe.a", "probe.b"]]
+    assert cycles({"protos": set(), "rpc": {"protos", "engine"}, "engine": {"protos", "rpc"}}) == [["engine", "rpc"]]
+
+
+def test_the_rules_catch_forbidden_imports() -> None:
+    graph = {
+        "rpc.metrics": {"engine.engine", "rpc.errors"},
+        "decode_service.service": {"prefill_service.service", "prefill_service.client", "kvstore.store", "kvstore"},
+        "bench.target": {"client.cli", "kvstore.client"},
+        "client.cli": {"bench.prefill", "kvstore.__main__", "client.health"},  # an entry point imports anything
+    }
+    assert violations(graph) == [
+        "bench.target -> client.cli: an entry point",
+        "decode_service.service -> kvstore.store: only kvstore of kvstore",
+        "decode_service.service -> prefill_service.service: only prefill_service.client of prefill_service",
+        "rpc.metrics -> engine.engine: rpc may not import engine",
     ]
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN_THIRD_PARTY))
+@pytest.mark.parametrize("package", sorted(NEVER))
 def test_packages_keep_out_of_forbidden_libraries(package: str) -> None:
-    bad = sorted(f"{path.name}: {name}" for path in (ROOT / package).glob("*.py") for name in imports(path)
-                 if name.split(".")[0] in FORBIDDEN_THIRD_PARTY[package])
+    bad = sorted(f"{name}: {n}" for name, path in module_paths(ROOT, [package]).items()
+                 for n in imported_names(name, path) if n.split(".")[0] in NEVER[package])
     assert not bad, bad
 
 
 def test_only_the_device_tier_imports_torch_in_the_store() -> None:
-    users = {path.name for path in (ROOT / "kvstore").glob("*.py") if any(
-        n.split(".")[0] in ("torch", "cupy") for n in imports(path))}
+    users = {name for name, path in module_paths(ROOT, ["kvstore"]).items()
+             if any(n.split(".")[0] in ("torch", "cupy") for n in imported_names(name, path))}
     assert users <= TORCH_IN_KVSTORE, sorted(users)

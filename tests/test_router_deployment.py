@@ -18,8 +18,8 @@ import pytest
 
 from bench.target import free_port
 from client import Client
-from client.cli import parse_metrics
 from client.client import KVServeError, Result
+from client.metrics import parse_metrics
 from stack.stack import Service, Stack, StackConfig, start_service, stop_service
 from tests.redis_fixtures import RedisServer
 from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
