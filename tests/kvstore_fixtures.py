@@ -1,4 +1,5 @@
-"""Helpers for the kvstore tests: keys, payloads, stores of tiny capacity, a fake clock, servers."""
+"""Helpers for the kvstore tests: keys, payloads, stores of tiny capacity, a fake clock, servers, a block
+corrupted on disk."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import lmdb
+
+from kvstore.block_format import HEADER_BYTES
 from kvstore.config import StoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import ArenaHostTier, MemoryHostTier
@@ -108,6 +112,16 @@ def start_process(args: list[str], *, max_file_bytes: int | None = None, stderr:
             break
     proc.kill()
     raise RuntimeError(f"kvstore did not start (exit code {proc.poll()})")
+
+
+def corrupt_lmdb_value(path: Path, k: bytes) -> None:
+    """Flips one payload byte of block `k` in the LMDB database at `path` (a disk tier's, its store closed)."""
+    env = lmdb.open(str(path))
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(k) or b"")
+        value[HEADER_BYTES + 3] ^= 0xFF  # one payload byte
+        txn.put(k, bytes(value))
+    env.close()
 
 
 def run_in_threads(work: Callable[[int], None], n: int = 8) -> None:

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+
+from tests.polling import wait_until
+from tests.processes import free_ports
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -34,16 +35,6 @@ START_TIMEOUT_S = 15.0
 
 # Asks for SIGKILL when its parent dies (PR_SET_PDEATHSIG survives exec), then becomes redis-server.
 _EXEC_WITH_PARENT = "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); os.execv(sys.argv[1], sys.argv[1:])"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass
@@ -149,19 +140,18 @@ class RedisServer:
         assert REDIS_SERVER is not None
         self.process = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_PARENT, REDIS_SERVER, *self._args()],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
         with self.client(socket_timeout=1.0, socket_connect_timeout=1.0) as probe:
-            while True:
+
+            def answers() -> bool:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"redis-server on port {self.port} exited: {self._log_tail()}")
                 try:
-                    if probe.ping():
-                        return
+                    return bool(probe.ping())
                 except (redis.ConnectionError, redis.TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer: {self._log_tail()}")
-                time.sleep(0.02)
+                    return False
+
+            wait_until(answers, START_TIMEOUT_S, interval_s=0.02,
+                       message=lambda: f"redis-server on port {self.port} did not answer: {self._log_tail()}")
 
     def _log_tail(self) -> str:
         log = self.dir / "redis.log"
@@ -201,11 +191,8 @@ def redis_cluster(tmp_path: Path, masters: int = 3) -> RedisClusterServers:
             nodes.append(RedisServer.start(tmp_path, extra=extra, name=f"cluster-{i}"))
         nodes[0].cli("--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas", "0",
                      "--cluster-yes")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster did not reach cluster_state:ok")
-            time.sleep(0.05)
+        wait_until(lambda: all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes), START_TIMEOUT_S,
+                   message="the cluster did not reach cluster_state:ok")
     except BaseException:
         for node in nodes:
             node.kill()

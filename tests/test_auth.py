@@ -12,8 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from rpc.auth import (
 )
 from rpc.auth import main as token_main
 from rpc.server import Server
+from tests.polling import wait_until
 
 
 def sha(token: str) -> str:
@@ -271,14 +271,6 @@ def test_health_and_reflection_need_no_token(echo_server: str) -> None:
 # --- a real stack with auth on -----------------------------------------------------------------------
 
 
-def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not seen within {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
 class AuthStack:
     def __init__(self, root: Path) -> None:
         from rpc.auth import add_token
@@ -360,7 +352,8 @@ def test_sighup_reloads_the_tokens_file_and_a_bad_one_keeps_the_old(
     good = auth_stack.tokens_file.read_text()
     auth_stack.tokens_file.write_text(good + "initech not-a-hash\n")
     decode.send_signal(signal.SIGHUP)
-    _wait_for(lambda: "tokens file not reloaded" in auth_stack.decode_log(), "the reload's error in the decode log")
+    wait_until(lambda: "tokens file not reloaded" in auth_stack.decode_log(), timeout_s=60, interval_s=0.1,
+               message="the reload's error not seen in the decode log")
     with auth_stack.client(auth_stack.acme) as c:  # the old table stays
         assert c.generate(token_ids=[1, 2, 3], max_tokens=1, ignore_eos=True).usage.completion_tokens == 1
 
@@ -377,7 +370,7 @@ def test_sighup_reloads_the_tokens_file_and_a_bad_one_keeps_the_old(
             except UnauthenticatedError:
                 return False
 
-    _wait_for(works, "the new tenant's token accepted after SIGHUP")
+    wait_until(works, timeout_s=60, interval_s=0.1, message="the new tenant's token not accepted after SIGHUP")
     assert decode.poll() is None
 
 
@@ -402,7 +395,8 @@ def test_a_router_passes_each_callers_token_to_the_replica(auth_stack: AuthStack
     router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", auth_stack.addr,
                                                 "--token", auth_stack.globex], tmp_path / "router.log")
     try:
-        _wait_for(lambda: "is healthy" in (tmp_path / "router.log").read_text(), "the router to see its replica")
+        wait_until(lambda: "is healthy" in (tmp_path / "router.log").read_text(), timeout_s=60, interval_s=0.1,
+                   message="the router never saw its replica")
         for token in ("", "not-a-token"):
             with Client(router.addr, timeout_s=60, token=token) as c, pytest.raises(UnauthenticatedError):
                 c.generate(token_ids=[1, 2, 3], max_tokens=1)

@@ -18,7 +18,8 @@ from typing import IO
 import grpc
 import pytest
 
-from tests.test_e2e_cli import KVSERVE, alive, children, free_ports
+from tests.polling import wait_until
+from tests.processes import KVSERVE, alive, children, free_ports, memfd_inodes
 
 
 def up_argv(tmp: Path, model: Path, ports: list[int], *extra: str) -> list[str]:
@@ -124,20 +125,17 @@ def _start_on(tmp_path: Path, ports: list[int], *extra: str) -> subprocess.Popen
 
 
 def _wait_children(pid: int, n: int, timeout_s: float = 120) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while len(found := children(pid)) < n:
+    def started() -> list[int]:  # each seen, so that _no_leftovers kills it should the test fail
+        found = children(pid)
         _STARTED.extend(p for p in found if p not in _STARTED)
-        assert time.monotonic() < deadline, f"{len(found)} of {n} services started"
-        time.sleep(0.05)
-    _STARTED.extend(p for p in found if p not in _STARTED)
-    return found
+        return found if len(found) >= n else []
+
+    return wait_until(started, timeout_s, message=lambda: f"{len(children(pid))} of {n} services started")
 
 
 def _assert_gone(pids: list[int], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"orphans: {[p for p in pids if alive(p)]}"
-        time.sleep(0.1)
+    wait_until(lambda: not any(alive(p) for p in pids), timeout_s, interval_s=0.1,
+               message=lambda: f"orphans: {[p for p in pids if alive(p)]}")
 
 
 @pytest.mark.slow
@@ -190,18 +188,12 @@ class _Lines:
         threading.Thread(target=lambda: self.lines.extend(stream), daemon=True).start()
 
     def wait_for(self, text: str, proc: subprocess.Popen[str], timeout_s: float = 180) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not (found := [line for line in list(self.lines) if text in line]):
+        def found() -> list[str]:
             assert proc.poll() is None, f"`up` exited with {proc.returncode}:\n{''.join(self.lines)}"
-            assert time.monotonic() < deadline, f"no {text!r} in:\n{''.join(self.lines)}"
-            time.sleep(0.1)
-        return found[0]
+            return [line for line in list(self.lines) if text in line]
 
-
-def _memfd_inodes(pid: int) -> set[str]:
-    """The shared-memory arenas (kvstore/arena.py) process pid maps, by inode."""
-    return {line.split()[4] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-            if "/memfd:kvserve-arena" in line}
+        return wait_until(found, timeout_s, interval_s=0.1,
+                          message=lambda: f"no {text!r} in:\n{''.join(self.lines)}")[0]
 
 
 @pytest.mark.slow
@@ -212,7 +204,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     and decode map the new store's arena instead of keeping the dead one's memory."""
     from client.client import Client
     from stack.stack import wait_healthy
-    from stack.supervisor import read_status
+    from stack.supervisor import UpStatus, read_status
 
     data = tmp_path / "data"
     (data / "logs").mkdir(parents=True)
@@ -244,7 +236,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
             others = {n: s.pid for n, s in before.services.items() if n != name}
             seen.extend(s.pid for s in before.services.values() if s.pid)
             old_shm = list(Path("/dev/shm").glob(f"kvserve-{pid}-*")) if name == "kvstore" else []
-            old_arena = _memfd_inodes(pid) if name == "kvstore" else set()
+            old_arena = memfd_inodes(pid) if name == "kvstore" else set()
             assert name != "kvstore" or (old_shm and old_arena)
 
             os.kill(pid, signal.SIGKILL)
@@ -254,10 +246,12 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
             if name == "kvstore":  # the cache is an optimisation: a request while it is down still works
                 assert generate() == expected
 
-            deadline = time.monotonic() + 180
-            while (now := read_status(data)) is None or now.services[name].state != "running":
-                assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines)
-                time.sleep(0.2)
+            def running_again(name: str = name) -> UpStatus | None:
+                assert proc.poll() is None, "".join(err.lines)
+                now = read_status(data)
+                return now if now is not None and now.services[name].state == "running" else None
+
+            now = wait_until(running_again, timeout_s=180, interval_s=0.2, message=lambda: "".join(err.lines))
             again = now.services[name]
             assert again.restarts == 1 and again.pid not in (None, pid) and again.last_exit is not None
             assert again.last_exit.signal == "SIGKILL" and again.addr == before.services[name].addr
@@ -270,13 +264,19 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
                 assert again.pid is not None
                 assert not any(d.exists() for d in old_shm)
                 assert list(Path("/dev/shm").glob(f"kvserve-{again.pid}-*"))
-                new_arena = _memfd_inodes(again.pid)
+                new_arena = memfd_inodes(again.pid)
                 assert new_arena and new_arena != old_arena
-                clients = [now.services[n].pid for n in ("prefill", "decode")]
-                deadline = time.monotonic() + 60  # a call during their channels' reconnect skips the store
-                while any(_memfd_inodes(p) != new_arena for p in clients if p):
-                    assert time.monotonic() < deadline, {p: _memfd_inodes(p) for p in clients if p}
+                clients = [p for n in ("prefill", "decode") if (p := now.services[n].pid)]
+
+                def map_the_new_arena(clients: list[int] = clients, new_arena: set[str] = new_arena) -> bool:
+                    # a call during their channels' reconnect skips the store
+                    if all(memfd_inodes(p) == new_arena for p in clients):
+                        return True
                     assert generate() == expected
+                    return False
+
+                wait_until(map_the_new_arena, timeout_s=60, interval_s=0,
+                           message=lambda clients=clients: str({p: memfd_inodes(p) for p in clients}))
 
             stats = subprocess.run([KVSERVE, "stats", "--data-dir", str(data), "--json"], capture_output=True,
                                    text=True, timeout=60)

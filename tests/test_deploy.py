@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
@@ -35,6 +34,7 @@ import yaml
 from cryptography import x509
 
 from rpc.cli import env_args, env_prefix, parse_size
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -460,7 +460,7 @@ class LocalCompose:
     paths to folders under `tmp`."""
 
     def __init__(self, spec: dict[str, Any], tmp: Path) -> None:
-        from tests.redis_fixtures import free_ports
+        from tests.processes import free_ports
 
         self.services = spec["services"]
         self.tmp = tmp
@@ -515,12 +515,17 @@ class LocalCompose:
                                                        env=self.env(service), stdout=log, stderr=subprocess.STDOUT)
         test = spec["healthcheck"]["test"]
         assert test[0] == "CMD"
-        deadline = time.monotonic() + 300
-        while subprocess.run(self.command(service, test[1:]), env=self.env(service), capture_output=True).returncode:
-            if self.processes[service].poll() is not None or time.monotonic() > deadline:
-                log_text = (self.tmp / "logs" / f"{service}.log").read_text(errors="replace")[-3000:]
-                raise AssertionError(f"{service} did not become healthy:\n{log_text}")
-            time.sleep(0.5)
+
+        def log_tail() -> str:
+            return (self.tmp / "logs" / f"{service}.log").read_text(errors="replace")[-3000:]
+
+        def healthy() -> bool:
+            assert self.processes[service].poll() is None, f"{service} exited:\n{log_tail()}"
+            probe = subprocess.run(self.command(service, test[1:]), env=self.env(service), capture_output=True)
+            return probe.returncode == 0
+
+        wait_until(healthy, timeout_s=300, interval_s=0.5,
+                   message=lambda: f"{service} did not become healthy:\n{log_tail()}")
 
     def addr(self, service: str) -> str:
         return f"127.0.0.1:{self.port(service, PORTS[service])}"
@@ -583,7 +588,6 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
         assert again.token_ids == direct.token_ids == first.token_ids
         assert again.usage.cached_tokens > 0  # the store kept the prompt's blocks
         if "remote_url" in service_args("kvstore", spec["services"]["kvstore"]):
-            deadline = time.monotonic() + 60  # written behind: wait for the first blocks to arrive
-            while int(redis.cli("DBSIZE")) == 0:
-                assert time.monotonic() < deadline, "the store wrote nothing to the remote tier"
-                time.sleep(0.2)
+            # written behind: wait for the first blocks to arrive
+            wait_until(lambda: int(redis.cli("DBSIZE")) > 0, timeout_s=60, interval_s=0.2,
+                       message="the store wrote nothing to the remote tier")

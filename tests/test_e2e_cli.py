@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,35 +16,13 @@ import pytest
 
 from client import Client
 from client.client import KVServeError
+from tests.polling import wait_until
+from tests.processes import KVSERVE, alive, children, free_ports
 from tests.stack_fixtures import BLOCK_SIZE, model_dir, tokens
 
 pytestmark = pytest.mark.slow
 
-KVSERVE = str(Path(sys.executable).with_name("kvserve"))
 START_TIMEOUT_S = 120
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def kvserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -144,7 +119,5 @@ def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
     if isinstance(end, KVServeError):
         assert end.code.name == "UNAVAILABLE" and "shutting down" in end.details, end
     assert "stopped" in up.output()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in services):
-        assert time.monotonic() < deadline, f"orphans: {[pid for pid in services if alive(pid)]}"
-        time.sleep(0.1)
+    wait_until(lambda: not any(alive(pid) for pid in services), timeout_s=10, interval_s=0.1,
+               message=lambda: f"orphans: {[pid for pid in services if alive(pid)]}")

@@ -4,7 +4,6 @@ down, bad input through the whole stack, and concurrent streams."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +13,7 @@ from client.client import InvalidArgumentError, OutOfRangeError, UnavailableErro
 from engine.hashing import Namespace, prefix_hashes
 from engine.model import model_fingerprint
 from kvstore import KVStoreClient
+from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, model_dir, oracle, tokens
 
 pytestmark = pytest.mark.slow
@@ -91,14 +91,16 @@ def check_store_restart(stack: ProcessStack) -> None:
         assert fresh(401)[1] == 0
 
         stack.restart_store()
-        deadline = time.monotonic() + 15  # the services' store channels reconnect with backoff
-        for seed in range(402, 10_000):
-            ids, _ = fresh(seed)
+        seeds = iter(range(402, 10_000))
+
+        def a_new_prompt_is_stored() -> bool:
+            ids, _ = fresh(next(seeds))
             with KVStoreClient(stack.store.addr) as store:  # the blocks prefill computed went to the store
-                if store.lookup(prefix_hashes(ids, BLOCK_SIZE, namespace.root())).num_hits == 4:
-                    break
-            assert time.monotonic() < deadline, "the store was not used again after it restarted"
-            time.sleep(0.5)
+                return store.lookup(prefix_hashes(ids, BLOCK_SIZE, namespace.root())).num_hits == 4
+
+        # the services' store channels reconnect with backoff
+        wait_until(a_new_prompt_is_stored, timeout_s=15, interval_s=0.5,
+                   message="the store was not used again after it restarted")
 
 
 def test_prefill_down_fails_fast_with_unavailable(stack: ProcessStack, client: Client) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +26,7 @@ from kvstore import KVStoreClient
 from kvstore.block_format import HEADER_BYTES, checksum, pack_header, unpack_header
 from prefill_service.client import PrefillCall, PrefillClient
 from stack.stack import Service, start_service
+from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens, workdir
 
 pytestmark = pytest.mark.slow
@@ -275,14 +275,13 @@ def test_a_graceful_restart_is_warm_and_gives_the_same_tokens(tiny: Rig) -> None
     check(ids, first)
     tiny.store.stop()
     tiny.store.start_again()
-    deadline = time.monotonic() + 15  # the services' store channels reconnect with backoff
-    while True:
+    def hits_again() -> bool:
         again = greedy(tiny, ids)
         assert again.token_ids == first.token_ids
-        if again.usage.cached_tokens == 2 * BLOCK_SIZE:
-            break
-        assert time.monotonic() < deadline, "no hits after the store restarted"
-        time.sleep(0.2)
+        return again.usage.cached_tokens == 2 * BLOCK_SIZE
+
+    # the services' store channels reconnect with backoff
+    wait_until(hits_again, timeout_s=15, interval_s=0.2, message="no hits after the store restarted")
 
 
 @pytest.fixture(scope="module")

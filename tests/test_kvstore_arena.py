@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from kvstore.block_format import checksum
 from kvstore.slab import PAGE_BYTES, SlabAllocator, slot_bytes
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
+from tests.polling import wait_until
 
 MiB = 1024 * 1024
 
@@ -160,10 +160,8 @@ def test_reservations_made_on_the_arena_channel_end_when_it_closes(tmp_path: Pat
             channel.call(arena.RESERVE, pb.ReserveRequest(sizes=[5000, 5000]).SerializeToString(), 5.0))
         assert len(server.store._reservations) == 1
         channel.close()  # a client that dies between reserving and putting
-        deadline = time.monotonic() + 5
-        while server.store._reservations and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not server.store._reservations
+        wait_until(lambda: not server.store._reservations, timeout_s=5, interval_s=0.01,
+                   message="the closed channel's reservation was kept")
         assert all(server.store.shm_tier.slots.slot_size(o) is None for o in reply.offsets)  # type: ignore[union-attr]
 
 

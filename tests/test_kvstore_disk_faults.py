@@ -17,6 +17,7 @@ from typing import Any
 from kvstore.block_format import checksum
 from kvstore.disk_tier import DiskTier
 from tests.kvstore_fixtures import key, payload
+from tests.polling import wait_until
 
 BLOCK = 64 * 1024
 LIMIT = 1 << 20  # the disk "fills up" at 1 MiB: about a dozen blocks
@@ -46,12 +47,6 @@ def _write(tier: DiskTier, i: int) -> None:
     tier.write(key(i), data, checksum(data), ephemeral=False, seq=i + 1)
 
 
-def _until(ok: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok() and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def _fill_a_disk_that_fills_up(path: str, out: Any) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))  # writes past it fail with EFBIG
     tier, lost, errors = _opened(path)
@@ -59,7 +54,8 @@ def _fill_a_disk_that_fills_up(path: str, out: Any) -> None:
     for i in range(40):
         _write(tier, i)
         flushed.append(tier.flush(5))  # one commit per block: each is written, or not, alone
-    _until(lambda: sum(len(keys or []) for keys in lost) >= tier.failed_writes)
+    wait_until(lambda: sum(len(keys or []) for keys in lost) >= tier.failed_writes, interval_s=0.01,
+               message="a failed write's blocks were never reported lost")
     readable = [i for i in range(40) if tier.read(key(i)) == payload(i, BLOCK)]
     out.put({
         "failure": tier.failure, "failed_writes": tier.failed_writes, "flushed": flushed,
@@ -96,7 +92,7 @@ def _truncate_under_an_open_tier(path: str, out: Any) -> None:
     after = [tier.read(key(i)) for i in range(20)]  # LMDB's map past the file's end: SIGBUS, unless checked
     _write(tier, 99)
     flushed = tier.flush(5)
-    _until(lambda: None in lost)
+    wait_until(lambda: None in lost, interval_s=0.01, message="the tier never reported all its blocks lost")
     out.put({"before": before, "after": after, "failure": tier.failure, "keys": tier.keys(), "flushed": flushed,
              "lost_all": None in lost, "failed_writes": tier.failed_writes, "errors": errors.lines})
     tier.close(5)

@@ -15,6 +15,7 @@ from bench import store_transfer as bench
 from kvstore import KVStoreClient
 from kvstore.__main__ import main
 from tests.kvstore_fixtures import key, payload, start_process
+from tests.polling import wait_until
 
 
 def args(tmp: Path) -> list[str]:
@@ -139,13 +140,6 @@ def test_an_unusable_disk_path_leaves_the_memory_tiers_serving(tmp_path: Path) -
         proc.wait(timeout=30)
 
 
-def _until(ok, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        assert time.monotonic() < deadline, "the store never got there"
-        time.sleep(0.05)
-
-
 def test_a_disk_that_fills_up_at_runtime_leaves_the_store_serving_with_honest_stats(tmp_path: Path) -> None:
     # No file of the process may grow past 2 MiB (RLIMIT_FSIZE, as a disk that fills up): LMDB's writes
     # fail once its data file reaches that, with 5 MB of blocks going down to disk. (No shared-memory
@@ -158,8 +152,9 @@ def test_a_disk_that_fills_up_at_runtime_leaves_the_store_serving_with_honest_st
         with KVStoreClient(f"127.0.0.1:{port}") as c:
             for i in names:
                 assert c.put([(key(i), payload(i, 50_000))]) == 1  # every put succeeds, disk or not
-            _until(lambda: not c.stats().tier("disk").available)
-            _until(lambda: c.stats().disk_write_failures > 0)
+            wait_until(lambda: not c.stats().tier("disk").available, timeout_s=15,
+                       message="the disk tier stayed available")
+            wait_until(lambda: c.stats().disk_write_failures > 0, timeout_s=15, message="no failed disk write counted")
             time.sleep(0.5)  # the writes already queued fail, and the store forgets their blocks
             stats = c.stats()
             on_disk = [i for i in names if c.lookup([key(i)]).tiers == ["disk"]]
@@ -202,7 +197,8 @@ def test_a_real_filesystem_that_fills_up_leaves_the_store_serving_with_honest_st
         with KVStoreClient(f"127.0.0.1:{port}") as c:
             for i in names:
                 assert c.put([(key(i), payload(i, 50_000))]) == 1
-            _until(lambda: not c.stats().tier("disk").available)
+            wait_until(lambda: not c.stats().tier("disk").available, timeout_s=15,
+                       message="the disk tier stayed available")
             time.sleep(0.5)
             stats = c.stats()
             on_disk = [i for i in names if c.lookup([key(i)]).tiers == ["disk"]]
@@ -228,14 +224,16 @@ def test_a_data_file_truncated_under_a_running_store_kills_nothing(tmp_path: Pat
             assert c.put(blocks) == 20
             on_disk = c.stats().tier("disk").blocks
             assert on_disk > 0
-            _until(lambda: data.stat().st_size > on_disk * 10_000)  # committed
+            wait_until(lambda: data.stat().st_size > on_disk * 10_000, timeout_s=15,  # committed
+                       message="the blocks were never committed to disk")
             time.sleep(0.3)  # and the writer idle
             os.truncate(data, data.stat().st_size // 3)
             got = c.get([k for k, _ in blocks])  # LMDB's map past the file's end: SIGBUS, unless checked
             assert proc.poll() is None
             assert all(g is None or g == p for g, (_, p) in zip(got, blocks, strict=True))
             assert sum(g is None for g in got) >= on_disk
-            _until(lambda: c.stats().tier("disk").blocks == 0)
+            wait_until(lambda: c.stats().tier("disk").blocks == 0, timeout_s=15,
+                       message="blocks left on the disk tier")
             assert not c.stats().tier("disk").available
             assert c.put([(key("after"), payload("after", 10_000))]) == 1
             assert c.get([key("after")]) == [payload("after", 10_000)]

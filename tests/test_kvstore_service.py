@@ -23,8 +23,8 @@ from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from rpc.server import CHANNEL_OPTIONS
-from tests.kvstore_fixtures import key, payload, run_in_threads, running_server
-from tests.test_kvstore_store import corrupt_lmdb_value
+from tests.kvstore_fixtures import corrupt_lmdb_value, key, payload, run_in_threads, running_server
+from tests.polling import wait_until
 
 MiB = 1024 * 1024
 
@@ -424,9 +424,8 @@ def test_idle_events_streams_never_take_the_workers_that_serve_lookups(tmp_path:
     with running_server(tmp_path) as server, KVStoreClient(server.address, use_shm=False) as c:
         streams = [c._stub.Events(pb.EventsRequest()) for _ in range(MAX_EVENT_STREAMS)]
         try:
-            deadline = time.monotonic() + 10
-            while len(server.store.events._subs) < MAX_EVENT_STREAMS and time.monotonic() < deadline:
-                time.sleep(0.01)  # the streams subscribe as the server starts them
+            wait_until(lambda: len(server.store.events._subs) >= MAX_EVENT_STREAMS, interval_s=0.01,
+                       message="the streams never all subscribed")  # as the server starts them
             c.put([(key(1), payload(1))])  # each open stream sees this event
             for stream in streams:
                 assert next(stream).kind == pb.Event.KIND_STORED
@@ -436,12 +435,10 @@ def test_idle_events_streams_never_take_the_workers_that_serve_lookups(tmp_path:
         finally:
             for stream in streams:
                 stream.cancel()
-        deadline = time.monotonic() + 10  # a closed stream gives its place back
-        while server.store.events._subs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not server.store.events._subs, interval_s=0.01,  # a closed stream gives its place back
+                   message="the cancelled streams kept their places")
         stream = c._stub.Events(pb.EventsRequest())
-        while not server.store.events._subs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: server.store.events._subs, interval_s=0.01, message="the new stream never subscribed")
         c.put([(key(2), payload(2))])
         assert next(stream).kind == pb.Event.KIND_STORED
         stream.cancel()

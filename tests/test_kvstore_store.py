@@ -8,16 +8,15 @@ import random
 import time
 from pathlib import Path
 
-import lmdb
 import pytest
 
-from kvstore.block_format import HEADER_BYTES, checksum
+from kvstore.block_format import checksum
 from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
 from kvstore.host_tier import ArenaHostTier
 from kvstore.store import BlockStore
 from kvstore.types import Tier
-from tests.kvstore_fixtures import FakeClock, key, make_store, payload, run_in_threads
+from tests.kvstore_fixtures import FakeClock, corrupt_lmdb_value, key, make_store, payload, run_in_threads
 
 HOST, DISK = Tier.HOST, Tier.DISK
 
@@ -194,15 +193,6 @@ def test_bad_inputs_store_nothing() -> None:
         store.release("nope")
     store.check_integrity()
     assert len(store) == 0
-
-
-def corrupt_lmdb_value(path: Path, k: bytes) -> None:
-    env = lmdb.open(str(path))
-    with env.begin(write=True) as txn:
-        value = bytearray(txn.get(k) or b"")
-        value[HEADER_BYTES + 3] ^= 0xFF  # one payload byte
-        txn.put(k, bytes(value))
-    env.close()
 
 
 def test_corrupt_disk_value_is_deleted_counted_and_a_miss(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from client import Client
-from kvstore import KVStoreClient
+from kvstore import KVStoreClient, StoreStats
+from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
 
 pytestmark = pytest.mark.slow
@@ -126,8 +127,13 @@ def test_many_clients_many_turns(stack: ProcessStack) -> None:
         want, logits = oracle(ARCH, prompt, NEW_TOKENS)
         assert_greedy_matches(answer, want, logits)
     with KVStoreClient(stack.store.addr) as store:
-        end = time.monotonic() + 45  # a lease not released lapses on its TTL (prefill's: 30 s)
-        while (stats := store.stats()).leases and time.monotonic() < end:
-            time.sleep(0.5)
+
+        def no_lease_left() -> StoreStats | None:
+            stats = store.stats()
+            return None if stats.leases else stats
+
+        # a lease not released lapses on its TTL (prefill's: 30 s)
+        stats = wait_until(no_lease_left, timeout_s=45, interval_s=0.5,
+                           message=lambda: f"{store.stats().leases} leases left")
     assert (stats.leases, stats.pinned_blocks) == (0, 0)
     assert any(t.evictions or t.demotions for t in stats.tiers), "the load never filled the RAM tier"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.pytest_plugin import MODEL_ENV
-from tests.test_e2e_cli import alive
+from tests.processes import alive
 
 pytest_plugins = ["pytester"]
 

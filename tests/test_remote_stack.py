@@ -4,7 +4,6 @@ on node B with the tokens Hugging Face generates, and a Redis stopped mid-run fa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +14,7 @@ from engine.model import model_fingerprint
 from kvstore import KVStoreClient
 from kvstore.block_format import RECORD_VERSION
 from kvstore.types import RemoteStats
+from tests.polling import wait_until
 from tests.redis_fixtures import RedisServer, needs_redis
 from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, model_dir, oracle, tokens
 
@@ -25,16 +25,17 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The one Redis both nodes share, for the whole module."""
     with RedisServer.start(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def nodes(redis_server: RedisServer) -> Iterator[tuple[ProcessStack, ProcessStack]]:
+def nodes(shared_redis: RedisServer) -> Iterator[tuple[ProcessStack, ProcessStack]]:
     # The URL through the environment, as a deployment with a password would pass it.
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("KVSERVE_KVSTORE_REMOTE_URL", redis_server.url)
+        env.setenv("KVSERVE_KVSTORE_REMOTE_URL", shared_redis.url)
         a = ProcessStack("remote-a", [ARCH], ["--remote-timeout-s", "2"])
         try:
             b = ProcessStack("remote-b", [ARCH], ["--remote-timeout-s", "2"])
@@ -67,19 +68,17 @@ def wait_written(redis_server: RedisServer, ids: list[int], timeout_s: float = 3
     root = Namespace(model_fingerprint(model_dir(ARCH)), "float32", BLOCK_SIZE).root()
     names = [f"kvserve:v{RECORD_VERSION}:{h.hex()}" for h in prefix_hashes(ids, BLOCK_SIZE, root)]
     client = redis_server.client()
-    deadline = time.monotonic() + timeout_s
-    while client.exists(*names) < len(names):
-        assert time.monotonic() < deadline, "the store did not write the prompt's blocks to Redis"
-        time.sleep(0.05)
+    wait_until(lambda: client.exists(*names) == len(names), timeout_s,
+               message="the store did not write the prompt's blocks to Redis")
 
 
 def test_a_prompt_computed_on_one_node_is_cached_on_the_other(
-        nodes: tuple[ProcessStack, ProcessStack], redis_server: RedisServer) -> None:
+        nodes: tuple[ProcessStack, ProcessStack], shared_redis: RedisServer) -> None:
     a, b = nodes
     ids = tokens(5 * BLOCK_SIZE + 3, seed=700)
     on_a, cached_a = generate(a, ids)
     assert cached_a == 0
-    wait_written(redis_server, ids)
+    wait_written(shared_redis, ids)
 
     on_b, cached_b = generate(b, ids)
     assert cached_b == 5 * BLOCK_SIZE  # every full block; the last prompt token is always computed
@@ -89,27 +88,30 @@ def test_a_prompt_computed_on_one_node_is_cached_on_the_other(
 
 
 def test_a_redis_stopped_mid_run_fails_no_request(
-        nodes: tuple[ProcessStack, ProcessStack], redis_server: RedisServer) -> None:
+        nodes: tuple[ProcessStack, ProcessStack], shared_redis: RedisServer) -> None:
     a, b = nodes
-    redis_server.stop()
+    shared_redis.stop()
     try:
         for i, node in enumerate([a, b, a, b, b]):
             generate(node, tokens(3 * BLOCK_SIZE + 5, seed=710 + i))  # each checked against the oracle
         assert remote_stats(b).read_errors > 0 and remote_stats(b).breaker != "closed"
         assert remote_stats(a).write_errors > 0
     finally:
-        redis_server.restart()
+        shared_redis.restart()
 
     # Back (empty): once the breakers let a probe through, what A computes reaches B again.
-    deadline = time.monotonic() + 60
-    for seed in range(720, 10_000):
-        ids = tokens(3 * BLOCK_SIZE + 5, seed=seed)
+    seeds = iter(range(720, 10_000))
+    last = ["node A never wrote to Redis again"]
+
+    def a_new_prompt_from_a_reaches_b() -> bool:
+        ids = tokens(3 * BLOCK_SIZE + 5, seed=next(seeds))
         generate(a, ids)
         try:
-            wait_written(redis_server, ids, timeout_s=2.0)
+            wait_written(shared_redis, ids, timeout_s=2.0)
         except AssertionError:
-            assert time.monotonic() < deadline, "node A never wrote to Redis again"
-            continue
-        if generate(b, ids)[1] == 3 * BLOCK_SIZE:
-            break
-        assert time.monotonic() < deadline, "node B never read from Redis again"
+            last[0] = "node A never wrote to Redis again"
+            return False
+        last[0] = "node B never read from Redis again"
+        return generate(b, ids)[1] == 3 * BLOCK_SIZE
+
+    wait_until(a_new_prompt_from_a_reaches_b, timeout_s=60, interval_s=0, message=lambda: last[0])

@@ -23,15 +23,10 @@ from kvstore.store import BlockStore
 from kvstore.types import Tier
 from rpc.cli import parse_args
 from tests.kvstore_fixtures import FakeClock, key, make_store, payload, running_server
-from tests.redis_fixtures import RedisServer, free_ports, needs_redis, redis_cluster
+from tests.processes import free_ports
+from tests.redis_fixtures import RedisServer, needs_redis, redis_cluster
 
 RELAXED_S = 5.0  # a timeout no healthy call on a noisy machine reaches
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer.start(tmp_path) as server:
-        yield server
 
 
 @pytest.fixture

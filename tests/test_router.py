@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +21,7 @@ from router.server import RouterServicer
 from rpc.addresses import resolve
 from rpc.cli import env_args
 from rpc.server import Server
+from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
 ARCH = "llama"
@@ -167,9 +167,7 @@ def routed(replica: LocalStack) -> Iterator[tuple[Router, Client]]:
     server = Server("127.0.0.1:0")
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, RouterServicer(router), DECODE_SERVICE)
     port = server.start()
-    deadline = time.monotonic() + 10
-    while router.num_healthy < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: router.num_healthy >= 1, interval_s=0.02, message="the router never saw its replica healthy")
     with Client(f"127.0.0.1:{port}", timeout_s=60) as client:
         yield router, client
     server.stop(0)

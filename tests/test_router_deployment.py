@@ -21,6 +21,7 @@ from client import Client
 from client.client import KVServeError, Result
 from client.metrics import parse_metrics
 from stack.stack import Service, Stack, StackConfig, start_service, stop_service
+from tests.polling import wait_until
 from tests.redis_fixtures import RedisServer
 from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
 
@@ -76,9 +77,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             routers[policy] = start_router(addrs, policy)
         d = Deployment(redis, nodes, routers)
         for policy in routers:
-            deadline = time.monotonic() + 30
-            while d.healthy(policy) < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda policy=policy: d.healthy(policy) == 2, timeout_s=30, interval_s=0.1,
+                       message=f"the {policy} router never saw both replicas healthy")
         yield d
     finally:
         for service, _ in routers.values():
@@ -174,15 +174,14 @@ def test_a_killed_decode_replica_costs_at_most_its_requests_in_flight(deployment
         threads = [threading.Thread(target=user, args=(i, client)) for i in range(len(prompts))]
         for t in threads:
             t.start()
-        while len(outcomes) < 8:
-            time.sleep(0.05)
+        wait_until(lambda: len(outcomes) >= 8, timeout_s=120, message="the users got no 8 answers")
         victim = deployment.nodes[0].service("decode")
         kill_at.append(time.monotonic())
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait(10)
         after = len(outcomes)
-        while len(outcomes) < after + 12:
-            time.sleep(0.05)
+        wait_until(lambda: len(outcomes) >= after + 12, timeout_s=120,
+                   message="the users got no 12 answers after the kill")
         stop.set()
         for t in threads:
             t.join(60)
@@ -194,9 +193,8 @@ def test_a_killed_decode_replica_costs_at_most_its_requests_in_flight(deployment
 
 def test_the_prefix_router_serves_on_after_a_replica_died(deployment: Deployment) -> None:
     """After the kill above, one replica is left: new chats go there, and answers stay right."""
-    deadline = time.monotonic() + 10
-    while deployment.healthy("prefix") != 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: deployment.healthy("prefix") == 1, timeout_s=10, interval_s=0.1,
+               message="the prefix router did not see one replica left")
     assert deployment.healthy("prefix") == 1
     with router_client(deployment, "prefix") as client:
         ids = tokens(3 * BLOCK_SIZE, seed=800)

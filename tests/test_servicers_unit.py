@@ -40,6 +40,7 @@ from protos.kvserve.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2
 from rpc.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
 from rpc.server import with_status_mapping
 from tests.kvstore_fixtures import FakeClock, key, payload
+from tests.polling import wait_until
 
 KVSTORE = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"]
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
@@ -265,9 +266,8 @@ class FakePrefill:
     def prefill(self, job: PrefillJob) -> PrefillHandle:
         self.jobs.append(job)
         self.started.set()
-        deadline = time.monotonic() + WAIT_S
-        while self.block and not job.cancelled() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if self.block:
+            wait_until(job.cancelled, WAIT_S, interval_s=0.01, message="the caller never cancelled")
         self.cancelled_seen.append(job.cancelled())
         if self.error is not None:
             raise self.error
@@ -354,9 +354,7 @@ def test_prefill_job_sees_the_caller_cancel() -> None:
                                                   None)
     assert fake.started.wait(WAIT_S)
     rpc.cancel()
-    deadline = time.monotonic() + WAIT_S
-    while not fake.cancelled_seen and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: fake.cancelled_seen, WAIT_S, interval_s=0.01, message="the prefill job never ended")
     assert fake.cancelled_seen == [True]
 
 

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import pytest
 
 from stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
 from stack.supervisor import STATUS_FILE, Backoff, Supervisor, Unrecoverable, read_status
+from tests.polling import wait_until
+from tests.processes import memfd_inodes
 
 FAKE_SERVICE = '''
 import argparse, os, sys, threading
@@ -76,11 +77,16 @@ class Fakes:
         return proc.pid
 
     def poll_until(self, done: Callable[[], bool], timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            assert time.monotonic() < deadline, f"gave up waiting; stderr so far:\n{self.err.getvalue()}"
+        """Runs the supervisor's poll until `done()`."""
+
+        def polled() -> bool:
+            if done():
+                return True
             self.supervisor.poll()
-            time.sleep(0.02)
+            return False
+
+        wait_until(polled, timeout_s, interval_s=0.02,
+                   message=lambda: f"gave up waiting; stderr so far:\n{self.err.getvalue()}")
 
     def state(self, name: str) -> str:
         return self.supervisor.status().services[name].state
@@ -233,12 +239,6 @@ def test_read_status_ignores_a_file_whose_up_has_died(tmp_path: Path) -> None:
     assert read_status(tmp_path) is None
 
 
-def _memfd_inodes() -> set[str]:
-    """The shared-memory arenas (kvstore/arena.py) this process maps, by inode."""
-    return {line.split()[4] for line in Path("/proc/self/maps").read_text().splitlines()
-            if "/memfd:kvserve-arena" in line}
-
-
 def test_a_client_maps_the_arena_of_a_store_started_again_after_a_call_failed(tmp_path: Path) -> None:
     """A client drops its mapping of a store's arena once the store has gone (its shm dir removed), so
     that its memory is freed, and maps the next store's. A call while the store was down used to leave
@@ -255,26 +255,27 @@ def test_a_client_maps_the_arena_of_a_store_started_again_after_a_call_failed(tm
         assert looks.put([(key(1), payload(1))]) == 1 and puts.put([(key(2), payload(2))]) == 1
         old_dir = looks.shm_dir()
         assert old_dir is not None and puts.shm_dir() == old_dir
-        arena = _memfd_inodes()
+        arena = memfd_inodes()
         first.stop(0.5)  # removes its shm dir and unmaps its arena
-        assert _memfd_inodes() == arena  # the clients still map it
+        assert memfd_inodes() == arena  # the clients still map it
         for call in (lambda: looks.lookup([key(1)]), lambda: puts.put([(key(3), payload(3))])):
             with pytest.raises(grpc.RpcError):  # down: UNAVAILABLE
                 call()
-        assert _memfd_inodes() == set()  # its memory is freed
+        assert memfd_inodes() == set()  # its memory is freed
         second = StoreServer(config, f"127.0.0.1:{port}")
         second.start()
         try:
             for c in (looks, puts):
-                deadline = time.monotonic() + 30
-                while True:  # the channel reconnects within a second
+
+                def put(c: KVStoreClient = c) -> bool:  # the channel reconnects within a second
                     try:
                         c.put([(key(4), payload(4))])
-                        break
                     except grpc.RpcError:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.1)
+                        return False
+                    return True
+
+                wait_until(put, timeout_s=30, interval_s=0.1, message="the client never reached the new store")
                 assert second.store.shm_tier is not None and c.shm_dir() == second.store.shm_tier.dir != old_dir
-            assert _memfd_inodes() == {next(iter(_memfd_inodes()))}  # the new store's, mapped by all three
+            assert memfd_inodes() == {next(iter(memfd_inodes()))}  # the new store's, mapped by all three
         finally:
             second.stop(0.5)
