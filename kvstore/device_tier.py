@@ -39,7 +39,7 @@ Device = torch.device
 
 _WORD = 8  # wsum64 sums 8-byte words
 _ROW = SLOT_ALIGN  # slots start and end on 64-byte rows: a batch of slots is one index of rows
-_CHUNK_BYTES = 16 << 20  # wsum64 takes its products this many bytes of rows at a time
+CHUNK_BYTES = 16 << 20  # wsum64 takes its products this many bytes of rows at a time
 
 
 # -- the checksum ------------------------------------------------------------------------------
@@ -67,17 +67,18 @@ def _weights_for(words: int, device: torch.device) -> torch.Tensor:
         return w[:words]
 
 
-def wsum64(rows: torch.Tensor) -> list[int]:
+def wsum64(rows: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
     """The checksum of each row of `rows` ([blocks, bytes] uint8, bytes a multiple of 8): the sum of its
     8-byte words, each times its own odd weight, modulo 2**64. Integer sums wrap the same in any order,
     so a GPU and a CPU give the same number. Changing one word always changes it; any other change
     does but with a chance of 2**-64. A guard against slots reused or overwritten, not an attacker (the
-    arena is open to the store's own user only). One device sync for the whole batch."""
+    arena is open to the store's own user only). One device sync for the whole batch; the products are
+    taken `chunk_bytes` of rows at a time (the sum does not depend on it)."""
     words = rows.view(torch.int64)  # [blocks, words]
     if not len(words):
         return []
     weights = _weights_for(words.shape[1], rows.device)
-    step = max(1, _CHUNK_BYTES // rows.shape[1])  # bounded scratch for the products, and rows still in cache
+    step = max(1, chunk_bytes // rows.shape[1])  # bounded scratch for the products, and rows still in cache
     sums = torch.cat([(words[i : i + step] * weights).sum(dim=1) for i in range(0, len(words), step)])
     return [s & 0xFFFFFFFFFFFFFFFF for s in sums.tolist()]
 

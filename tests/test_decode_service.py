@@ -5,7 +5,6 @@ blocks reused by the next turn, concurrent streams, cancellation, statuses and m
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -16,10 +15,13 @@ import pytest
 from client import Client
 from client.client import Chunk, KVServeError, Result, build_request
 from engine.hashing import prefix_hashes
+from handoff.requests import PrefillHandle
 from prefill_service.client import PrefillClient, PrefillReplicas
+from prefill_service.service import PrefillJob
 from protos.kvserve.v1 import decode_pb2_grpc
 from rpc.errors import Unavailable
 from tests.model_faults import FaultyForward, at_position, never
+from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
 ARCH = "qwen2"
@@ -106,10 +108,15 @@ def test_prefill_failing_after_the_first_token_leaves_decode_to_compute_the_prom
     ids = tokens(3 * BLOCK_SIZE + 6, seed=17)
     want, logits = oracle(ARCH, ids, 10)
 
-    def fail(seq: object, job: object) -> None:
+    prefill_stream = stack.prefill.prefill_stream
+
+    def fails_after_the_first_token(job: PrefillJob) -> Iterator[PrefillHandle]:
+        handles = prefill_stream(job)
+        yield next(handles)  # the first token, its KV not yet in the store
+        handles.close()
         raise Unavailable("the prefill service lost its store")
 
-    monkeypatch.setattr(stack.prefill, "_wait_saved", fail)
+    monkeypatch.setattr(stack.prefill, "prefill_stream", fails_after_the_first_token)
     assert_greedy_matches(greedy(client, ids, 10, cache_salt="after-first-token").token_ids, want, logits)
     assert "prefill failed after the first token" in caplog.text
 
@@ -238,14 +245,10 @@ def test_a_cancelled_stream_stops_its_work(stack: LocalStack) -> None:
             if i == 5:
                 call.cancel()
                 break
-    deadline = time.monotonic() + 10
     # The handler counts the request; the decode loop drops the sequence at its next step.
-    while (
-        stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled") == before
-        or stack.decode_metric("kvserve_decode_running_requests") != 0
-    ):
-        assert time.monotonic() < deadline, "the cancelled request never ended"
-        time.sleep(0.02)
+    wait_until(lambda: stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled") != before
+               and stack.decode_metric("kvserve_decode_running_requests") == 0,
+               interval_s=0.02, message="the cancelled request never ended")
     assert stack.decode_metric("kvserve_decode_waiting_requests") == 0
     assert stack.decode_metric("kvserve_decode_generated_tokens_total") < 3000
 
@@ -259,10 +262,8 @@ def test_hanging_up_after_the_result_is_not_a_cancellation(stack: LocalStack) ->
             if msg.WhichOneof("kind") == "result":
                 call.cancel()  # hang up right after the result, before the stream's end
                 break
-    deadline = time.monotonic() + 10
-    while stack.decode_metric("kvserve_decode_requests_total", outcome="ok") == ok:
-        assert time.monotonic() < deadline, "the request was not counted as ok"
-        time.sleep(0.02)
+    wait_until(lambda: stack.decode_metric("kvserve_decode_requests_total", outcome="ok") != ok,
+               interval_s=0.02, message="the request was not counted as ok")
     assert stack.decode_metric("kvserve_decode_requests_total", outcome="cancelled") == cancelled
 
 
@@ -331,13 +332,6 @@ def test_health_and_reflection_on_both_services(stack: LocalStack) -> None:
             assert {service, "grpc.health.v1.Health"} <= listed
 
 
-def wait_for(condition: object, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_a_client_that_goes_away_during_prefill_stops_the_prefill(how: str) -> None:
     gate, held = threading.Event(), threading.Event()
@@ -353,26 +347,29 @@ def test_a_client_that_goes_away_during_prefill_stops_the_prefill(how: str) -> N
         token_ids=tokens(20, seed=22), max_tokens=2)))
     try:
         blocker.start()
-        wait_for(held.is_set, "a forward holds prefill's engine")
+        wait_until(held.is_set, interval_s=0.02, message="no forward holds prefill's engine")
         with grpc.insecure_channel(stack.addr) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
             request = build_request(token_ids=tokens(50, seed=21), max_tokens=4)
             call = stub.Generate(request, timeout=None if how == "cancel" else 0.5)
-            wait_for(lambda: stack.prefill_metric("kvserve_prefill_running_requests") == 2, "the prefill is queued")
+            wait_until(lambda: stack.prefill_metric("kvserve_prefill_running_requests") == 2, interval_s=0.02,
+                       message="the prefill was never queued")
             if how == "cancel":
                 call.cancel()
             with pytest.raises(grpc.RpcError) as info:
                 list(call)
             assert info.value.code() == (  # type: ignore[attr-defined]
                 grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED)
-            # Past the deadline the caller is gone too: either status may come first.
-            wait_for(lambda: stack.prefill_metric("kvserve_prefill_requests_total", outcome="cancelled")
-                     + stack.prefill_metric("kvserve_prefill_requests_total", outcome="deadline_exceeded") == 1,
-                     "the prefill request ended")  # before the gate opens: it left the engine's queue
+            # It ends before the gate opens: it left the engine's queue. Past the deadline the caller is
+            # gone too: either status may come first.
+            wait_until(lambda: stack.prefill_metric("kvserve_prefill_requests_total", outcome="cancelled")
+                       + stack.prefill_metric("kvserve_prefill_requests_total", outcome="deadline_exceeded") == 1,
+                       interval_s=0.02, message="the prefill request never ended")
         gate.set()
         blocker.join(30)
         assert len(answers) == 1  # the request that held the engine was answered
-        wait_for(lambda: stack.prefill_metric("kvserve_prefill_running_requests") == 0, "prefill is idle")
+        wait_until(lambda: stack.prefill_metric("kvserve_prefill_running_requests") == 0, interval_s=0.02,
+                   message="prefill never went idle")
         assert stack.prefill_metric("kvserve_prefill_computed_tokens_total") == 20  # the blocker's prompt only
         assert stack.decode_metric("kvserve_decode_waiting_requests") == 0
     finally:
@@ -421,7 +418,8 @@ def test_an_engine_failure_fails_only_the_affected_request() -> None:
                 assert info.value.code == grpc.StatusCode.INTERNAL
             fault.fails = never
             assert_greedy_matches(greedy(client, bystander, 30).token_ids, want, logits)
-        wait_for(lambda: s.decode_metric("kvserve_decode_running_requests") == 0, "no request runs")
+        wait_until(lambda: s.decode_metric("kvserve_decode_running_requests") == 0, interval_s=0.02,
+                   message="a request still runs")
         assert s.decode_metric("kvserve_decode_requests_total", outcome="internal") == 3
         assert s.decode_metric("kvserve_decode_requests_total", outcome="ok") == 2
     finally:
