@@ -40,9 +40,9 @@ test: lint typecheck
 test-quick: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
 
-# The load test for two minutes instead of one round (tests/test_load.py).
+# The load test for two minutes instead of one round (tests/test_stack_under_load.py).
 test-load: $(STAMP)
-	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q tests/test_load.py
+	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q tests/test_stack_under_load.py
 
 protos: $(STAMP)
 	$(PY) protos/build.py
