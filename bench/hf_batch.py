@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
+from bench.prefill import parse_baseline_args
 from engine.engine import Engine
-from engine.model import DTYPES, load_model, synchronize
+from engine.model import load_model, synchronize
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
@@ -99,12 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", required=True, help="JSON file of token-id lists; - reads stdin")
     ap.add_argument("--streams", default="1,4,16,64", help="batch sizes, comma-separated (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default %(default)s)")
-    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default %(default)s)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                    help="the model's dtype; auto: its config's (default %(default)s)")
-    args = ap.parse_args(argv)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    args = parse_baseline_args(ap, argv)
     levels = [int(n) for n in args.streams.split(",")]
     prompts = read_prompts(args.prompts)
     if max(levels) > len(prompts):

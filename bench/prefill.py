@@ -147,6 +147,17 @@ def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: in
             **{name.removesuffix("_s") + "_median_s": statistics.median(v) if v else None for name, v in timed.items()}}
 
 
+def parse_baseline_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """An in-process baseline's arguments, with --device and --dtype added; quiets transformers' progress bars."""
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default %(default)s)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="the model's dtype; auto: its config's (default %(default)s)")
+    args = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return args
+
+
 def baselines_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.prefill baselines", description=ttft_baselines.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,12 +166,7 @@ def baselines_main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds of each turn (default %(default)s)")
     ap.add_argument("--untimed", type=int, default=0, help="untimed rounds before them (default %(default)s)")
     ap.add_argument("--no-full", dest="full", action="store_false", help="skip the whole-prompt forward")
-    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default %(default)s)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                    help="the model's dtype; auto: its config's (default %(default)s)")
-    args = ap.parse_args(argv)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    args = parse_baseline_args(ap, argv)
     turns = [(int(cached), int(new)) for cached, new in (turn.split(":") for turn in args.turns.split(","))]
     model = load_model(args.model, args.device, args.dtype)
     hf_model, keyword = model.hf_model, model.cache_keyword
