@@ -43,12 +43,14 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
-    """Seconds: time to first token, prefill, decode and the whole request (server side)."""
+    """Seconds: time to first token, prefill, decode and the whole request (server side); where the prompt
+    was computed: "local" (by the decode service that answered) or "disaggregated" (by the prefill service)."""
 
     ttft_s: float
     prefill_s: float
     decode_s: float
     total_s: float
+    prefill_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class Result:
                 "prefill_s": self.timings.prefill_s,
                 "decode_s": self.timings.decode_s,
                 "total_s": self.timings.total_s,
+                "prefill_path": self.timings.prefill_path,
             },
         }
 
@@ -242,7 +245,8 @@ def result_from_proto(r: decode_pb2.GenerateResult) -> Result:
         prompt_token_ids=tuple(r.prompt_token_ids),
         finish_reason=r.finish_reason,
         usage=Usage(r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.completion_tokens),
-        timings=Timings(r.timings.ttft_s, r.timings.prefill_s, r.timings.decode_s, r.timings.total_s),
+        timings=Timings(r.timings.ttft_s, r.timings.prefill_s, r.timings.decode_s, r.timings.total_s,
+                        r.timings.prefill_path),
     )
 
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from decode_service.metrics import DecodeMetrics
 from decode_service.replica import SERVICE_NAME as REPLICA_SERVICE_NAME
-from decode_service.replica import DecodeReplicaServicer
+from decode_service.replica import DecodeReplicaServicer, PoolEvents
 from decode_service.server import SERVICE_NAME, DecodeServicer
-from decode_service.service import DecodeService
+from decode_service.service import DEFAULT_LOCAL_PREFILL_TOKENS, DecodeService
 from engine.engine import Engine
 from engine.model import load_model
 from engine.scheduler import SchedulerConfig
@@ -49,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     add_server_flags(ap, listen="127.0.0.1:50051", max_workers=64)
     add_engine_flags(ap, budget_cpu=64, budget_cuda=512,
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
+    ap.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
+                    help="compute a prompt here, in this service's batched step, when the part of it that neither "
+                         "this service's KV pool nor the store holds is at most N tokens (a chat's next turn), "
+                         "instead of handing it to prefill; 0 sends every prompt to prefill (default %(default)s)")
     ap.add_argument("--prefill-timeout-s", type=float, default=60.0,
                     help="deadline of the Prefill call (default %(default)s)")
     add_auth_flags(ap)
@@ -78,8 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         interceptors=auth.interceptors() if auth else (),
                         tls=tls, require_client_cert=False)  # the front door: tenants show tokens, not certificates
         metrics = DecodeMetrics(server.registry)
+        if args.local_prefill_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
+        pool_events = PoolEvents()
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
+                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
+                        on_pool_change=pool_events.changed)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -89,11 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"decode: --prefill: {exc}", file=sys.stderr)
         return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
-    service = DecodeService(engine, store, prefill, metrics)
+    service = DecodeService(engine, store, prefill, metrics, args.local_prefill_tokens)
     front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
     server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
-               DecodeReplicaServicer(front, engine, store, metrics), REPLICA_SERVICE_NAME)
+               DecodeReplicaServicer(front, engine, store, metrics, pool_events), REPLICA_SERVICE_NAME)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
 

@@ -18,8 +18,11 @@ class DecodeMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received", registry=registry)
         self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens whose KV prefill found in the store",
                                      registry=registry)
-        self.computed_tokens = Counter(p + "computed_tokens", "Prompt tokens computed by prefill",
+        self.computed_tokens = Counter(p + "computed_tokens", "Prompt tokens computed, by prefill or here (local)",
                                        registry=registry)
+        self.prefills = Counter(p + "prefills", "Requests by where their prompt was computed: local (this "
+                                "service's engine) or disaggregated (the prefill service)", ["path"],
+                                registry=registry)
         self.recomputed_tokens = Counter(
             p + "recomputed_tokens", "Prompt tokens decode recomputed because their KV was missing or bad",
             registry=registry,

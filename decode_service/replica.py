@@ -3,12 +3,17 @@
 A router places a request where the most of its leading blocks are already held. It asks one
 replica for the prompt's block hashes (this replica tokenizes the prompt as prefill will, in the
 namespace its tenant gets: routers hold no model and no tenant secret), learns which blocks each
-replica's node holds from Events (the node store's own stream, relayed: every full block in a
-replica's KV pool is saved to that store as well), and weighs that against Load.
+replica holds from Events, and weighs that against Load. Events carries two streams: the node
+store's own, relayed, and this replica's KV pool (tier TIER_ENGINE: a snapshot when the stream
+starts, then what each engine step named and evicted), so that a chat's next turn goes to the
+replica whose pool still holds its history, where decode computes only the new question.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -19,18 +24,69 @@ from engine.engine import Engine
 from engine.hashing import prefix_hashes
 from handoff.requests import encode, options_from_proto, prompt_from_proto
 from kvstore import KVStoreClient
+from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
 from rpc.errors import Unavailable
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].full_name
+EVENTS_BEHIND = 1024  # events an Events stream may fall behind before it is ended (its router follows again)
+_POLL_S = 0.5  # how often a waiting Events stream checks that its caller is still there
+Event = kvstore_pb2.Event
+
+
+class PoolEvents:
+    """The block hashes in this replica's KV pool, for every Events stream: a snapshot as a stream starts,
+    then the changes of each engine step (``changed`` is the engine's on_pool_change). A stream whose
+    caller falls EVENTS_BEHIND events behind is ended, so a slow reader costs the step thread nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[bytes, None] = {}
+        self._streams: list[queue.Queue[Event | None]] = []
+
+    def changed(self, named: list[BlockHash], evicted: list[BlockHash]) -> None:
+        events = []
+        if named:
+            events.append(Event(kind=Event.KIND_STORED, hashes=named, tier=kvstore_pb2.TIER_ENGINE))
+        if evicted:
+            events.append(Event(kind=Event.KIND_REMOVED, hashes=evicted, tier=kvstore_pb2.TIER_ENGINE))
+        with self._lock:
+            self._held.update(dict.fromkeys(named))
+            for h in evicted:
+                self._held.pop(h, None)
+            for stream in list(self._streams):
+                try:
+                    for event in events:
+                        stream.put_nowait(event)
+                except queue.Full:  # its caller follows again, and starts from a new snapshot
+                    self._streams.remove(stream)
+                    with stream.mutex:
+                        stream.queue.clear()
+                        stream.queue.append(None)
+                        stream.not_empty.notify()
+
+    def subscribe(self) -> queue.Queue[Event | None]:
+        """A queue of this pool's events, the first the snapshot of what it holds now; None ends it."""
+        stream: queue.Queue[Event | None] = queue.Queue(EVENTS_BEHIND)
+        with self._lock:
+            stream.put_nowait(Event(kind=Event.KIND_STORED, hashes=list(self._held), tier=kvstore_pb2.TIER_ENGINE))
+            self._streams.append(stream)
+        return stream
+
+    def unsubscribe(self, stream: queue.Queue[Event | None]) -> None:
+        with self._lock:
+            if stream in self._streams:
+                self._streams.remove(stream)
 
 
 class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
-    def __init__(self, front: DecodeServicer, engine: Engine, store: KVStoreClient, metrics: DecodeMetrics) -> None:
+    def __init__(self, front: DecodeServicer, engine: Engine, store: KVStoreClient, metrics: DecodeMetrics,
+                 pool_events: PoolEvents) -> None:
         self.front = front  # scopes the cache salt to the caller's tenant, as Generate does
         self.engine = engine
         self.store = store
         self.metrics = metrics
+        self.pool_events = pool_events
 
     def PrefixHashes(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -48,11 +104,40 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
     def Events(  # noqa: N802 - gRPC method name
         self, request: kvstore_pb2.EventsRequest, context: grpc.ServicerContext
     ) -> Iterator[kvstore_pb2.Event]:
+        """The pool's events and the store's, merged; ends (UNAVAILABLE) when the store's stream ends."""
+        stream = self.pool_events.subscribe()
         call = self.store.watch_events()
+        store_error: list[grpc.RpcError] = []
+
+        def relay() -> None:  # the store's events into the same queue, waiting for room: they must not be lost
+            try:
+                for event in call:
+                    while context.is_active():
+                        try:
+                            stream.put(event, timeout=_POLL_S)
+                            break
+                        except queue.Full:
+                            pass
+            except grpc.RpcError as exc:
+                store_error.append(exc)
+            with contextlib.suppress(queue.Full):
+                stream.put(None, timeout=_POLL_S)
+
         context.add_callback(call.cancel)
+        threading.Thread(target=relay, name="store-events", daemon=True).start()
         try:
-            yield from call
-        except grpc.RpcError as exc:
-            if context.is_active():
-                raise Unavailable(f"the events of this replica's store ({self.store.addr}) ended: "
-                                  f"{exc.code().name}: {exc.details()}") from exc  # type: ignore[attr-defined]
+            while context.is_active():
+                try:
+                    event = stream.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                if event is None:
+                    break
+                yield event
+        finally:
+            self.pool_events.unsubscribe(stream)
+            call.cancel()
+        if store_error and context.is_active():
+            exc = store_error[0]
+            raise Unavailable(f"the events of this replica's store ({self.store.addr}) ended: "
+                              f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]

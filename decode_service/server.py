@@ -31,7 +31,8 @@ def _response(item: TokenOutput | GenerateOutcome) -> decode_pb2.GenerateRespons
         usage=common_pb2.Usage(
             prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens
         ),
-        timings=common_pb2.Timings(ttft_s=t.ttft_s, prefill_s=t.prefill_s, decode_s=t.decode_s, total_s=t.total_s),
+        timings=common_pb2.Timings(ttft_s=t.ttft_s, prefill_s=t.prefill_s, decode_s=t.decode_s, total_s=t.total_s,
+                                   prefill_path=t.prefill_path),
     ))
 
 

@@ -18,11 +18,12 @@ from decode_service.cancellation import Cancellation
 from decode_service.metrics import DecodeMetrics
 from decode_service.stopping import Generation, TokenOutput
 from engine.engine import Engine
+from engine.hashing import prefix_hashes
 from engine.model import max_new_tokens
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler
 from engine.sequence import Finished, Sequence
 from handoff.decode_kv import DecodeKV
-from handoff.requests import PrefillHandle, PromptInput, RequestOptions
+from handoff.requests import PrefillHandle, PromptInput, RequestOptions, encode
 from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas
@@ -30,6 +31,10 @@ from rpc.errors import FailedPrecondition, ServiceError, Unavailable
 from rpc.metrics import outcome_of
 
 log = logging.getLogger(__name__)
+
+LOCAL, DISAGGREGATED = "local", "disaggregated"  # where a request's prompt was computed
+DEFAULT_LOCAL_PREFILL_TOKENS = 512  # see --local-prefill-tokens and BENCHMARKS.md, "Local prefill"
+LEASE_TTL_S = 30.0  # pins the store's blocks of a prompt computed here until the engine has loaded them
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,7 @@ class Timings:
     prefill_s: float
     decode_s: float
     total_s: float
+    prefill_path: str  # LOCAL or DISAGGREGATED
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,15 @@ class GenerateOutcome:
     prompt_token_ids: tuple[int, ...]
     usage: Usage
     timings: Timings
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPrompt:
+    """A prompt this decode service computes itself, and its leading blocks that its pool or the store hold."""
+
+    token_ids: tuple[int, ...]
+    num_cached_blocks: int
+    kv: DecodeKV
 
 
 class DeploymentMismatch(FailedPrecondition):
@@ -80,7 +95,14 @@ class RequestState:
 
 
 class DecodeService:
-    def __init__(self, engine: Engine, store: KVStoreClient, prefill: PrefillReplicas, metrics: DecodeMetrics) -> None:
+    """``local_prefill_tokens``: a prompt whose uncached part is at most this many tokens is computed in this
+    engine rather than by the prefill service (0: every prompt goes to prefill)."""
+
+    def __init__(self, engine: Engine, store: KVStoreClient, prefill: PrefillReplicas, metrics: DecodeMetrics,
+                 local_prefill_tokens: int = 0) -> None:
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
+        self.local_prefill_tokens = local_prefill_tokens
         self.engine = engine
         self.store = store
         self.prefill = prefill
@@ -119,28 +141,89 @@ class DecodeService:
     def _generate(
         self, job: GenerateJob, cancel: Cancellation, state: RequestState
     ) -> Iterator[TokenOutput | GenerateOutcome]:
-        m, engine, opts = self.metrics, self.engine, job.options
         if self._stopping:
             raise Unavailable("the decode service is shutting down")
+        local = self._local_prompt(job) if self.local_prefill_tokens else None
+        if local is None:
+            try:
+                call, handle = self._first_answer(job, cancel)
+            except PrefillCancelled:
+                state.outcome = "cancelled"
+                return
+            except Unavailable as exc:  # no prefill replica answers: this engine computes the prompt
+                log.warning("prefill unavailable for %s (%s): computing its prompt here", job.request_id, exc)
+                local = self._local_prompt(job, always=True)
+        if local is not None:
+            self.metrics.prefills.labels(path=LOCAL).inc()
+            yield from self._generate_local(job, local, cancel, state)
+        else:
+            self.metrics.prefills.labels(path=DISAGGREGATED).inc()
+            yield from self._generate_disaggregated(job, call, handle, cancel, state)
+
+    def _local_prompt(self, job: GenerateJob, always: bool = False) -> LocalPrompt | None:
+        """The prompt for this engine to compute, when the part of it that neither this engine's pool nor
+        the store holds (their leading blocks, the pool's first) is at most --local-prefill-tokens, or
+        ``always``; None otherwise. The store's blocks are leased until the engine has loaded them."""
+        engine, opts, bs = self.engine, job.options, self.engine.block_size
+        prompt = encode(engine.model, job.prompt)
+        max_new_tokens(engine.model, len(prompt), opts.max_tokens)  # refused here, before anything is computed
+        namespace = engine.namespace(opts.cache_salt)
+        store = StoreSession(self.store, self._store_failed)
+        num_cached, lease = 0, ""
+        if opts.prefix_cache:  # never the last prompt token: its logits give the first token
+            reusable = prefix_hashes(prompt[: (len(prompt) - 1) // bs * bs], bs, namespace.root())
+            num_cached = engine.pool_hits(reusable)
+            in_store, lease = store.lookup(reusable[num_cached:], LEASE_TTL_S)
+            num_cached += in_store
+        if not always and len(prompt) - num_cached * bs > self.local_prefill_tokens:
+            store.release(lease)
+            return None
+        kv = DecodeKV(store, namespace, len(prompt), opts.prefix_cache, lease_id=lease)
+        return LocalPrompt(tuple(prompt), num_cached, kv)
+
+    def _generate_local(
+        self, job: GenerateJob, local: LocalPrompt, cancel: Cancellation, state: RequestState
+    ) -> Iterator[TokenOutput | GenerateOutcome]:
+        """The prompt computed in this engine's batched step, in chunks under its token budget beside the
+        streams it runs, then generated on: no hand-off. Its blocks go to the store when it finishes."""
+        engine, opts, prompt = self.engine, job.options, local.token_ids
+        max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
+        generation = self._generation(prompt, max_tokens, opts)
+        seq = Sequence(
+            list(prompt), Sampler(opts.sampling, engine.model.device), max_new_tokens=max_tokens,
+            stop_token_ids=frozenset() if opts.ignore_eos else engine.model.eos_token_ids,
+            hash_root=local.kv.namespace.root() if opts.prefix_cache else None, source=local.kv,
+            num_saved_blocks=local.num_cached_blocks, request_id=job.request_id,
+        )
+        t_first, num_cached = 0.0, 0
         try:
-            call, handle = self._first_answer(job, cancel)
-        except PrefillCancelled:
-            state.outcome = "cancelled"
-            return
+            for out in self._decode(seq, generation, cancel, state, None):
+                if not t_first:
+                    t_first = time.perf_counter()
+                    num_cached = seq.stats.num_pool_hit_tokens + seq.stats.num_loaded_tokens
+                    self._count_prompt(t_first - job.arrival, len(prompt), num_cached)
+                yield out
+        finally:
+            local.kv.release_lease()
+        self._count_kv(local.kv)
+        if generation.finished:
+            state.result_sent = True
+            yield self._outcome(job, generation, prompt, num_cached, t_first, t_first, LOCAL)
+
+    def _generate_disaggregated(
+        self, job: GenerateJob, call: PrefillCall, handle: PrefillHandle, cancel: Cancellation, state: RequestState
+    ) -> Iterator[TokenOutput | GenerateOutcome]:
+        """Prefill computed the prompt and sampled the first token, sent at once; the prompt's KV comes
+        from the store (what is missing there is recomputed here)."""
+        engine, opts = self.engine, job.options
         t_prefilled = time.perf_counter()
         self._check_same_deployment(handle, call.addr)
         prompt = handle.prompt_token_ids
         max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
-        generation = Generation(
-            engine.model.tokenizer, prompt, max_tokens, engine.model.eos_token_ids,
-            stop=opts.stop, ignore_eos=opts.ignore_eos,
-        )
+        generation = self._generation(prompt, max_tokens, opts)
         first = generation.accept(handle.first_token_id)
         t_first = time.perf_counter()
-        m.ttft.observe(t_first - job.arrival)
-        m.prompt_tokens.inc(len(prompt))
-        m.cached_tokens.inc(handle.num_cached_tokens)
-        m.computed_tokens.inc(handle.num_computed_tokens)
+        self._count_prompt(t_first - job.arrival, len(prompt), handle.num_cached_tokens)
         yield first
         try:
             handle = self._kv_handle(call, handle)
@@ -149,35 +232,51 @@ class DecodeService:
             return
 
         namespace = engine.namespace(opts.cache_salt)
-        kv = DecodeKV(StoreSession(self.store, self._store_failed), namespace, handle, opts.prefix_cache)
+        kv = DecodeKV.from_handle(StoreSession(self.store, self._store_failed), namespace, handle, opts.prefix_cache)
         try:
             if first.finish_reason is None:
                 seq = Sequence(
-                    [*prompt, first.token_id], self._sampler(opts.sampling), max_new_tokens=max_tokens - 1,
+                    [*prompt, first.token_id], Sampler(opts.sampling, engine.model.device, first_token=False),
+                    max_new_tokens=max_tokens - 1,
                     stop_token_ids=frozenset() if opts.ignore_eos else engine.model.eos_token_ids,
                     hash_root=namespace.root() if opts.prefix_cache else None, source=kv,
                     num_saved_blocks=len(prompt) // engine.block_size, request_id=job.request_id,
                 )
                 yield from self._decode(seq, generation, cancel, state, t_first)
-                self._count_kv(seq, kv, handle.request_id)
+                self._count_kv(kv)
+                self._count_recomputed(seq, handle.request_id)
         finally:
             kv.release_lease()
-        if not generation.finished:
-            return
+        if generation.finished:
+            state.result_sent = True
+            yield self._outcome(job, generation, prompt, handle.num_cached_tokens, t_prefilled, t_first,
+                                DISAGGREGATED)
+
+    def _generation(self, prompt: tuple[int, ...], max_tokens: int, opts: RequestOptions) -> Generation:
+        model = self.engine.model
+        return Generation(model.tokenizer, prompt, max_tokens, model.eos_token_ids, stop=opts.stop,
+                          ignore_eos=opts.ignore_eos)
+
+    def _count_prompt(self, ttft_s: float, num_prompt: int, num_cached: int) -> None:
+        m = self.metrics
+        m.ttft.observe(ttft_s)
+        m.prompt_tokens.inc(num_prompt)
+        m.cached_tokens.inc(num_cached)
+        m.computed_tokens.inc(num_prompt - num_cached)
+
+    def _outcome(self, job: GenerateJob, generation: Generation, prompt: tuple[int, ...], num_cached: int,
+                 t_prefilled: float, t_first: float, path: str) -> GenerateOutcome:
         done = time.perf_counter()
-        m.generated_tokens.inc(len(generation.token_ids))
-        m.e2e.observe(done - job.arrival)
-        state.result_sent = True
-        yield GenerateOutcome(
+        self.metrics.generated_tokens.inc(len(generation.token_ids))
+        self.metrics.e2e.observe(done - job.arrival)
+        return GenerateOutcome(
             finish_reason=generation.finish_reason or "",
             text=generation.text,
             token_ids=tuple(generation.token_ids),
             prompt_token_ids=prompt,
-            usage=Usage(len(prompt), handle.num_cached_tokens, len(generation.token_ids)),
-            timings=Timings(
-                ttft_s=t_first - job.arrival, prefill_s=t_prefilled - job.arrival, decode_s=done - t_first,
-                total_s=done - job.arrival,
-            ),
+            usage=Usage(len(prompt), num_cached, len(generation.token_ids)),
+            timings=Timings(ttft_s=t_first - job.arrival, prefill_s=t_prefilled - job.arrival,
+                            decode_s=done - t_first, total_s=done - job.arrival, prefill_path=path),
         )
 
     def _first_answer(self, job: GenerateJob, cancel: Cancellation) -> tuple[PrefillCall, PrefillHandle]:
@@ -232,16 +331,12 @@ class DecodeService:
             f"the prefill service at {prefill_addr} does not match this decode service: " + "; ".join(problems)
         )
 
-    def _sampler(self, params: SamplingParams) -> Sampler:
-        # Prefill drew the first token from this seed; decode continues on a stream of its own.
-        seed = None if params.seed is None else (params.seed + 1) % 2**64
-        return Sampler(SamplingParams(params.temperature, params.top_k, params.top_p, seed), self.engine.model.device)
-
     def _decode(
-        self, seq: Sequence, generation: Generation, cancel: Cancellation, state: RequestState, t_first: float
+        self, seq: Sequence, generation: Generation, cancel: Cancellation, state: RequestState,
+        t_first: float | None,
     ) -> Iterator[TokenOutput]:
         """Streams the engine's tokens through ``generation`` until the sequence has left the engine (its
-        KV saved). On any exit before that (the client went away, a failure here), the sequence is
+        KV saved); ``t_first`` is when the first token was sent, None when it is the engine's first. On any exit before that (the client went away, a failure here), the sequence is
         aborted and this waits until the engine has let go of it."""
         m = self.metrics
         try:
@@ -262,7 +357,8 @@ class DecodeService:
                 elif not generation.finished:  # tokens past a stop string are dropped
                     out = generation.accept(event.token_id)
                     now = time.perf_counter()
-                    m.itl.observe(now - last_sent)
+                    if last_sent is not None:
+                        m.itl.observe(now - last_sent)
                     last_sent = now
                     yield out
                     if generation.finished and event.finish_reason is None:  # a stop string: the engine goes on
@@ -286,11 +382,14 @@ class DecodeService:
         with contextlib.suppress(RuntimeError):  # the engine has stopped; it finishes every sequence itself
             self.engine.abort(seq, save=save)
 
-    def _count_kv(self, seq: Sequence, kv: DecodeKV, request_id: str) -> None:
+    def _count_kv(self, kv: DecodeKV) -> None:
         m = self.metrics
         if kv.error is not None:
             m.bad_blocks.labels(kind=kv.error.kind).inc()
         m.stored_blocks.inc(kv.num_stored)
+
+    def _count_recomputed(self, seq: Sequence, request_id: str) -> None:
+        m = self.metrics
         recomputed = max(0, seq.stats.num_engine_computed_tokens - 1)  # the first token's KV is always computed here
         if recomputed:
             m.recomputed_tokens.inc(recomputed)

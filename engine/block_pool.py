@@ -34,6 +34,11 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first: evicted first
         self.num_evicted = 0
+        # With ``record_changes``, the hashes named and evicted since ``take_changes`` (e.g. for a router
+        # that places requests where their blocks are).
+        self.record_changes = False
+        self._named: list[BlockHash] = []
+        self._evicted: list[BlockHash] = []
 
     @property
     def num_free(self) -> int:
@@ -67,6 +72,8 @@ class BlockPool:
                 del self._by_hash[evicted]
                 self._hash[block] = None
                 self.num_evicted += 1
+                if self.record_changes:
+                    self._evicted.append(evicted)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -93,6 +100,12 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def take_changes(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(hashes named, hashes evicted) since the last call, when ``record_changes`` is on."""
+        changes = self._named, self._evicted
+        self._named, self._evicted = [], []
+        return changes
+
     def retain(self, blocks: Iterable[int]) -> None:
         """One more reference to each block in use (e.g. until its KV has been copied out)."""
         for block in blocks:
@@ -106,6 +119,8 @@ class BlockPool:
         if self._hash[block] is None and block_hash not in self._by_hash:
             self._hash[block] = block_hash
             self._by_hash[block_hash] = block
+            if self.record_changes:
+                self._named.append(block_hash)
 
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block. Give a sequence's blocks in order: they are released in

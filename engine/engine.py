@@ -32,6 +32,7 @@ from engine.model import Model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Finished, Sequence, Status, TokenEvent
+from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Engine:
         config: SchedulerConfig | None = None,
         on_step: Callable[[StepStats], None] | None = None,
         io_threads: int = 4,
+        on_pool_change: Callable[[list[BlockHash], list[BlockHash]], None] | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -89,6 +91,9 @@ class Engine:
             device=model.device,
         )
         self.pool = BlockPool(self.kv_cache.num_blocks)
+        # (hashes the pool named, hashes it evicted) after each step that changed them, on the step thread
+        self.on_pool_change = on_pool_change
+        self.pool.record_changes = on_pool_change is not None
         self.scheduler = Scheduler(self.pool, block_size, config or SchedulerConfig())
         self.runner = ModelRunner(model, self.kv_cache)
         self.connector = KVConnector(self.pool, self.kv_cache, functools.partial(self._post, internal=True),
@@ -102,6 +107,11 @@ class Engine:
         return Namespace(self.model.fingerprint, self.model.kv_dtype_name, self.block_size, cache_salt)
 
     # ---- request threads -------------------------------------------------------------------
+
+    def pool_hits(self, hashes: list[BlockHash]) -> int:
+        """How many of the leading ``hashes`` the KV pool holds now. From another thread this is an estimate:
+        the step thread may evict them, or name more, before a sequence asks for them."""
+        return self.pool.count_hits(hashes)
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; its events follow on ``seq.events``. RequestTooLarge if it could never fit."""
@@ -209,6 +219,10 @@ class Engine:
         if plan.scheduled:
             self._run(plan.scheduled)
         stats = self._stats(plan)
+        if self.on_pool_change is not None:
+            named, evicted = self.pool.take_changes()
+            if named or evicted:
+                self.on_pool_change(named, evicted)
         if self.on_step is not None:
             self.on_step(stats)
         return stats

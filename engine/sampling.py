@@ -26,17 +26,38 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def later_tokens_seed(seed: int) -> int:
+    """The seed of every token after a request's first (which is drawn from ``seed`` itself)."""
+    return (seed + 1) % 2**64
+
+
 class Sampler:
     """One request's sampling: its parameters and its own seeded generator, so the same seed gives the
-    same tokens whichever other requests share the batch."""
+    same tokens whichever other requests share the batch.
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    With a seed, the first token is drawn from ``seed`` and the later ones from ``later_tokens_seed(seed)``,
+    so a request gives the same tokens whether one engine samples them all (decode computing a prompt
+    itself) or prefill samples the first and decode the rest: decode's sampler is then made with
+    ``first_token=False``."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", *, first_token: bool = True
+                 ) -> None:
         self.params = params
         self.generator = torch.Generator(device=device)
+        self._later_seed: int | None = None  # reseeds the generator after the first draw
         if params.seed is None:
             self.generator.seed()
-        else:
+        elif first_token:
             self.generator.manual_seed(params.seed)
+            self._later_seed = later_tokens_seed(params.seed)
+        else:
+            self.generator.manual_seed(later_tokens_seed(params.seed))
+
+    def drew(self) -> None:
+        """A token was drawn from the generator."""
+        if self._later_seed is not None:
+            self.generator.manual_seed(self._later_seed)
+            self._later_seed = None
 
     def sample(self, logits: torch.Tensor) -> int:
         """Next token id from ``logits`` [vocab]."""
@@ -69,4 +90,5 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]
         probs = torch.softmax(x, dim=-1)  # [rows, vocab]
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=samplers[i].generator)[0]
+            samplers[i].drew()
     return tokens.tolist()

@@ -29,22 +29,35 @@ from protos.block_hash import BlockHash
 
 
 class DecodeKV:
-    def __init__(self, store: StoreSession, namespace: Namespace, handle: PrefillHandle, cacheable: bool) -> None:
+    """``prompt_keys`` key the prompt's full blocks in the store when they are not prefix hashes (the
+    prefix cache off); ``tail`` is (key, length) of its partial last block when one was stored; the
+    ``lease_id`` pins the prompt's blocks until they are loaded."""
+
+    def __init__(self, store: StoreSession, namespace: Namespace, num_prompt_tokens: int, cacheable: bool, *,
+                 prompt_keys: abc.Sequence[BlockHash] = (), tail: tuple[BlockHash, int] | None = None,
+                 lease_id: str = "") -> None:
         self.store = store
         self.namespace = namespace
         self.cacheable = cacheable
-        self.lease_id = handle.lease_id
-        bs = namespace.block_size
-        num_full, tail_len = divmod(len(handle.prompt_token_ids), bs)
-        self.num_prompt_tokens = len(handle.prompt_token_ids)
-        # A malformed handle (keys for another number of blocks): trust none of its keys.
-        valid = len(handle.block_hashes) == num_full
-        self.prompt_keys = list(handle.block_hashes) if valid else []
-        self.tail = (handle.tail_key, tail_len) if valid and tail_len and handle.tail_key is not None else None
+        self.lease_id = lease_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_keys = list(prompt_keys)
+        self.tail = tail
         self._private_root = BlockHash(hashlib.sha256(b"kvserve/decode-private\x00" + os.urandom(32)).digest())
         self._lock = threading.Lock()
         self.num_stored = 0
         self.error: BlockError | None = None
+
+    @classmethod
+    def from_handle(cls, store: StoreSession, namespace: Namespace, handle: PrefillHandle, cacheable: bool
+                    ) -> DecodeKV:
+        """The KV prefill left in the store under the handle's keys."""
+        num_full, tail_len = divmod(len(handle.prompt_token_ids), namespace.block_size)
+        # A malformed handle (keys for another number of blocks): trust none of its keys.
+        valid = len(handle.block_hashes) == num_full
+        tail = (handle.tail_key, tail_len) if valid and tail_len and handle.tail_key is not None else None
+        return cls(store, namespace, len(handle.prompt_token_ids), cacheable,
+                   prompt_keys=handle.block_hashes if valid else (), tail=tail, lease_id=handle.lease_id)
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Store keys of the sequence's first ``num_blocks`` full blocks."""

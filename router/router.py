@@ -1,12 +1,14 @@
 """Placing requests on decode replicas (docs/DESIGN.md, "Router").
 
 Each replica is watched by two threads: one polls its health and load, the other follows its
-Events (blocks its node stored and removed) into an index of the block hashes it holds. A request
-goes to the healthy replica with the lowest cost:
+Events (blocks its node's store and its own KV pool named and removed) into two indexes of the
+block hashes it holds. A request goes to the healthy replica with the lowest cost:
 
 - `prefix`: blocks left to compute (the prompt's full blocks past the leading ones the replica
-  holds) + `load_weight` × its sequences (running and waiting), so a prefix pulls a request to the
-  replica that has it until that replica is that much busier than the others;
+  holds, in its pool or its node's store) + `load_weight` × its sequences (running and waiting),
+  so a prefix pulls a request to the replica that has it until that replica is that much busier
+  than the others; a chat's next turn goes where its history is, which computes only the new
+  question (decode's --local-prefill-tokens);
 - `least-loaded`: its sequences;
 - `round-robin`: in turn.
 
@@ -70,14 +72,12 @@ class BlockIndex:
             for h in hashes:
                 self._blocks.pop(BlockHash(h), None)
 
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of the leading `hashes` are held."""
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self._blocks
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -97,7 +97,8 @@ class Replica:
         self.replica = decode_pb2_grpc.DecodeReplicaStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = list(metadata)
-        self.index = BlockIndex(index_capacity)
+        self.index = BlockIndex(index_capacity)  # in its node's store
+        self.pool = BlockIndex(index_capacity)  # in its engine's KV pool
         self.healthy = False
         self.others_load = 0  # sequences there that are not this router's, when it last asked
         self.in_flight = 0  # requests this router has sent there and not seen end
@@ -114,6 +115,15 @@ class Replica:
         """Sequences running or waiting there: this router's own, counted as they start and end, and the
         others' (other routers', direct callers') as of the last poll."""
         return self.in_flight + self.others_load
+
+    def leading(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading `hashes` the replica holds, in its pool or its node's store."""
+        n = 0
+        for h in hashes:
+            if h not in self.pool and h not in self.index:
+                break
+            n += 1
+        return n
 
     def start(self) -> None:
         for t in self._threads:
@@ -166,12 +176,14 @@ class Replica:
         while not self._stop.is_set():
             try:
                 self._events_call = self.replica.Events(kvstore_pb2.EventsRequest(), metadata=self._metadata)
+                self.pool.clear()  # the stream starts with a snapshot of the pool
                 for event in self._events_call:
                     backoff = 0.5
+                    index = self.pool if event.tier == kvstore_pb2.TIER_ENGINE else self.index
                     if event.kind == kvstore_pb2.Event.KIND_STORED:
-                        self.index.add(event.hashes)
+                        index.add(event.hashes)
                     elif event.kind == kvstore_pb2.Event.KIND_REMOVED:
-                        self.index.remove(event.hashes)
+                        index.remove(event.hashes)
             except (grpc.RpcError, ValueError) as exc:
                 if self._stop.is_set():
                     return
@@ -252,7 +264,7 @@ class Router:
         candidates = [r for r in self._all() if r.healthy and r.addr not in avoid]
         if not candidates:
             return None
-        held = {r.addr: r.index.leading(hashes) for r in candidates}
+        held = {r.addr: r.leading(hashes) for r in candidates}
 
         def cost(r: Replica) -> float:
             if self.policy == "prefix":

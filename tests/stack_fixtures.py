@@ -7,7 +7,7 @@ import atexit
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -101,6 +101,20 @@ class FakeLookup:
     lease_id: str
 
 
+class NoEvents:
+    """A store's Events call on which nothing happens until it is cancelled."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[object]:
+        self._cancelled.wait()
+        yield from ()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
 @dataclass
 class FakeStore:
     """What KVStoreClient offers, in memory. `down` makes every call fail with UNAVAILABLE."""
@@ -179,6 +193,9 @@ class FakeStore:
     def close(self) -> None:
         pass
 
+    def watch_events(self) -> NoEvents:
+        return NoEvents()
+
     def corrupt(self, key: bytes) -> None:
         self.corrupted.add(key)
 
@@ -215,11 +232,11 @@ class LocalStack:
         block_size: int = BLOCK_SIZE, decode_arch: str | None = None, decode_block_size: int | None = None,
         *, decode_kv_cache_memory: int = TEST_KV_CACHE_BYTES, wrap_decode_model: Callable[[Model], Model] | None = None,
         wrap_prefill_model: Callable[[Model], Model] | None = None,
-        wrap_prefill_client: Callable[[Any], Any] | None = None,
+        wrap_prefill_client: Callable[[Any], Any] | None = None, local_prefill_tokens: int = 0,
     ) -> None:
         from decode_service.metrics import DecodeMetrics
         from decode_service.replica import SERVICE_NAME as REPLICA
-        from decode_service.replica import DecodeReplicaServicer
+        from decode_service.replica import DecodeReplicaServicer, PoolEvents
         from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
         from decode_service.service import DecodeService
@@ -249,18 +266,21 @@ class LocalStack:
         if wrap_decode_model is not None:
             decode_model = wrap_decode_model(decode_model)
         self.decode_metrics = DecodeMetrics(self.decode_server.registry)
+        pool_events = PoolEvents()
         decode_engine = Engine(decode_model, block_size=decode_block_size or block_size, config=config,
-                               kv_cache_memory=decode_kv_cache_memory)
+                               kv_cache_memory=decode_kv_cache_memory, on_pool_change=pool_events.changed)
         prefill_client = PrefillClient(self.prefill_addr, timeout_s=30.0)
         if wrap_prefill_client is not None:
             prefill_client = wrap_prefill_client(prefill_client)
         self.decode = DecodeService(
             decode_engine, self.store, PrefillReplicas([prefill_client]), self.decode_metrics,  # type: ignore[arg-type]
+            local_prefill_tokens,
         )
         front = DecodeServicer(self.decode)
         self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, DECODE)
         self.decode_server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
-                               DecodeReplicaServicer(front, decode_engine, self.store, self.decode_metrics),  # type: ignore[arg-type]
+                               DecodeReplicaServicer(front, decode_engine, self.store, self.decode_metrics,  # type: ignore[arg-type]
+                                                     pool_events),
                                REPLICA)
         self.decode.start()
         self.addr = f"127.0.0.1:{self.decode_server.start()}"

@@ -303,18 +303,6 @@ def test_metrics_are_served(stack: LocalStack) -> None:
     assert stack.decode_metric("kvserve_decode_generated_tokens_total") > 0
 
 
-def test_prefill_down_fails_fast_with_unavailable() -> None:
-    from client.client import UnavailableError
-
-    stack = LocalStack(ARCH)
-    try:
-        stack.prefill_server.stop(0)
-        with Client(stack.addr, timeout_s=30) as c, pytest.raises(UnavailableError, match="prefill service at"):
-            c.generate("hello", max_tokens=4)
-    finally:
-        stack.close()
-
-
 def test_health_and_reflection_on_both_services(stack: LocalStack) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

@@ -31,17 +31,17 @@ def h(i: int) -> BlockHash:
     return BlockHash(hashlib.sha256(i.to_bytes(4, "little")).digest())
 
 
-def test_the_index_counts_leading_blocks_and_forgets_the_oldest() -> None:
+def test_the_index_holds_hashes_and_forgets_the_oldest() -> None:
     index = BlockIndex(capacity=3)
     index.add([h(1), h(2), h(3)])
-    assert index.leading([h(1), h(2), h(3), h(4)]) == 3
-    assert index.leading([h(2), h(3)]) == 2
-    assert index.leading([h(9), h(1)]) == 0  # leading only
+    assert all(h(i) in index for i in (1, 2, 3)) and h(4) not in index
     index.add([h(1)])  # seen again: now the newest
     index.add([h(4)])  # over capacity: h(2), the oldest, goes
-    assert index.leading([h(1)]) == 1 and index.leading([h(2)]) == 0 and len(index) == 3
+    assert h(1) in index and h(2) not in index and len(index) == 3
     index.remove([h(1), h(42)])
-    assert index.leading([h(1)]) == 0 and len(index) == 2
+    assert h(1) not in index and len(index) == 2
+    index.clear()
+    assert len(index) == 0
 
 
 def test_resolve_names_every_address_of_a_name() -> None:
@@ -102,6 +102,18 @@ def test_prefix_goes_where_the_leading_blocks_are_until_that_replica_is_much_bus
     b.healthy = c.healthy = False
     assert r.choose(prompt) == (a, 0)
     assert r.choose(prompt, avoid=[a.addr]) is None
+
+
+def test_a_replicas_pool_counts_as_holding_its_blocks() -> None:
+    r = router("prefix")
+    a, b, c = r.replicas.values()
+    prompt = [h(i) for i in range(10)]
+    c.index.add(prompt[:5])  # in c's node store
+    b.pool.add(prompt[:4])  # in b's KV pool, and the rest of its history in its node store
+    b.index.add(prompt[4:8])
+    assert r.choose(prompt) == (b, 8)
+    b.pool.remove(prompt[:1])  # evicted from b's pool: its store blocks no longer lead
+    assert r.choose(prompt) == (c, 5)
 
 
 def test_without_a_prefix_every_policy_spreads_requests() -> None:

@@ -363,7 +363,7 @@ def test_prefill_job_sees_the_caller_cancel() -> None:
 OUTCOME = GenerateOutcome(
     finish_reason="stop", text="ab", token_ids=(5, 6), prompt_token_ids=(1, 2, 3),
     usage=Usage(prompt_tokens=3, cached_tokens=2, completion_tokens=2),
-    timings=Timings(ttft_s=0.5, prefill_s=0.25, decode_s=1.0, total_s=1.5),
+    timings=Timings(ttft_s=0.5, prefill_s=0.25, decode_s=1.0, total_s=1.5, prefill_path="local"),
 )
 
 
@@ -419,7 +419,7 @@ def test_generate_maps_the_request_to_a_job_and_streams_tokens_then_the_result()
         decode_pb2.GenerateResponse(result=decode_pb2.GenerateResult(
             finish_reason="stop", text="ab", token_ids=[5, 6], prompt_token_ids=[1, 2, 3],
             usage=common_pb2.Usage(prompt_tokens=3, cached_tokens=2, completion_tokens=2),
-            timings=common_pb2.Timings(ttft_s=0.5, prefill_s=0.25, decode_s=1.0, total_s=1.5),
+            timings=common_pb2.Timings(ttft_s=0.5, prefill_s=0.25, decode_s=1.0, total_s=1.5, prefill_path="local"),
         )),
     ]
     assert fake.cancelled_at_end == [False]

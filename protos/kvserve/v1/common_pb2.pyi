@@ -73,13 +73,15 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_s", "prefill_s", "decode_s", "total_s")
+    __slots__ = ("ttft_s", "prefill_s", "decode_s", "total_s", "prefill_path")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PATH_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     prefill_s: float
     decode_s: float
     total_s: float
-    def __init__(self, ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    prefill_path: str
+    def __init__(self, ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., prefill_path: _Optional[str] = ...) -> None: ...
