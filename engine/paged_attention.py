@@ -92,8 +92,10 @@ def chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor | Non
 def _gather(cache_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """[batch, kv_heads, blocks * block_size, head_dim] from cache slots [blocks, block_size, kv_heads, head_dim]."""
     b, n = tables.shape
-    _, bs, h, d = cache_layer.shape
-    blocks = cache_layer.index_select(0, tables.view(-1))  # [batch * blocks, block_size, kv_heads, head_dim]
+    num_blocks, bs, h, d = cache_layer.shape
+    # Rows of a 2-D view: on a CPU, index_select copies each row in one go, 4-5x faster than over the
+    # 4-D view (which it walks element-wise): at 4 streams of 2.5k tokens it was half of a decode step.
+    blocks = cache_layer.view(num_blocks, bs * h * d).index_select(0, tables.view(-1))  # [batch * blocks, slot]
     return blocks.view(b, n * bs, h, d).transpose(1, 2)
 
 
