@@ -15,6 +15,22 @@ from engine.paged_attention import PagedCache, PromptChunk, StepBatch, chunk_mas
 from engine.sampling import sample_batch
 from engine.sequence import Sequence
 
+MIN_SHARED_BLOCKS = 8  # fewer shared blocks than this are read per row: a second attention call costs more
+
+
+def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+    """How many leading blocks every decode row's table holds in common (a prompt they share, from the pool's
+    prefix cache), when at least MIN_SHARED_BLOCKS and two rows; else 0. Only blocks wholly before each
+    row's last token: the block a row writes this step is its own."""
+    if len(tables) < 2:
+        return 0
+    limit = min((length - 1) // block_size for length in lens)
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return n if n >= MIN_SHARED_BLOCKS else 0
+
 
 @dataclass(slots=True)
 class _Forward:
@@ -87,11 +103,19 @@ class ModelRunner:
                 sampled.append(seq)
         pos = torch.tensor(positions, device=device)
         decode = None
+        shared = None
         if decode_rows:
+            n = shared_blocks(decode_tables, decode_lens, bs) if device.type == "cpu" else 0
+            if n:
+                shared = torch.tensor(decode_tables[0][:n], device=device)
+                decode_tables = [t[n:] for t in decode_tables]
+                decode_lens = [length - n * bs for length in decode_lens]
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
             mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            if n:  # the CPU flash kernel's additive mask, in the query's dtype
+                mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype, device=device).masked_fill(~mask, -torch.inf)
             decode = (torch.tensor(decode_rows, device=device), tables, mask)
         batch = StepBatch(
             cache=self.cache,
@@ -101,5 +125,6 @@ class ModelRunner:
             decode_tables=decode[1] if decode else None,
             decode_mask=decode[2] if decode else None,
             chunks=tuple(chunks),
+            decode_shared=shared,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)

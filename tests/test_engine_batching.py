@@ -13,6 +13,7 @@ import pytest
 
 from engine.engine import RequestTooLarge, StepStats
 from engine.model import load_model
+from engine.model_runner import MIN_SHARED_BLOCKS, shared_blocks
 from engine.sampling import SamplingParams
 from engine.sequence import Finished
 from engine.sequence import Sequence as KVSequence
@@ -169,6 +170,38 @@ def test_a_shared_prefix_is_taken_from_the_pool(arch: str) -> None:
     assert sum(s.num_pool_hit_tokens for s in log.steps[steps_before:]) == 96
     for seq, outcome in zip([other, next_turn], outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streams_over_a_shared_system_prompt_read_it_once_and_equal_hf_generate(arch: str) -> None:
+    model = tiny_model(arch)
+    engine = make_engine(model, BLOCK, 256)
+    root = engine.namespace().root()
+    system = random_tokens((MIN_SHARED_BLOCKS + 3) * BLOCK + 5, seed=50)
+    run(engine, [make_seq(model, system, 1, hash_root=root)])  # the system prompt, cached by hash
+    # users' questions of different lengths after it, one whose question ends on a block boundary
+    seqs = [make_seq(model, [*system, *random_tokens(n, seed=51 + n)], MAX_NEW, hash_root=root)
+            for n in (3, 11, 2 * BLOCK - 5)]
+    for seq in seqs:
+        engine.add(seq)
+    while not all(len(s.token_ids) - s.num_computed_tokens == 1 and s.num_new_tokens for s in seqs):
+        engine.step()
+    # the decode rows read the system prompt's full blocks once, together
+    tables, lens = [s.block_table for s in seqs], [len(s.token_ids) for s in seqs]
+    assert shared_blocks(tables, lens, BLOCK) == len(system) // BLOCK
+    outcomes = finish(engine, seqs)
+    for seq, outcome in zip(seqs, outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
+
+
+def test_shared_blocks_are_the_common_leading_full_blocks() -> None:
+    m = MIN_SHARED_BLOCKS
+    common = list(range(100, 100 + m + 2))
+    a, b = [*common, 1, 2], [*common, 3]
+    assert shared_blocks([a, b], [len(a) * BLOCK, len(b) * BLOCK], BLOCK) == m + 2
+    assert shared_blocks([a], [len(a) * BLOCK], BLOCK) == 0  # one row: nothing to share
+    assert shared_blocks([a, b], [len(a) * BLOCK, (m + 2) * BLOCK], BLOCK) == m + 1  # b's last block is its own
+    assert shared_blocks([a, [*common[: m - 1], 7, 8, 9]], [len(a) * BLOCK, 99 * BLOCK], BLOCK) == 0  # too few
 
 
 def test_a_running_sequence_shares_its_blocks_and_a_whole_prompt_keeps_its_last_token() -> None:
