@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(parser(), argv, "decode")
     configure_logging("decode", args.log_level)
     tls = tls_from_args(args, "decode")
-    prepare_engine_process(args.nice)
+    prepare_engine_process(args)
     try:
         auth = auth_from_args(args, "decode")
     except AuthConfigError as exc:

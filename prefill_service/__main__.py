@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(parser(), argv, "prefill")
     configure_logging("prefill", args.log_level)
     tls = tls_from_args(args, "prefill")
-    prepare_engine_process(args.nice)
+    prepare_engine_process(args)
     try:
         model = load_model(args.model, device=args.device, dtype=args.dtype)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls)

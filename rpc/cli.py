@@ -4,12 +4,14 @@ size parsing, and serving until SIGTERM with one clear line when the start fails
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from rpc.server import Server, run_until_signal
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError
@@ -146,11 +148,50 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
                         f"chunks; {why} (default {budget_cpu} on CPU, {budget_cuda} on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="most sequences in the engine at once; more wait (default %(default)s)")
+    p.add_argument("--threads", type=non_negative_int, default=None, metavar="N",
+                   help="CPU threads this service computes on (torch's intra-op threads); where services share "
+                        "a host, give each its share of the cores (`kvserve up` does; docs/OPERATIONS.md, "
+                        f"\"CPU threads\"). Default, or 0: on CPU every core this process may use "
+                        f"({len(usable_cores())} here), on CUDA {CUDA_THREADS} (the GPU computes, the CPU only "
+                        f"feeds it)")
     p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="0-19",
-                   help="lower this service's CPU priority by this much at start (Unix nice): where prefill "
-                        "and decode share a host's cores, decode at 10 lets prompts be computed first, "
-                        "shortening the time to first token at some cost to running streams (default 0)")
+                   help="lower this service's CPU priority by this much at start (Unix nice), against other "
+                        "work on the host that has no budget of its own (default 0)")
     p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+# On CUDA the forward runs on the GPU; the CPU threads only launch its kernels and run the step's Python and
+# small host copies, so a process needs no OpenMP team (vLLM likewise cuts its GPU worker processes to one
+# OpenMP thread unless OMP_NUM_THREADS says otherwise).
+CUDA_THREADS = 1
+
+
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its affinity mask; a container's cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def default_threads(device: str, cores: int) -> int:
+    """The compute thread budget of a service given no --threads: on CPU all `cores` it may use (a process
+    alone on its host, as before budgets), on CUDA `CUDA_THREADS`."""
+    return CUDA_THREADS if str(device).startswith("cuda") else max(1, cores)
+
+
+def engine_threads(args: argparse.Namespace) -> int:
+    """--threads, or (not given, or 0) its default for --device and the cores this process may use."""
+    if args.threads:
+        return int(args.threads)
+    return default_threads(args.device, len(usable_cores()))
 
 
 def engine_token_budget(args: argparse.Namespace) -> int:
@@ -183,9 +224,16 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_BUFFER_MAX = 32 << 20
 
 
-def prepare_engine_process(nice: int) -> None:
-    """What a process that runs the engine sets before any thread starts (every thread inherits it).
+def prepare_engine_process(args: argparse.Namespace | int) -> None:
+    """What a process that runs the engine sets before any thread starts (every thread inherits it),
+    from its parsed flags (`args`; a bare int is the older form, --nice alone, which leaves torch's
+    threads as torch sets them).
 
+    - Its compute thread budget (--threads, `engine_threads`): torch's intra-op threads, the OpenMP
+      team that runs each kernel on several cores, and one inter-op thread (the engine forks no
+      torch tasks, so the inter-op pool only ever adds idle threads). Services that share a host's
+      cores each take their share: two OpenMP teams sized to every core stall at each other's
+      barriers (engine.engine's docstring). One line in the log says the budget.
     - Its CPU priority (--nice).
     - Python's GIL switch interval, 0.5 ms instead of 5. The step thread lets go of the GIL in each of
       a step's few hundred kernels; while another thread runs Python (I/O threads encoding a finished
@@ -197,6 +245,10 @@ def prepare_engine_process(nice: int) -> None:
       decode service's first 16 streams, half a million page faults made each step 40 % slower.
       Other C libraries are left as they are.
     """
+    nice = args if isinstance(args, int) else int(args.nice)
+    if not isinstance(args, int):
+        set_thread_budget(engine_threads(args), source="--threads" if args.threads
+                          else f"default for --device {args.device}")
     os.nice(nice)
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
@@ -206,6 +258,23 @@ def prepare_engine_process(nice: int) -> None:
             libc.mallopt(_M_TRIM_THRESHOLD, 2 * _HEAP_BUFFER_MAX)
         except (AttributeError, OSError):
             pass
+
+
+def set_thread_budget(threads: int, source: str = "--threads") -> None:
+    """torch's intra-op threads to `threads` and its inter-op threads to 1, logged in one line. The
+    inter-op count can be set once per process, before any inter-op work: a later call leaves it.
+
+    rpc does not import torch (the store and the router run without it): this sets the threads of the
+    torch the process has already loaded, as the engine services have by the time they call it."""
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        raise RuntimeError("set_thread_budget: torch is not loaded; import the engine first")
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # already set, or inter-op work has started
+        torch.set_num_interop_threads(1)
+    logging.getLogger("rpc.cli").info(
+        "compute threads: %d (%s; %d cores usable; torch intra-op %d, inter-op %d)", threads, source,
+        len(usable_cores()), torch.get_num_threads(), torch.get_num_interop_threads())
 
 
 def configure_logging(service: str, level: str) -> None:

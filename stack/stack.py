@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -309,8 +309,27 @@ def stop_service(service: Service, timeout_s: float = 30.0) -> int:
     return service.process.wait()
 
 
-# The three services share this host's cores: prompts are computed first (see decode's --nice).
-DECODE_NICE = 10
+# The services that run the model, which share this host's cores by thread budgets (`thread_budgets`); the
+# odd core goes to the first. (Decode used to start at nice 10 instead, so that prompts went first; with
+# budgets that no longer helped, docs/OPERATIONS.md, "CPU threads".)
+COMPUTE_SERVICES = ("decode", "prefill")
+
+
+def host_cores() -> int:
+    """How many cores this process, and so the stack it starts, may use (its affinity mask)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def thread_budgets(cores: int, names: Sequence[str] = COMPUTE_SERVICES,
+                   fixed: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The compute threads (--threads) of the services `names` that share `cores`: those in `fixed` keep
+    theirs, the others split what is left evenly, the odd cores to the first named (decode), at least 1
+    each. They add up to `cores` but where there are fewer cores than services (one core: 1 each)."""
+    fixed = {n: t for n, t in (fixed or {}).items() if n in names}
+    rest = [n for n in names if n not in fixed]
+    left = max(cores - sum(fixed.values()), 0)
+    share, odd = divmod(left, len(rest)) if rest else (0, 0)
+    return {n: fixed[n] if n in fixed else max(1, share + (rest.index(n) < odd)) for n in names}
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +382,8 @@ class StackConfig:
     # Certificates from `kvserve certs` (ca.pem, kvstore.pem, prefill.pem, decode.pem and their keys):
     # mTLS between the services, TLS at the front door.
     tls_dir: Path | None = None
+    # The cores prefill and decode split between them (`thread_budgets`); None: those this process may use.
+    cores: int | None = None
 
 
 class Stack:
@@ -387,6 +408,56 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / f"{name}.log"
 
+    def extra_args(self, name: str) -> list[str]:
+        c = self.config
+        return {"kvstore": c.extra_store_args, "prefill": c.extra_prefill_args, "decode": c.extra_decode_args}[name]
+
+    def setting(self, name: str, flag: str) -> str | None:
+        """What the service `name` is given for `flag` besides the stack's own: in its extra args, else in
+        this process's environment (KVSERVE_<SERVICE>_<FLAG>, which the service reads too)."""
+        value = flag_value(self.extra_args(name), flag)
+        return value if value is not None else os.environ.get(f"KVSERVE_{name.upper()}_{flag[2:].upper()}") or None
+
+    def thread_budgets(self) -> dict[str, int]:
+        """The --threads the stack gives prefill and decode, which share this host's cores: they add up to
+        them (`thread_budgets`). A service on CUDA is left out (its own default applies: the GPU computes),
+        and one given --threads in its extra args or KVSERVE_<SERVICE>_THREADS keeps it, the other taking
+        the rest of the cores."""
+        cpu = [n for n in COMPUTE_SERVICES if not (self.setting(n, "--device") or "cpu").startswith("cuda")]
+        fixed = {n: int(t) for n in cpu if (t := self.setting(n, "--threads")) and t.isdigit() and int(t) > 0}
+        cores = self.config.cores if self.config.cores is not None else host_cores()
+        return {n: t for n, t in thread_budgets(cores, cpu, fixed).items() if n not in fixed}
+
+    def _threads(self, name: str) -> list[str]:
+        budget = self.thread_budgets().get(name)
+        return [] if budget is None else ["--threads", str(budget)]
+
+    def store_spec(self) -> ServiceSpec:
+        c = self.config
+        return ServiceSpec("kvstore", "kvstore", (
+            "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
+            "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
+            *self._metrics(2), *self._tls("kvstore"), *c.extra_store_args,
+        ), self._log("kvstore"), connect_host(c.host))
+
+    def prefill_spec(self, store_addr: str) -> ServiceSpec:
+        c = self.config
+        return ServiceSpec("prefill", "prefill_service", (
+            *self._common(store_addr), "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1),
+            *self._threads("prefill"), *self._tls("prefill"), *c.extra_prefill_args,
+        ), self._log("prefill"), connect_host(c.host))
+
+    def decode_spec(self, store_addr: str, prefill_addr: str) -> ServiceSpec:
+        c = self.config
+        return ServiceSpec("decode", "decode_service", (
+            *self._common(store_addr), "--prefill", prefill_addr, "--listen", f"{c.host}:{c.decode_port}",
+            *self._metrics(0), *self._threads("decode"), *self._tls("decode"), *c.extra_decode_args,
+        ), self._log("decode"), connect_host(c.host))
+
+    def _common(self, store_addr: str) -> tuple[str, ...]:
+        c = self.config
+        return "--model", str(c.model_dir), "--kvstore", store_addr, "--block-size", str(c.block_size)
+
     def check(self) -> None:
         """Raises StackError, before anything starts, when the model folder is missing or a port
         is taken (gRPC servers share a port silently, so a second stack would not fail by itself)."""
@@ -405,24 +476,11 @@ class Stack:
                              "stop it or choose other ports")
 
     def start(self) -> Stack:
-        c = self.config
-        host = connect_host(c.host)
         try:
             self.check()
-            store = self.add(ServiceSpec("kvstore", "kvstore", (
-                "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
-                "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
-                *self._metrics(2), *self._tls("kvstore"), *c.extra_store_args,
-            ), self._log("kvstore"), host))
-            common = ("--model", str(c.model_dir), "--kvstore", store.addr, "--block-size", str(c.block_size))
-            prefill = self.add(ServiceSpec("prefill", "prefill_service", (
-                *common, "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1), *self._tls("prefill"),
-                *c.extra_prefill_args,
-            ), self._log("prefill"), host))
-            self.add(ServiceSpec("decode", "decode_service", (
-                *common, "--prefill", prefill.addr, "--listen", f"{c.host}:{c.decode_port}", *self._metrics(0),
-                "--nice", str(DECODE_NICE), *self._tls("decode"), *c.extra_decode_args,
-            ), self._log("decode"), host))
+            store = self.add(self.store_spec())
+            prefill = self.add(self.prefill_spec(store.addr))
+            self.add(self.decode_spec(store.addr, prefill.addr))
         except BaseException:
             self.stop()
             raise

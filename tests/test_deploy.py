@@ -209,7 +209,7 @@ def test_the_compose_services_are_wired_through_their_variables() -> None:
     assert args["prefill"].kvstore == args["decode"].kvstore == "kvstore:50053"
     assert args["decode"].prefill == "prefill:50052" and args["router"].decode == "decode:50051"
     assert args["prefill"].model == args["decode"].model == "/models/tiny-llama"
-    assert args["decode"].nice == 10
+    assert args["prefill"].threads == args["decode"].threads == 1  # shares of one host's cores (2 by default)
     # Same-host shared memory needs one IPC namespace for the store and its clients.
     assert services["kvstore"]["ipc"] == "shareable"
     assert services["prefill"]["ipc"] == services["decode"]["ipc"] == "service:kvstore"

@@ -1,0 +1,174 @@
+"""Thread budgets (docs/OPERATIONS.md, "CPU threads"): prefill and decode on one host share its cores instead
+of each sizing an OpenMP team to all of them. `kvserve up`'s split adds up to the host's cores, its
+service command lines carry it, a service's --threads is what torch then runs with, and on CUDA the
+default is one thread."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rpc.cli import CUDA_THREADS, default_threads, engine_threads, env_args
+from stack.stack import Stack, StackConfig, flag_value, thread_budgets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("cores", "decode", "prefill"), [(1, 1, 1), (2, 1, 1), (3, 2, 1), (4, 2, 2), (16, 8, 8)])
+def test_the_split_adds_up_to_the_cores_with_the_odd_one_to_decode(cores: int, decode: int, prefill: int) -> None:
+    budgets = thread_budgets(cores)
+    assert budgets == {"decode": decode, "prefill": prefill}
+    assert sum(budgets.values()) == max(cores, 2)  # one core: one thread each, the least a service runs on
+
+
+def test_a_fixed_budget_is_kept_and_the_others_take_what_is_left() -> None:
+    assert thread_budgets(8, fixed={"decode": 6}) == {"decode": 6, "prefill": 2}
+    assert thread_budgets(4, fixed={"prefill": 4}) == {"decode": 1, "prefill": 4}  # never below 1
+    assert thread_budgets(4, ["prefill"]) == {"prefill": 4}  # decode on a GPU: prefill takes every core
+    assert thread_budgets(4, []) == {}
+
+
+def stack(tmp_path: Path, cores: int | None, **config: object) -> Stack:
+    return Stack(StackConfig(model_dir=tmp_path, data_dir=tmp_path, cores=cores, **config))  # type: ignore[arg-type]
+
+
+def threads_flags(s: Stack) -> dict[str, str | None]:
+    """The --threads each compute service's command line gives it (the last one wins, as in argparse)."""
+    return {"prefill": flag_value(s.prefill_spec("127.0.0.1:1").args, "--threads"),
+            "decode": flag_value(s.decode_spec("127.0.0.1:1", "127.0.0.1:2").args, "--threads")}
+
+
+@pytest.fixture(autouse=True)
+def no_thread_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("KVSERVE_PREFILL_THREADS", "KVSERVE_DECODE_THREADS", "KVSERVE_PREFILL_DEVICE", "KVSERVE_DECODE_DEVICE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 16])
+def test_ups_command_lines_carry_the_split(tmp_path: Path, cores: int) -> None:
+    flags = threads_flags(stack(tmp_path, cores))
+    assert flags == {name: str(t) for name, t in thread_budgets(cores).items()}
+    assert "--threads" not in stack(tmp_path, cores).store_spec().args  # the store runs no torch kernels on CPU
+
+
+def test_up_splits_the_cores_it_may_use_by_default(tmp_path: Path) -> None:
+    flags = threads_flags(stack(tmp_path, cores=None))
+    assert sum(int(t or 0) for t in flags.values()) == max(len(os.sched_getaffinity(0)), 2)
+
+
+def test_explicit_settings_win_and_the_other_service_takes_the_rest(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    s = stack(tmp_path, 8, extra_decode_args=["--threads", "6"])
+    assert threads_flags(s) == {"prefill": "2", "decode": "6"}  # decode's own flag comes last
+    assert s.decode_spec("a:1", "b:2").args.count("--threads") == 1
+    monkeypatch.setenv("KVSERVE_PREFILL_THREADS", "5")  # the variable reaches prefill: up gives no flag
+    assert threads_flags(stack(tmp_path, 8)) == {"prefill": None, "decode": "3"}
+
+
+def test_a_service_on_cuda_gets_no_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = ["--device", "cuda"]
+    assert threads_flags(stack(tmp_path, 8, extra_prefill_args=cuda, extra_decode_args=cuda)) == {
+        "prefill": None, "decode": None}
+    assert threads_flags(stack(tmp_path, 8, extra_decode_args=cuda)) == {"prefill": "8", "decode": None}
+    monkeypatch.setenv("KVSERVE_PREFILL_DEVICE", "cuda:0")
+    assert threads_flags(stack(tmp_path, 8)) == {"prefill": None, "decode": "8"}
+
+
+def test_the_default_is_every_usable_core_on_cpu_and_one_thread_on_cuda() -> None:
+    assert default_threads("cpu", 2) == 2 and default_threads("cpu", 64) == 64
+    assert default_threads("cuda", 64) == default_threads("cuda:1", 2) == CUDA_THREADS == 1
+    args = argparse.Namespace(threads=None, device="cuda")
+    assert engine_threads(args) == 1
+    assert engine_threads(argparse.Namespace(threads=3, device="cuda")) == 3  # a flag wins on any device
+    assert engine_threads(argparse.Namespace(threads=None, device="cpu")) == len(os.sched_getaffinity(0))
+
+
+def test_the_flag_is_readable_from_its_variable_and_must_be_positive() -> None:
+    from prefill_service.__main__ import parser
+
+    p = parser()
+    assert p.parse_args(env_args(p, "prefill", {"KVSERVE_PREFILL_MODEL": "m", "KVSERVE_PREFILL_THREADS": "3"})).threads == 3
+    assert p.parse_args(["--model", "m", "--threads", "0"]).threads == 0  # 0: the default (an unset request)
+    assert engine_threads(argparse.Namespace(threads=0, device="cuda")) == 1
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--threads", "-1"])
+
+
+PREPARE = """
+import sys
+import torch
+from {module}.__main__ import parser
+from rpc.cli import configure_logging, prepare_engine_process
+args = parser().parse_args(["--model", "m", *sys.argv[1:]])
+configure_logging("test", "INFO")
+prepare_engine_process(args)
+print(torch.get_num_threads(), torch.get_num_interop_threads())
+"""
+
+
+def prepared_threads(module: str, *flags: str, cores: set[int] | None = None) -> tuple[list[int], str]:
+    """torch's intra-op and inter-op threads in a process that parsed `flags` with the service's parser and
+    called prepare_engine_process with them, as the service does before it starts any thread; and its log."""
+    done = subprocess.run([sys.executable, "-c", PREPARE.format(module=module), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))
+    assert done.returncode == 0, done.stderr
+    return [int(n) for n in done.stdout.split()], done.stderr
+
+
+@pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
+def test_a_service_given_threads_1_runs_torch_on_one_thread(module: str) -> None:
+    threads, log = prepared_threads(module, "--threads", "1")
+    assert threads == [1, 1]
+    assert "compute threads: 1 (--threads;" in log  # one line at start
+
+
+def test_without_the_flag_a_service_takes_the_cores_it_may_use() -> None:
+    threads, log = prepared_threads("prefill_service", cores={0})
+    assert threads == [1, 1]  # torch alone sizes its team to the machine's cores, not to the affinity mask
+    assert "compute threads: 1 (default for --device cpu; 1 cores usable" in log
+
+
+@pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
+def test_each_service_hands_its_flags_to_prepare_engine_process(module: str) -> None:
+    source = (ROOT / module / "__main__.py").read_text()
+    assert "prepare_engine_process(args)" in source
+
+
+# -- the deployment files ----------------------------------------------------------------------------------
+
+def compose_env(path: Path, service: str) -> dict[str, str]:
+    """A compose service's variables, each ${NAME:-default} at its default (no shell, no .env)."""
+    env = yaml.safe_load(path.read_text())["services"][service]["environment"]
+    return {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+
+
+def test_compose_gives_prefill_and_decode_shares_of_one_host() -> None:
+    threads = {s: int(compose_env(ROOT / "docker-compose.yml", s)[f"KVSERVE_{s.upper()}_THREADS"])
+               for s in ("prefill", "decode")}
+    assert threads == thread_budgets(2)  # the default host: 2 cores, split as `kvserve up` splits them
+    for s in ("prefill", "decode"):  # on the GPU, the CUDA default (an empty variable leaves the flag unset)
+        assert compose_env(ROOT / "docker-compose.gpu.yml", s)[f"KVSERVE_{s.upper()}_THREADS"] == ""
+
+
+def test_kubernetes_pods_take_their_cpu_request_as_their_budget() -> None:
+    for s in ("prefill", "decode"):
+        deployment = next(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / f"{s}.yaml").read_text()))
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert env[f"KVSERVE_{s.upper()}_THREADS"]["valueFrom"] == {
+            "resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}
+        assert "cpu" in container["resources"]["requests"]
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (its kustomize builds the GPU overlay)")
+    built = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy" / "kubernetes" / "overlays" / "production")],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "_THREADS" not in built  # on a GPU, the CUDA default
