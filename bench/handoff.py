@@ -5,8 +5,10 @@ How the prefix gets into the store and nowhere else: a second prefill service, t
 replica over the same store, started by this command), computes it through its Prefill RPC, which puts
 its blocks into the store, and a Lookup checks that the store holds every one. The stack's own prefill
 and decode never saw that prompt, so their pools cannot hold it (prefill's pool hits are read off its
-metrics and reported): the measured request's prefill fetches the prefix from the store, computes the
-new tokens and samples the first token; decode then fetches every prompt block for the second token.
+metrics and reported). With the new tokens at most decode's --local-prefill-tokens (the default 512),
+the measured request's decode fetches the prefix from the store, computes the new tokens and samples
+the first token itself: no hand-off. Above it (or with --local-prefill-tokens 0 on the stack),
+prefill does that and decode then fetches every prompt block for the second token.
 Each measurement has a fresh prefix under a fresh cache salt; `--repeats` of them, after an untimed one.
 
 Baseline, measured in the same run before the stack starts (`python -m bench.prefill baselines`
