@@ -5,10 +5,10 @@ How the prefix gets into the store and nowhere else: a second prefill service, t
 replica over the same store, started by this command), computes it through its Prefill RPC, which puts
 its blocks into the store, and a Lookup checks that the store holds every one. The stack's own prefill
 and decode never saw that prompt, so their pools cannot hold it (prefill's pool hits are read off its
-metrics and reported). With the new tokens at most decode's --local-prefill-tokens (the default 512),
-the measured request's decode fetches the prefix from the store, computes the new tokens and samples
-the first token itself: no hand-off. Above it (or with --local-prefill-tokens 0 on the stack),
-prefill does that and decode then fetches every prompt block for the second token.
+metrics and reported): the measured request's prefill fetches the prefix from the store, computes the
+new tokens and samples the first token; decode then fetches every prompt block for the second token.
+The stack started here runs decode with --local-prefill-tokens 0, so that this path is what is
+measured: by default decode would compute so few new tokens itself (docs/DESIGN.md, "Local prefill").
 Each measurement has a fresh prefix under a fresh cache salt; `--repeats` of them, after an untimed one.
 
 Baseline, measured in the same run before the stack starts (`python -m bench.prefill baselines`
@@ -143,7 +143,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   untimed=1, device=args.device, dtype=args.dtype)
         base = baseline["turns"][0]
         progress.step(label="handoff: starting the stack")
-        with open_target(args, "handoff", device_flags(args), store_device_flags(args)) as target, \
+        # The hand-off itself: with the stack's default --local-prefill-tokens, decode would compute these
+        # few new tokens itself and prefill would never be asked.
+        with open_target(args, "handoff", device_flags(args), store_device_flags(args),
+                         decode_args=["--local-prefill-tokens", "0"]) as target, \
                 tempfile.TemporaryDirectory(prefix="kvserve-writer-") as tmp, Client(target.addr, timeout_s=600) as client:
             progress.step(label="handoff: starting the writer prefill")
             with writer_prefill(target, args.log_dir or Path(tmp), device_flags(args)) as writer:

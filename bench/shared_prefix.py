@@ -8,8 +8,9 @@ cache salt, and N requests of that prompt followed by a distinct `--question-tok
 
 - computed tokens, from the requests' usage: the sum of prompt - cached tokens;
 - computed tokens, from the engine: what prefill's engine forwarded (its batch-token histogram; an
-  engine counter of computed tokens where the services have one) plus the prompt tokens decode
-  recomputed, read off the services' Prometheus pages before and after the run; and the tokens got
+  engine counter of computed tokens where the services have one) plus the prompt tokens decode's
+  engine computed (a prompt computed there, --local-prefill-tokens, or recomputed for lack of KV),
+  read off the services' Prometheus pages before and after the run; and the tokens got
   by in-flight coalescing where the services count them (none: "-");
 - the ideal: the prefix once and every question once (prefix + N x question), and computed / ideal;
 - TTFT p50/p90/p99 as the client sees it, and p50 over the cold TTFT of one user alone: a fresh
@@ -53,9 +54,13 @@ TTFT_GOAL = 2.0  # TTFT p50 <= 2x one user cold
 
 # Prompt tokens the engines computed, by Prometheus sample, the first the services have: prefill's engine
 # counters of prompt tokens computed, else every token prefill's engine forwarded (all prompt tokens
-# there); plus what decode recomputed for lack of KV.
+# there); plus decode's engine's prompt tokens (prompts computed there, and recomputed ones) but the
+# first token of each request prefill computed (decode computes its KV as the last prompt token), or,
+# from services without that counter, what decode recomputed for lack of KV.
 ENGINE_COMPUTED = ("kvserve_prefill_engine_prompt_tokens_total", "kvserve_prefill_engine_computed_tokens_total",
                    "kvserve_prefill_engine_batch_tokens_sum")
+DECODE_COMPUTED = "kvserve_decode_engine_prompt_tokens_total"
+DECODE_DISAGGREGATED = 'kvserve_decode_prefills_total{path="disaggregated"}'
 DECODE_RECOMPUTED = "kvserve_decode_recomputed_tokens_total"
 COALESCED = "coalesc"  # part of the name of any counter of tokens got by in-flight coalescing
 
@@ -64,7 +69,9 @@ def engine_counts(d: dict[str, float]) -> tuple[float | None, float | None]:
     """(prompt tokens computed, tokens got by in-flight coalescing) in a metrics delta; None where the
     services do not count them (or no metrics pages were read)."""
     computed = next((d[name] for name in ENGINE_COMPUTED if name in d), None)
-    if computed is not None:
+    if computed is not None and DECODE_DISAGGREGATED in d:
+        computed += d.get(DECODE_COMPUTED, 0.0) - d[DECODE_DISAGGREGATED]
+    elif computed is not None:
         computed += d.get(DECODE_RECOMPUTED, 0.0)
     coalesced = [v for k, v in d.items() if COALESCED in k and k.split("{")[0].endswith("_total")]
     return computed, (sum(coalesced) if coalesced else None)

@@ -106,9 +106,9 @@ def add_target_flags(ap: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] = (),
-                store_args: Sequence[str] = ()) -> Iterator[Target]:
+                store_args: Sequence[str] = (), decode_args: Sequence[str] = ()) -> Iterator[Target]:
     """args.addr as it is, or a local stack with its metrics pages (`engine_args` to prefill and decode,
-    `store_args` to the store), stopped on exit."""
+    `store_args` to the store, `decode_args` to decode), stopped on exit."""
     if args.addr:
         yield Target(args.addr, args.kvstore, tuple(args.metrics), args.model)
         return
@@ -116,7 +116,7 @@ def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] 
     ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
     with tempfile.TemporaryDirectory(prefix=f"kvserve-bench-{name}-") as tmp, \
             local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports, engine_args=engine_args,
-                        store_args=store_args) as s:
+                        store_args=store_args, decode_args=decode_args) as s:
         yield Target(s.addr, s.service("kvstore").addr,
                      tuple(f"http://127.0.0.1:{p}/metrics" for p in ports.values()), args.model,
                      s.config.block_size)

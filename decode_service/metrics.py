@@ -23,6 +23,8 @@ class DecodeMetrics:
         self.prefills = Counter(p + "prefills", "Requests by where their prompt was computed: local (this "
                                 "service's engine) or disaggregated (the prefill service)", ["path"],
                                 registry=registry)
+        for path in ("local", "disaggregated"):  # both on the page from the start, at 0
+            self.prefills.labels(path=path)
         self.recomputed_tokens = Counter(
             p + "recomputed_tokens", "Prompt tokens decode recomputed because their KV was missing or bad",
             registry=registry,
