@@ -277,8 +277,11 @@ def run(args: argparse.Namespace, levels: list[int], progress: Progress) -> dict
                 stack_throughput(client, prompts, levels, args.new_tokens, progress), hf)
         if not args.skip_itl:
             results = {}
-            for name, decode_args in (("chunked", []),
-                                      ("unchunked", ["--max-num-batched-tokens", str(args.unchunked_budget)])):
+            # --local-prefill-tokens 0: prefill answers the long prompt first (from its pool), then decode, whose
+            # store has none of it, computes it all among the streams; whatever its length.
+            for name, decode_args in (("chunked", ["--local-prefill-tokens", "0"]),
+                                      ("unchunked", ["--local-prefill-tokens", "0",
+                                                     "--max-num-batched-tokens", str(args.unchunked_budget)])):
                 progress.phase(f"decode: a long prompt among streams, {name}")
                 with dead_address() as dead, local_stack(args.model, tmp, name, args.log_dir,
                                                          prefill_args=["--kvstore", dead],

@@ -1,5 +1,5 @@
 """End to end, the failure policy with real processes: the store SIGKILLed and restarted, prefill
-down, bad input through the whole stack, and concurrent streams."""
+killed (decode computes the prompt itself), bad input through the whole stack, and concurrent streams."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from client import Client
-from client.client import InvalidArgumentError, OutOfRangeError, UnavailableError
+from client.client import InvalidArgumentError, OutOfRangeError
 from engine.hashing import Namespace, prefix_hashes
 from engine.model import model_fingerprint
 from kvstore import KVStoreClient
@@ -103,8 +103,11 @@ def check_store_restart(stack: ProcessStack) -> None:
                    message="the store was not used again after it restarted")
 
 
-def test_prefill_down_fails_fast_with_unavailable(stack: ProcessStack, client: Client) -> None:
+def test_with_prefill_killed_decode_computes_the_prompt_itself(stack: ProcessStack, client: Client) -> None:
     stack.prefill[ARCH].process.kill()
     stack.prefill[ARCH].process.wait()
-    with pytest.raises(UnavailableError, match="prefill service at 127.0.0.1"):
-        client.generate("hello", max_tokens=4)
+    ids = tokens(40 * BLOCK_SIZE + 3, seed=310)  # longer than --local-prefill-tokens: prefill's, were it up
+    want, logits = oracle(ARCH, ids, 6)
+    r = client.generate(token_ids=ids, max_tokens=6, ignore_eos=True)
+    assert r.timings.prefill_path == "local"
+    assert_greedy_matches(r.token_ids, want, logits)
