@@ -213,8 +213,11 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     ports = free_ports(3)
     from tests.stack_fixtures import model_dir
 
+    # Every request crosses all three services: with local prefill, decode would answer this short prompt
+    # alone, and prefill would map the new store's arena only at its next request.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSERVE_DECODE_LOCAL_PREFILL_TOKENS": "0"}
     proc = subprocess.Popen(up_argv(tmp_path, model_dir("llama"), ports), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None and proc.stderr is not None
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
     seen: list[int] = []
