@@ -305,10 +305,11 @@ class ProcessStack:
     """A KV store process, and a prefill + decode process per arch, all on port 0 over loopback.
 
     Started with `python -m <package>`; ports come from their `LISTENING <port>` lines. Logs go to
-    files under the test workdir (named in failures).
+    files under the test workdir (named in failures). `decode_args` go to each decode.
     """
 
-    def __init__(self, name: str, archs: Sequence[str], store_args: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, archs: Sequence[str], store_args: Sequence[str] = (),
+                 decode_args: Sequence[str] = ()) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from stack.stack import Service, start_service
@@ -318,6 +319,7 @@ class ProcessStack:
         self.dir = workdir() / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store_args = ["--disk-capacity", "256MiB", "--disk-path", str(self.dir / "lmdb"), *store_args]
+        self.decode_args = list(decode_args)
         self.store: Service = start_service(
             "kvstore", "kvstore", ["--listen", "127.0.0.1:0", *self.store_args], self.dir / "kvstore.log"
         )
@@ -347,7 +349,7 @@ class ProcessStack:
         from stack.stack import start_service
 
         return start_service(f"decode-{arch}", "decode_service",
-                             [*self._common(arch), "--prefill", self.prefill[arch].addr],
+                             [*self._common(arch), "--prefill", self.prefill[arch].addr, *self.decode_args],
                              self.dir / f"decode-{arch}.log")
 
     def kill_store(self) -> None:

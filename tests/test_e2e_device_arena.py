@@ -22,8 +22,9 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ProcessStack]:
     # about 20 blocks of the test model in each memory tier
+    # every prompt through the hand-off (decode at --local-prefill-tokens 0), so that blocks cross the arena
     s = ProcessStack("device-arena", [ARCH], ["--device", "cpu", "--device-capacity", "512KiB",
-                                              "--host-capacity", "512KiB"])
+                                              "--host-capacity", "512KiB"], ["--local-prefill-tokens", "0"])
     yield s
     s.stop()
 

@@ -22,7 +22,9 @@ HOST_CAPACITY = "384KiB"
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ProcessStack]:
-    s = ProcessStack("generation", ARCHS, ["--host-capacity", HOST_CAPACITY])
+    # Every cache state through the hand-off: decode at --local-prefill-tokens 0 asks prefill for every prompt
+    # (tests/test_local_prefill.py covers decode computing prompts itself).
+    s = ProcessStack("generation", ARCHS, ["--host-capacity", HOST_CAPACITY], ["--local-prefill-tokens", "0"])
     yield s
     s.stop()
 

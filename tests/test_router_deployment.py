@@ -219,7 +219,7 @@ def test_decode_spreads_over_prefill_replicas_and_skips_a_dead_one(tmp_path: Pat
         services += prefills
         decode = start_service("decode", "decode_service", [
             "--model", model, "--kvstore", store.addr, "--prefill", ",".join(p.addr for p in prefills),
-            "--listen", "127.0.0.1:0"], tmp_path / "decode.log")
+            "--listen", "127.0.0.1:0", "--local-prefill-tokens", "0"], tmp_path / "decode.log")  # every prompt to prefill
         services.append(decode)
         prompts = [tokens(2 * BLOCK_SIZE + i, seed=900 + i) for i in range(6)]
         wants = [oracle(ARCH, p, 5) for p in prompts]
