@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -17,10 +18,11 @@ from typing import Any
 
 import grpc
 
+from client import local
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
 from client.health import positive_float
 from client.metrics import parse_metrics
-from stack.stack import Stack, StackConfig, StackError, health_credentials, tls_flags
+from stack.stack import Stack, StackConfig, StackError, health_credentials
 from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
@@ -63,6 +65,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
             from rpc.certs import main as command_main
         case ["token", *rest]:
             from rpc.auth import main as command_main
+        case ["credentials", *rest]:
+            from stack.credentials import main as command_main
         case ["health", *rest]:
             from client.health import main as command_main
         case _:
@@ -124,6 +128,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("health", help="ask a service's gRPC health endpoint; exit 0 when it serves "
                                   "(see `kvserve health --help`)")
     sub.add_parser("certs", help="make a local CA and service certificates for mTLS (see `kvserve certs --help`)")
+    sub.add_parser("credentials", help="make a secure node's CA, certificates, tokens and secrets (`kvserve up` does "
+                                       "it by itself; see `kvserve credentials --help`)")
     sub.add_parser("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
     bench = sub.add_parser(
         "bench", help="benchmarks: multi-turn, shared-prefix, decode, handoff, store; hash, prefill "
@@ -162,11 +168,14 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--host-capacity", default="1GiB", help="store's RAM tier (default %(default)s)")
     up.add_argument("--disk-capacity", default="8GiB", help="store's LMDB tier (default %(default)s)")
     up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    up.add_argument("--tls", action="store_true",
-                    help="mTLS between the services and TLS at the front door, with a CA and certificates made "
-                         "in DATA_DIR/certs on first use (`kvserve certs`); clients pass --tls-ca DATA_DIR/certs/ca.pem")
+    up.add_argument("--insecure", action="store_true",
+                    help="serve plaintext with no tokens, no certificates and no record MAC: any local process can "
+                         "read and write every cached prompt. Default: secure, with the credentials made in "
+                         "DATA_DIR on the first start (`kvserve credentials --help`), which local clients find")
+    up.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     up.add_argument("--auth-tokens", type=Path, default=None, metavar="FILE",
-                    help="the front door requires a bearer token from this file (`kvserve token`); default: none")
+                    help="the tenants' tokens file (`kvserve token`) instead of DATA_DIR/auth/tokens; its secret is "
+                         "FILE.secret")
 
     gen = sub.add_parser(
         "generate", help="generate from a prompt, chat messages or token ids",
@@ -202,9 +211,6 @@ def parser() -> argparse.ArgumentParser:
                        help="store address (default: that of the `kvserve up` on DATA_DIR, else 127.0.0.1:50053)")
     stats.add_argument("--metrics", action="append", default=[],
                        help="a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable)")
-    stats.add_argument("--tls-dir", type=Path, default=None,
-                       help="certificates from `kvserve certs` (DATA_DIR/certs under `kvserve up --tls`): ask a store "
-                            "that takes only mTLS callers, presenting client.pem")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -237,22 +243,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill_port=args.prefill_port, store_port=args.store_port,
         metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
         disk_capacity=args.disk_capacity, block_size=args.block_size,
-        extra_decode_args=[] if args.auth_tokens is None else ["--auth-tokens", str(args.auth_tokens)],
+        extra_decode_args=[] if args.auth_tokens is None else ["--auth-tokens", str(args.auth_tokens),
+                                                               "--auth-secret-file", f"{args.auth_tokens}.secret"],
+        insecure=args.insecure,
     )
-    if not args.tls and args.host.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
-        print(f"kvserve up: warning: the store and prefill take any caller that reaches {args.host}, and can be "
-              "read or written by it; pass --tls for mTLS between the services (and --auth-tokens for the front "
-              "door)", file=sys.stderr)
-    if args.tls:
-        config.tls_dir = args.data_dir / "certs"
-        from rpc import certs
-        host = args.host.strip("[]")
-        try:
-            certs.make_certs(config.tls_dir, hosts=[] if host in ("", "0.0.0.0", "::") else [host],
-                             keep_existing=True)
-        except ValueError as exc:  # TLSError: a half CA, a folder that is a file
-            print(f"kvserve up: {exc}", file=sys.stderr)
-            return 1
+    if args.insecure and args.auth_tokens is not None:
+        print("kvserve up: --auth-tokens needs TLS: drop --insecure", file=sys.stderr)
+        return 2
+    if args.insecure:
+        print("kvserve up: warning: --insecure: plaintext, no tokens, no record MAC; any process that reaches "
+              f"{args.host} can read every cached prompt and poison the cache", file=sys.stderr)
     stack = Stack(config, log_dir=args.data_dir / "logs")
     # While starting, a signal aborts the start (Stack.start stops what it has started).
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -265,6 +265,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         print(f"kvserve up: {exc} while starting; stopped", file=sys.stderr)
         return 128 + exc.signum
+    layout = stack.layout
+    ports = [s.port for s in stack.services]
+    if layout is None:
+        local.unregister(ports)
+    else:
+        local.register(ports, layout.root)
     # A plain flag, not an Event: a handler that took a lock could wait forever on the main thread it
     # interrupted, should that thread hold the lock (rpc.server.run_until_signal says more).
     stop_signal = 0
@@ -281,8 +287,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         for i, s in enumerate(stack.services):
             metrics = "" if base is None else f", metrics: http://{s.host}:{base + 2 - i}/metrics"
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
-        tls = "" if config.tls_dir is None else f", TLS: clients pass --tls-ca {config.tls_dir / 'ca.pem'}"
-        print(f"ready: front door at {stack.addr}{tls}  (Ctrl-C to stop)", flush=True)
+        how = ("plaintext, no auth (--insecure)" if layout is None else
+               f"TLS, admin token in {layout.admin_token}; local clients find both")
+        print(f"ready: front door at {stack.addr}, {how}  (Ctrl-C to stop)", flush=True)
         while not stop_signal:
             time.sleep(SUPERVISE_INTERVAL_S)
             supervisor.poll()  # does nothing once a signal has come
@@ -292,6 +299,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         stack.stop()
         supervisor.close()
+        if layout is not None:
+            local.unregister(ports, layout.root)
         print("stopped", flush=True)
     return 0
 
@@ -395,9 +404,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scrape(url: str) -> dict[str, float]:
+def _scrape(url: str, layout: local.Layout | None) -> dict[str, float]:
+    """The page's samples; an https page is asked presenting the admin certificate of `layout`."""
+    context = None
+    if url.startswith("https:") and layout is not None:
+        context = ssl.create_default_context(cafile=str(layout.ca))
+        context.load_cert_chain(*(str(p) for p in layout.admin_cert))
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=5, context=context) as resp:
             return parse_metrics(resp.read().decode())
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
@@ -450,12 +464,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
                                   else "127.0.0.1:50053")
     if up is not None and not args.json:  # first: it says why the store may not answer (restarting)
         _print_up_status(up)
-    credentials = None if args.tls_dir is None else health_credentials(tls_flags(args.tls_dir, "client"))
+    admin = local.Layout(args.data_dir)  # the admin's credentials, where an `up` made them
+    layout = admin if admin.complete() else None
+    credentials = None if layout is None else health_credentials(layout.admin_tls_flags())
     with (grpc.insecure_channel(store_addr) if credentials is None
           else grpc.secure_channel(store_addr, credentials)) as channel:
         reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
     report: dict[str, Any] = {"kvstore": _stats_dict(reply)}
-    report["services"] = {url: _scrape(url) for url in args.metrics}
+    report["services"] = {url: _scrape(url, layout) for url in args.metrics}
     if up is not None:
         report["up"] = up.to_json()
     if args.json:

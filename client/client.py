@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from client import local
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -272,6 +273,21 @@ def _credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCredentia
         raise ValueError(f"cannot read the CA file {tls_ca}: {exc.strerror or exc}") from None
 
 
+def _connection(addr: str, token: str | None, tls_ca: str | os.PathLike[str] | None
+                ) -> tuple[tuple[tuple[str, str], ...], grpc.ChannelCredentials | None]:
+    """The metadata and channel credentials of a client of `addr` (see `Client`)."""
+    found = local.find(addr)
+    if found is not None:
+        if tls_ca is None:
+            tls_ca = found.ca
+        if token is None and not os.environ.get(TOKEN_ENV):
+            try:
+                token = found.admin_token.read_text(encoding="utf-8").strip()
+            except OSError:  # another user's `up`: its token is not ours to read
+                token = None
+    return _auth_metadata(token), _credentials(tls_ca)
+
+
 def _item(msg: decode_pb2.GenerateResponse) -> Chunk | Result:
     if msg.WhichOneof("kind") == "token":
         return Chunk(msg.token.token_id, msg.token.text)
@@ -289,15 +305,16 @@ class Client:
 
     `token`: the bearer token of a front door that requires one (`kvserve token` issues them), sent as
     metadata `authorization: Bearer <token>` on every call; default $KVSERVE_TOKEN. `tls_ca`: a PEM
-    file of the CA that signed a TLS front door's certificate (`kvserve certs` writes ca.pem).
+    file of the CA that signed a TLS front door's certificate. Given neither, a client of a `kvserve up`
+    on this host uses the CA and the admin token that `up` made in its data dir (client/local.py), as
+    a local client finds a server's socket; elsewhere it dials plaintext with no token.
     """
 
     def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None,
                  tls_ca: str | os.PathLike[str] | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        self._metadata = _auth_metadata(token)
-        credentials = _credentials(tls_ca)
+        self._metadata, credentials = _connection(addr, token, tls_ca)
         self._channel = (grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS) if credentials is None
                          else grpc.secure_channel(addr, credentials, options=_CHANNEL_OPTIONS))
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
@@ -352,8 +369,7 @@ class AsyncClient:
                  tls_ca: str | os.PathLike[str] | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        self._metadata = _auth_metadata(token)
-        credentials = _credentials(tls_ca)
+        self._metadata, credentials = _connection(addr, token, tls_ca)
         self._channel = (grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS) if credentials is None
                          else grpc.aio.secure_channel(addr, credentials, options=_CHANNEL_OPTIONS))
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)

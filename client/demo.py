@@ -72,7 +72,8 @@ def run(model_dir: Path, max_tokens: int) -> int:
     with tempfile.TemporaryDirectory(prefix="kvserve-demo-") as tmp:
         config = StackConfig(model_dir=model_dir, data_dir=Path(tmp), decode_port=0, prefill_port=0, store_port=0)
         print("starting the KV store, prefill and decode services ...", flush=True)
-        with Stack(config, log_dir=Path(tmp) / "logs") as stack, Client(stack.addr) as client:
+        with Stack(config, log_dir=Path(tmp) / "logs") as stack, \
+                Client(stack.addr, **stack.layout.client_kwargs()) as client:  # type: ignore[union-attr]
             # One request first, in a cache namespace of its own, so that the first turn's figures
             # do not include the services' one-off warm-up.
             client.generate(SYSTEM_PROMPT, max_tokens=2, cache_salt="kvserve-demo-warm-up")

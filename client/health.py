@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client import local
+
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
 
 
@@ -37,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
                     "arguments.",
         epilog="The TLS flags default to KVSERVE_TLS_CA, KVSERVE_TLS_CERT and KVSERVE_TLS_KEY, so inside a "
                "service's container the check presents the service's own certificate (the store and prefill "
-               "take only callers with one from their CA when mTLS is on).",
+               "take only callers with one from their CA). Without them, a server of a `kvserve up` on this "
+               "host is asked with the admin certificate that `up` made.",
     )
     p.add_argument("addr", metavar="ADDR", help="HOST:PORT of a kvstore, prefill, decode or router server")
     p.add_argument("--service", default="",
@@ -55,9 +58,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    """TLS from the flags (None: plaintext); ValueError names a missing or unreadable file."""
+    """TLS from the flags; given none, the admin certificate of a `kvserve up` serving `args.addr` on this host
+    (client/local.py); else None (plaintext). ValueError names a missing or unreadable file."""
     if args.tls_cert is None and args.tls_key is None and args.tls_ca is None:
-        return None
+        found = local.find(args.addr)
+        if found is None:
+            return None
+        (args.tls_cert, args.tls_key), args.tls_ca = found.admin_cert, found.ca
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
 

@@ -5,7 +5,9 @@ Installed with kvserve (entry point `pytest11`), it gives three fixtures:
 - `kvserve_stack` (session): the KV store, prefill and decode services as processes on free
   loopback ports, serving a tiny random-weight model built for the session, or the model folder
   named by `--kvserve-model DIR`, `$KVSERVE_TEST_MODEL` or the `kvserve_model` ini option (first
-  given wins); a `KVServeStack` with their addresses, pids and logs.
+  given wins); a `KVServeStack` with their addresses, pids and logs. The stack is secure, as `kvserve
+  up` is: TLS and a bearer token at the front door (`KVServeStack.client_kwargs`: the admin's token
+  and the CA), mTLS at the store (`KVServeStack.admin_tls`: the admin's certificate).
 - `kvserve_client`: a `client.Client` connected to the stack's front door (decode).
 - `kvserve_store`: a `kvstore.KVStoreClient` connected to its KV store.
 
@@ -56,6 +58,27 @@ class KVServeStack:
     logs: dict[str, Path]  # "kvstore", "prefill", "decode" -> that service's log file
     pids: dict[str, int]
     shm_dir: Path | None  # the store's shared-memory dir (its arena's socket); None when kept in process memory
+    credentials: Path  # the folder of its CA, certificates and tokens (client/local.py)
+
+    @property
+    def client_kwargs(self) -> dict[str, str]:
+        """`Client(stack.addr, **stack.client_kwargs)`: the admin's token and the CA of the front door."""
+        from client.local import Layout
+
+        return Layout(self.credentials).client_kwargs()
+
+    @property
+    def admin_tls(self) -> Any:
+        """An `rpc.tls.TLSConfig` with the admin's certificate, for a `KVStoreClient` of the store."""
+        return _admin_tls(self.credentials)
+
+
+def _admin_tls(credentials: Path) -> Any:
+    from client.local import Layout
+    from rpc.tls import TLSConfig
+
+    layout = Layout(credentials)
+    return TLSConfig.load(*layout.admin_cert, layout.ca)
 
     def log(self, name: str) -> str:
         """Everything service `name` has logged so far."""
@@ -89,7 +112,8 @@ def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     stack.start()
     shm_dir = None
     try:
-        shm_dir = _shm_dir(stack.service("kvstore").addr)
+        assert stack.layout is not None
+        shm_dir = _shm_dir(stack.service("kvstore").addr, _admin_tls(stack.layout.root))
         yield KVServeStack(
             addr=stack.service("decode").addr,
             prefill_addr=stack.service("prefill").addr,
@@ -99,6 +123,7 @@ def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             logs=dict(logs),
             pids={s.name: s.process.pid for s in stack.services},
             shm_dir=shm_dir,
+            credentials=stack.layout.root,
         )
     finally:
         _stop(stack, shm_dir)
@@ -109,7 +134,7 @@ def kvserve_client(kvserve_stack: KVServeStack) -> Iterator[Client]:
     """A `Client` of the stack's front door, closed after the test."""
     from client.client import Client
 
-    with Client(kvserve_stack.addr) as client:
+    with Client(kvserve_stack.addr, **kvserve_stack.client_kwargs) as client:
         yield client
 
 
@@ -118,7 +143,7 @@ def kvserve_store(kvserve_stack: KVServeStack) -> Iterator[KVStoreClient]:
     """A `KVStoreClient` of the stack's KV store, closed after the test."""
     from kvstore import KVStoreClient
 
-    with KVStoreClient(kvserve_stack.store_addr) as store:
+    with KVStoreClient(kvserve_stack.store_addr, tls=kvserve_stack.admin_tls) as store:
         yield store
 
 
@@ -160,10 +185,10 @@ def _build_tiny_model(path: Path) -> Path:
     return path
 
 
-def _shm_dir(store_addr: str) -> Path | None:
+def _shm_dir(store_addr: str, tls: Any) -> Path | None:
     from kvstore import KVStoreClient
 
-    with KVStoreClient(store_addr) as store:
+    with KVStoreClient(store_addr, tls=tls) as store:
         socket = store.info().arena_socket
     return Path(socket).parent if socket else None
 

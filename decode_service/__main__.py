@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"decode: {exc}", file=sys.stderr)
         return 2
     if auth is not None:
-        auth.authenticator.reload_on_sighup()  # on the main thread, before a SIGHUP could end the process
+        auth.reload_on_sighup()  # on the main thread, before a SIGHUP could end the process
         if tls is None:
             logging.getLogger("decode").warning(
                 "auth is on over plaintext: bearer tokens cross the network readable by anyone on the path; "
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
     server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
-               DecodeReplicaServicer(front, engine, store, metrics, pool_events), REPLICA_SERVICE_NAME)
+               DecodeReplicaServicer(front, engine, store, metrics, pool_events), REPLICA_SERVICE_NAME, internal=True)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
 

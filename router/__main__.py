@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from protos.kvserve.v1 import decode_pb2_grpc
 from router.router import DECODE_SERVICE, POLICIES, Router
@@ -46,9 +47,24 @@ def parser() -> argparse.ArgumentParser:
                         "more sequences than another by more than the blocks it would save / this (default "
                         "%(default)s: 512 tokens at 16 per block)")
     p.add_argument("--token", default=None,
-                   help=f"bearer token for the router's own calls to replicas that require one (their load and "
-                        f"events); requests pass on their callers' tokens (default ${TOKEN_ENV})")
+                   help=f"the router's service token, for its own calls to the replicas' internal API (their "
+                        f"load, events and prompts' hashes), which decode lists in --service-tokens; requests "
+                        f"pass on their callers' tokens (default ${TOKEN_ENV})")
+    p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                   help="read the service token from FILE instead (`kvserve credentials` writes auth/router.token)")
     return p
+
+
+def service_token(args: argparse.Namespace) -> str:
+    """--token, else the first line of --token-file, else $KVSERVE_TOKEN ('' for none)."""
+    if args.token is not None and args.token_file is not None:
+        raise ValueError("give --token or --token-file, not both")
+    if args.token_file is not None:
+        try:
+            return args.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--token-file {args.token_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    return args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(parser(), argv, "router")
     configure_logging("router", args.log_level)
     tls = tls_from_args(args, "router")
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    try:
+        token = service_token(args)
+    except ValueError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
     server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
                     require_client_cert=False)  # the front door, as decode's
     try:

@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 
 TOKENS_ENV = "KVSERVE_AUTH_TOKENS"
 SECRET_ENV = "KVSERVE_AUTH_SECRET_FILE"
+SERVICE_TOKENS_ENV = "KVSERVE_SERVICE_TOKENS"
+# Internal APIs on the front door's port: only a service's token (--service-tokens) is answered, never a tenant's.
+INTERNAL_METHOD_PREFIXES = ("/kvserve.v1.DecodeReplica/",)
+# On an internal call made for a tenant (the router asking for a prompt's hashes in the caller's namespace),
+# the tenant's own "Bearer <token>", as the caller sent it.
+ON_BEHALF_OF = "kvserve-on-behalf-of"
 HOW_TO_AUTHENTICATE = "send metadata authorization: Bearer <token>; tokens are issued with `kvserve token`"
 # Services a balancer or an operator reaches without a token.
 OPEN_METHOD_PREFIXES = (
@@ -173,12 +179,12 @@ class TenantSalts:
 class Authenticator:
     """The tokens file's current table; `reload` re-reads it, keeping the old table when it fails."""
 
-    def __init__(self, tokens_path: Path, table: TokenTable | None = None) -> None:
+    def __init__(self, tokens_path: Path, table: TokenTable | None = None, what: str = "tenants") -> None:
         self.tokens_path = tokens_path
         self._table = table if table is not None else load_tokens(tokens_path)
         self._reload_lock = threading.Lock()
         if not self._table.entries:
-            log.warning("the tokens file %s lists no token: every request is refused", tokens_path)
+            log.warning("the tokens file %s lists no token: every request of %s is refused", tokens_path, what)
 
     @property
     def table(self) -> TokenTable:
@@ -200,40 +206,17 @@ class Authenticator:
         log.info("reloaded %s: %d token(s) of %d tenant(s)", self.tokens_path, len(table.entries), len(table.tenants))
         return True
 
-    def reload_on_sighup(self) -> None:
-        """Re-reads the tokens file on SIGHUP. Call from the main thread; the file is read on a thread
-        of its own, not in the handler (which interrupts whatever the main thread runs)."""
 
-        def handle(_signum: int, _frame: Any) -> None:
-            threading.Thread(target=self.reload, name="auth-reload", daemon=True).start()
-
-        signal.signal(signal.SIGHUP, handle)
-
-
-def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
-    for key, value in metadata or ():
-        if key.lower() != "authorization":
+def _bearer_token(metadata: Sequence[tuple[str, Any]] | None, key: str = "authorization") -> str | None:
+    """The token of the first `key` entry ('' when it is not 'Bearer <token>'), None when there is none."""
+    for name, value in metadata or ():
+        if name.lower() != key:
             continue
         text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
         scheme, _, token = text.strip().partition(" ")
         token = token.strip()
         return token if scheme.lower() == "bearer" and token else ""
     return None
-
-
-def _refusal(message: str) -> Callable[[Any, grpc.ServicerContext], Any]:
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    return refuse
-
-
-def _refusal_stream(message: str) -> Callable[[Any, grpc.ServicerContext], Any]:
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # a generator, as the streaming handler it stands in for
-
-    return refuse
 
 
 def _as_tenant(fn: Callable[..., Any], tenant: str, *, streaming: bool) -> Callable[..., Any]:
@@ -267,35 +250,76 @@ def _as_tenant(fn: Callable[..., Any], tenant: str, *, streaming: bool) -> Calla
     return unary
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED, every RPC but health and reflection that lacks a valid
-    ``authorization: Bearer <token>``; runs an accepted one with `current_tenant()` set."""
+def _refused(handler: Any, kind: str, code: grpc.StatusCode, message: str) -> Any:
+    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
 
-    def __init__(self, authenticator: Authenticator) -> None:
-        self.authenticator = authenticator
+    def refuse_stream(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+        yield  # a generator, as the streaming handler it stands in for
+
+    return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
+
+
+def _token_problem(token: str | None, what: str) -> str:
+    if token is None:
+        return f"this service requires {what}"
+    if not token:
+        return "the authorization metadata is not 'Bearer <token>'"
+    return "the bearer token is not valid (unknown or revoked)"
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Bearer tokens at the front door. Health and reflection are open. The internal APIs
+    (`INTERNAL_METHOD_PREFIXES`) answer only a token from the services' table, and a tenant's token gets
+    PERMISSION_DENIED; a call a service makes for a tenant names the tenant's token in `ON_BEHALF_OF`. Every
+    other RPC needs a tenant's token when `tenants` is set (open otherwise). An accepted RPC runs with
+    `current_tenant()` set."""
+
+    def __init__(self, tenants: Authenticator | None, services: Authenticator | None = None) -> None:
+        self.authenticator = tenants
+        self.services = services
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         method = handler_call_details.method or ""
         if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
             return handler
-        token = _bearer_token(handler_call_details.invocation_metadata)
-        tenant = self.authenticator.tenant_of(token) if token else None
+        metadata = handler_call_details.invocation_metadata
+        token = _bearer_token(metadata)
         kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
         kind = next(k for k in kinds if getattr(handler, k) is not None)
-        streaming = kind.endswith("_stream")
+        tenant: str | None = None
+        if method.startswith(INTERNAL_METHOD_PREFIXES):
+            service = self.services.tenant_of(token) if self.services is not None and token else None
+            if service is None:
+                if token and self.authenticator is not None and self.authenticator.tenant_of(token) is not None:
+                    log.warning("refused %s to a tenant's token: internal API", method)
+                    return _refused(handler, kind, grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{method} is internal: it answers only kvserve's own services (a token from "
+                                    "decode's --service-tokens, e.g. the router's), never a tenant's token")
+                problem = _token_problem(token, "a service's bearer token")
+                log.info("refused %s: %s", method, problem)
+                return _refused(handler, kind, grpc.StatusCode.UNAUTHENTICATED,
+                                f"{problem}: {method} is internal; services present a token from decode's "
+                                "--service-tokens file (`kvserve credentials` makes the router's)")
+            on_behalf = _bearer_token(metadata, key=ON_BEHALF_OF)
+            if on_behalf is not None and self.authenticator is not None:
+                tenant = self.authenticator.tenant_of(on_behalf) if on_behalf else None
+                if tenant is None:
+                    return _refused(handler, kind, grpc.StatusCode.UNAUTHENTICATED,
+                                    f"{_token_problem(on_behalf, 'a bearer token')} (the caller's, in "
+                                    f"{ON_BEHALF_OF}): {HOW_TO_AUTHENTICATE}")
+        elif self.authenticator is not None:
+            tenant = self.authenticator.tenant_of(token) if token else None
+            if tenant is None:
+                problem = _token_problem(token, "a bearer token")
+                log.info("refused %s: %s", method, problem)
+                return _refused(handler, kind, grpc.StatusCode.UNAUTHENTICATED, f"{problem}: {HOW_TO_AUTHENTICATE}")
         if tenant is None:
-            if token is None:
-                problem = "this service requires a bearer token"
-            elif not token:
-                problem = "the authorization metadata is not 'Bearer <token>'"
-            else:
-                problem = "the bearer token is not valid (unknown or revoked)"
-            log.info("refused %s: %s", method, problem)
-            message = f"{problem}: {HOW_TO_AUTHENTICATE}"
-            refuse = _refusal_stream(message) if streaming else _refusal(message)
-            return handler._replace(**{kind: refuse})
-        return handler._replace(**{kind: _as_tenant(getattr(handler, kind), tenant, streaming=streaming)})
+            return handler
+        return handler._replace(**{kind: _as_tenant(getattr(handler, kind), tenant,
+                                                    streaming=kind.endswith("_stream"))})
 
 
 # --- the decode service's flags -----------------------------------------------------------------
@@ -311,17 +335,38 @@ def add_auth_flags(p: argparse.ArgumentParser) -> None:
                    help="server secret that keys each tenant's cache namespace, the same on every decode replica "
                         f"(default: ${SECRET_ENV}, else the tokens file's name plus .secret, which `kvserve token` "
                         "creates)")
+    p.add_argument("--service-tokens", type=Path, default=os.environ.get(SERVICE_TOKENS_ENV) or None, metavar="FILE",
+                   help="tokens of kvserve's own services (the router), in the tokens file's format ('NAME "
+                        "SHA256_HEX'): only these may call the internal API, DecodeReplica; a tenant's token gets "
+                        f"PERMISSION_DENIED (default: ${SERVICE_TOKENS_ENV}; without it and without --auth-tokens, "
+                        "the internal API is open)")
 
 
 @dataclass(frozen=True, slots=True)
 class Auth:
-    """What a front door with auth on needs: the interceptor and the tenants' salts."""
+    """What a front door with auth on needs: the tenants' tokens and salts (None: Generate is open to
+    anyone) and the services' tokens (None: the internal APIs answer no one), and the interceptor."""
 
-    authenticator: Authenticator
-    salts: TenantSalts
+    authenticator: Authenticator | None
+    salts: TenantSalts | None
+    services: Authenticator | None = None
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
-        return [AuthInterceptor(self.authenticator)]
+        return [AuthInterceptor(self.authenticator, self.services)]
+
+    def reload_on_sighup(self) -> None:
+        """Re-reads both tokens files on SIGHUP. Call from the main thread; the files are read on a thread
+        of their own, not in the handler (which interrupts whatever the main thread runs)."""
+        tables = [a for a in (self.authenticator, self.services) if a is not None]
+
+        def reload() -> None:
+            for table in tables:
+                table.reload()
+
+        def handle(_signum: int, _frame: Any) -> None:
+            threading.Thread(target=reload, name="auth-reload", daemon=True).start()
+
+        signal.signal(signal.SIGHUP, handle)
 
 
 def auth_from_args(args: argparse.Namespace, service: str) -> Auth | None:
@@ -329,23 +374,34 @@ def auth_from_args(args: argparse.Namespace, service: str) -> Auth | None:
     when a file is missing or wrong."""
     tokens: Path | None = args.auth_tokens
     secret_path: Path | None = args.auth_secret_file
-    if tokens is None:
-        if secret_path is not None:
-            raise AuthConfigError("--auth-secret-file is given without --auth-tokens: give both to turn auth on")
-        log.warning("auth is off: anyone who reaches the %s service is served and chooses its own cache_salt "
-                    "(turn it on with --auth-tokens FILE; see `kvserve token --help`)", service)
+    services_path: Path | None = args.service_tokens
+    if tokens is None and secret_path is not None:
+        raise AuthConfigError("--auth-secret-file is given without --auth-tokens: give both to turn auth on")
+    if tokens is None and services_path is None:
+        log.warning("auth is off: anyone who reaches the %s service is served, chooses its own cache_salt, and may "
+                    "call its internal API (DecodeReplica: the pool's block hashes, its load); turn it on with "
+                    "--auth-tokens FILE and --service-tokens FILE (`kvserve credentials --help`)", service)
         return None
-    authenticator = Authenticator(tokens)
-    salts = TenantSalts(load_secret(secret_path or default_secret_path(tokens)))
-    log.info("auth is on: %d token(s) of %d tenant(s) from %s", len(authenticator.table.entries),
-             len(authenticator.table.tenants), tokens)
-    return Auth(authenticator, salts)
+    authenticator = salts = None
+    if tokens is not None:
+        authenticator = Authenticator(tokens)
+        salts = TenantSalts(load_secret(secret_path or default_secret_path(tokens)))
+        log.info("auth is on: %d token(s) of %d tenant(s) from %s", len(authenticator.table.entries),
+                 len(authenticator.table.tenants), tokens)
+    else:
+        log.warning("no --auth-tokens: anyone who reaches the %s service is served and chooses its own "
+                    "cache_salt", service)
+    services = Authenticator(services_path, what="services") if services_path is not None else None
+    if services is None:
+        log.info("no --service-tokens: the internal API (DecodeReplica) answers no one, so no router can place "
+                 "requests by prefix on this replica")
+    return Auth(authenticator, salts, services)
 
 
 # --- `kvserve token` ----------------------------------------------------------------------------
 
 
-def _write_new_file(path: Path, text: str) -> bool:
+def write_new_file(path: Path, text: str) -> bool:
     """Creates `path` (mode 0600) holding `text`; False when it already exists."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -405,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_tenant_id(args.tenant)
         if tokens_path.exists():
             load_tokens(tokens_path)  # a broken file is refused before anything is written
-        if _write_new_file(secret_path, secrets.token_hex(32) + "\n"):
+        if write_new_file(secret_path, secrets.token_hex(32) + "\n"):
             print(f"kvserve token: created the server secret {secret_path}", file=sys.stderr)
         token = add_token(tokens_path, args.tenant)
     except (AuthConfigError, OSError) as exc:

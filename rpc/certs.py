@@ -26,7 +26,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSError, read_certificate, read_private_key
 
-DEFAULT_NAMES = ("kvstore", "prefill", "decode", "client")
+DEFAULT_NAMES = ("kvstore", "prefill", "decode", "router")
+# The master client certificate: the store and prefill accept it like a service's, so it reads and writes every
+# tenant's blocks. `kvserve credentials` keeps it in a folder of its own (client/local.py).
+ADMIN = "admin"
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 CA_FILE, CA_KEY_FILE = "ca.pem", "ca-key.pem"
 CA_MIN_DAYS = 3650
@@ -42,7 +45,7 @@ def _service_name(text: str) -> str:
     return text
 
 
-def _host(text: str) -> str:
+def host_arg(text: str) -> str:
     try:
         return str(ipaddress.ip_address(text.strip("[]")))
     except ValueError:
@@ -152,9 +155,10 @@ def parser() -> argparse.ArgumentParser:
                     "over, remove DIR. Existing certificates are not replaced without --force.")
     p.add_argument("dir", type=Path, help="folder to write into (made if missing)")
     p.add_argument("--name", action="append", type=_service_name, default=None,
-                   help=f"a service to make a certificate for; repeatable (default: {' '.join(DEFAULT_NAMES)}; "
-                        "'client' is for tools and tests that call the store or prefill)")
-    p.add_argument("--san", action="append", type=_host, default=[], metavar="HOST",
+                   help=f"a service to make a certificate for; repeatable (default: {' '.join(DEFAULT_NAMES)}). "
+                        f"'{ADMIN}' (or any name that no service runs as) is a tool's: with it, a caller reads and "
+                        "writes every tenant's blocks in the store, so keep it where only operators can read it")
+    p.add_argument("--san", action="append", type=host_arg, default=[], metavar="HOST",
                    help="another host name or IP address the services are reached by; repeatable")
     p.add_argument("--days", type=int, default=365, help="days the service certificates are valid (default %(default)s; "
                    f"a new CA gets at least {CA_MIN_DAYS})")
@@ -174,15 +178,18 @@ class Certs:
 
 
 def make_certs(directory: Path, names: Sequence[str] = DEFAULT_NAMES, hosts: Sequence[str] = (), *, days: int = 365,
-               force: bool = False, keep_existing: bool = False) -> Certs:
-    """What `kvserve certs` does: a CA in `directory` unless one is there, and a certificate per name for
-    the name, localhost, 127.0.0.1, ::1 and `hosts`. Names that already have files raise TLSError,
-    unless `force` (replaced) or `keep_existing` (left as they are: `kvserve up --tls` on every start)."""
+               force: bool = False, keep_existing: bool = False, ca_dir: Path | None = None) -> Certs:
+    """What `kvserve certs` does: a CA in `ca_dir` (default `directory`) unless one is there, and a
+    certificate per name in `directory` for the name, localhost, 127.0.0.1, ::1 and `hosts`. Names that
+    already have files raise TLSError, unless `force` (replaced) or `keep_existing` (left as they are:
+    `kvserve up` on every start)."""
     if days < 1:
         raise TLSError(f"certificates must be valid for at least a day, not {days}")
-    if directory.exists() and not directory.is_dir():
-        raise TLSError(f"{directory} is not a folder")
-    ca = _load_ca(directory)
+    ca_dir = directory if ca_dir is None else ca_dir
+    for d in {directory, ca_dir}:
+        if d.exists() and not d.is_dir():
+            raise TLSError(f"{d} is not a folder")
+    ca = _load_ca(ca_dir)
     taken = [n for n in names if (directory / f"{n}.pem").exists() or (directory / f"{n}-key.pem").exists()]
     if keep_existing:
         names = [n for n in names if not ((directory / f"{n}.pem").exists() and (directory / f"{n}-key.pem").exists())]
@@ -190,12 +197,13 @@ def make_certs(directory: Path, names: Sequence[str] = DEFAULT_NAMES, hosts: Seq
         raise TLSError(f"{directory} already holds certificates for {', '.join(taken)}: pass --force to "
                        "replace them (the CA is kept), or give other --name")
     directory.mkdir(parents=True, exist_ok=True)
+    ca_dir.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     new_ca = ca is None
     if ca is None:
         ca = make_ca(max(days, CA_MIN_DAYS), now)
-        _write(directory / CA_KEY_FILE, _key_pem(ca[1]), 0o600)
-        _write(directory / CA_FILE, _cert_pem(ca[0]), 0o644)
+        _write(ca_dir / CA_KEY_FILE, _key_pem(ca[1]), 0o600)
+        _write(ca_dir / CA_FILE, _cert_pem(ca[0]), 0o644)
     written = {}
     for name in names:
         cert, key = issue(name, list(dict.fromkeys([name, *LOCAL_HOSTS, *hosts])), ca[0], ca[1], days, now)
@@ -247,12 +255,14 @@ def _report(certs: Certs, as_json: bool) -> None:
     print("\nStart each service with its own certificate and the CA (or set "
           f"{ENV_CERT}, {ENV_KEY}, {ENV_CA}):")
     for name in written:
-        if name in ("kvstore", "prefill", "decode"):
+        if name in DEFAULT_NAMES:
             print(f"  kvserve {name} {' '.join(flags(directory, name))} ...")
     print("The store and prefill then accept only callers with a certificate from this CA; the front door "
           f"(decode) serves TLS to any caller: give clients {directory / CA_FILE} to check it.")
-    if "client" in written:
-        print(f"Tools and tests that call the store or prefill directly present {directory / 'client.pem'}.")
+    tools = [name for name in written if name not in DEFAULT_NAMES]
+    for name in tools:
+        print(f"{directory / f'{name}.pem'} is a tool's certificate: the store accepts it like a service's, so "
+              "whoever holds it (and its key) reads and writes every tenant's blocks; keep it with the operators.")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: in
         p.add_argument("--max-workers", type=int, default=max_workers,
                        help="gRPC worker threads, i.e. concurrent requests (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
-    tls = p.add_argument_group("TLS", "mTLS between the services; `kvserve certs DIR` makes the files")
+    tls = p.add_argument_group("TLS", "mTLS between the services, required unless --insecure; `kvserve credentials "
+                                      "DIR` makes the files (`kvserve up` does on its first start)")
     tls.add_argument("--tls-cert", default=os.environ.get(ENV_CERT) or None, metavar="PEM",
                      help=f"this service's certificate: served to its callers and presented to the services it "
                           f"calls (env {ENV_CERT})")
@@ -102,20 +103,35 @@ def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: in
                      help=f"the CA that signs the services' certificates: the services this one calls are checked "
                           f"against it, and the store and prefill accept only callers with a certificate it "
                           f"signed (env {ENV_CA})")
+    tls.add_argument("--insecure", action="store_true",
+                     help="serve plaintext gRPC with no TLS: anyone who reaches the port can call it (and read or "
+                          "write the store's blocks). Only for a port nobody else can reach; logged as a warning")
 
 
 def tls_from_args(args: argparse.Namespace, service: str) -> TLSConfig | None:
-    """The service's TLS settings from --tls-cert, --tls-key, --tls-ca (None: plaintext). A certificate
-    comes with its key, and a CA needs both (a server serves TLS with its own certificate); a bad
-    setting or file is one line on stderr and exit code 2, as a bad flag is."""
-    if args.tls_cert is None and args.tls_key is None and args.tls_ca is None:
-        return None
+    """The service's TLS settings from --tls-cert, --tls-key, --tls-ca; None (plaintext) only with --insecure,
+    which is logged as a warning. A certificate comes with its key, and a CA needs both (a server serves TLS
+    with its own certificate); a missing or bad setting is one line on stderr and exit code 2, as a bad flag is."""
+    given = any(v is not None for v in (args.tls_cert, args.tls_key, args.tls_ca))
     try:
-        given, missing = (("--tls-ca", "--tls-cert and --tls-key") if args.tls_cert is None and args.tls_key is None
-                          else ("--tls-key", "--tls-cert") if args.tls_cert is None
-                          else ("--tls-cert", "--tls-key") if args.tls_key is None else ("", ""))
+        if getattr(args, "insecure", False):
+            if given:
+                raise TLSError("--insecure serves plaintext: drop it, or drop --tls-cert/--tls-key/--tls-ca "
+                               f"(or ${ENV_CERT}, ${ENV_KEY}, ${ENV_CA})")
+            logging.getLogger("rpc.cli").warning(
+                "--insecure: serving plaintext gRPC with no TLS; anyone who reaches %s can call %s", args.listen,
+                service)
+            return None
+        if not given:
+            raise TLSError("serves TLS unless told otherwise: give --tls-cert, --tls-key and --tls-ca (`kvserve "
+                           "credentials DIR` makes them; `kvserve up` does it for you), or --insecure for plaintext "
+                           "on a port nobody else can reach")
+        missing = ("--tls-cert and --tls-key" if args.tls_cert is None and args.tls_key is None
+                   else "--tls-cert" if args.tls_cert is None else "--tls-key" if args.tls_key is None else "")
         if missing:
-            raise TLSError(f"{given} needs {missing}: a service serves TLS with its own certificate and key, "
+            given_flag = "--tls-ca" if missing == "--tls-cert and --tls-key" else \
+                "--tls-key" if args.tls_cert is None else "--tls-cert"
+            raise TLSError(f"{given_flag} needs {missing}: a service serves TLS with its own certificate and key, "
                            f"which it also presents to the services it calls (`kvserve certs DIR` makes them)")
         return TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
     except TLSError as exc:

@@ -123,6 +123,28 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return handler
 
 
+def listen_host(listen: str) -> str:
+    """The host of a HOST:PORT listen address ("" for all interfaces), without IPv6 brackets."""
+    host = listen.rpartition(":")[0].strip("[]")
+    return "" if host in ("0.0.0.0", "::", "*") else host
+
+
+def start_metrics_server(port: int, host: str, registry: CollectorRegistry, tls: TLSConfig | None) -> Any:
+    """Prometheus's page on `host` (the gRPC server's: a service on loopback keeps its metrics there). Under
+    TLS it is HTTPS with the service's certificate, and a scraper must present a certificate from the CA, as
+    the internal gRPC servers ask: the page names block counts, tenants' load and timings, and a scraper
+    (Prometheus's tls_config, `kvserve stats`) can present one."""
+    if tls is None:
+        server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
+        return server
+    cert, key, ca = tls.paths
+    if cert is None or key is None or ca is None:
+        raise OSError("metrics under TLS need the service's certificate, key and CA as files")
+    server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry, certfile=cert, keyfile=key,
+                                  client_cafile=ca, client_auth_required=True)
+    return server
+
+
 class Server:
     """A gRPC server with health, reflection, error mapping and optional Prometheus metrics.
 
@@ -158,23 +180,30 @@ class Server:
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self._reflected = list(self._service_names)
         self.port = 0
         self.bound_metrics_port: int | None = None
         self._metrics_server: Any = None
 
-    def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, service_name: str) -> None:
+    def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, service_name: str, *,
+            internal: bool = False) -> None:
+        """Registers a servicer; an `internal` one (answering only other services) is left out of reflection,
+        which lists the public API."""
         register(servicer, self._server)
         self._service_names.append(service_name)
+        if not internal:
+            self._reflected.append(service_name)
 
     def start(self) -> int:
         """Binds and serves; OSError with the address when a port is taken or invalid."""
         if self.metrics_port is not None:
             try:
-                self._metrics_server, _ = start_http_server(self.metrics_port, registry=self.registry)
+                self._metrics_server, _ = start_metrics_server(self.metrics_port, listen_host(self.listen),
+                                                               self.registry, self.tls)
             except OSError as exc:
                 raise OSError(f"cannot serve metrics on port {self.metrics_port}: {exc.strerror or exc}") from None
             self.bound_metrics_port = self._metrics_server.server_port
-        reflection.enable_server_reflection(self._service_names, self._server)
+        reflection.enable_server_reflection(self._reflected, self._server)
         try:
             if self.tls is None:
                 self.port = self._server.add_insecure_port(self.listen)
@@ -190,7 +219,10 @@ class Server:
         self._server.start()
         for name in ["", *self._service_names]:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("listening on port %d (metrics: %s); %s", self.port, self.bound_metrics_port,
+        metrics = "" if self.bound_metrics_port is None else (
+            f" (metrics on port {self.bound_metrics_port}, " + ("HTTP)" if self.tls is None else
+                                                              "HTTPS, for callers with a certificate from the CA)"))
+        log.info("listening on port %d%s; %s", self.port, metrics,
                  describe(self.tls, require_client_cert=self.require_client_cert))
         return self.port
 

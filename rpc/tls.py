@@ -46,6 +46,7 @@ class TLSConfig:
     key: bytes | None = None
     ca: bytes | None = None
     source: str = ""  # the files, for log lines
+    paths: tuple[str | None, str | None, str | None] = (None, None, None)  # cert, key, CA: for the metrics server
 
     @classmethod
     def load(cls, cert: str | Path | None = None, key: str | Path | None = None,
@@ -62,7 +63,8 @@ class TLSConfig:
         if ca is not None:
             ca_pem, _ = read_certificate(Path(ca), "TLS CA (--tls-ca)")
         source = ", ".join(f"{what} {path}" for what, path in (("cert", cert), ("CA", ca)) if path is not None)
-        return cls(cert_pem, key_pem, ca_pem, source)
+        return cls(cert_pem, key_pem, ca_pem, source,
+                   tuple(None if p is None else str(p) for p in (cert, key, ca)))  # type: ignore[arg-type]
 
     @property
     def has_identity(self) -> bool:

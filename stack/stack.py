@@ -21,6 +21,9 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.local import Layout
+from stack.credentials import ensure as ensure_credentials
+
 START_TIMEOUT_S = 120.0
 
 
@@ -98,12 +101,6 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
         elif arg.startswith(flag + "="):
             value = arg[len(flag) + 1:]
     return value
-
-
-def tls_flags(tls_dir: Path, name: str) -> list[str]:
-    """The flags that serve `name` with its certificate from `kvserve certs` in `tls_dir`."""
-    return ["--tls-cert", str(tls_dir / f"{name}.pem"), "--tls-key", str(tls_dir / f"{name}-key.pem"),
-            "--tls-ca", str(tls_dir / "ca.pem")]
 
 
 def health_credentials(args: Sequence[str]) -> grpc.ChannelCredentials | None:
@@ -379,9 +376,11 @@ class StackConfig:
     # extra_prefill_args=["--kvstore", ADDR] points prefill at another store.
     extra_prefill_args: list[str] = field(default_factory=list)
     extra_decode_args: list[str] = field(default_factory=list)
-    # Certificates from `kvserve certs` (ca.pem, kvstore.pem, prefill.pem, decode.pem and their keys):
-    # mTLS between the services, TLS at the front door.
-    tls_dir: Path | None = None
+    # Secure by default: mTLS between the services, TLS and tokens at the front door, a MAC on the store's
+    # records, with the credentials in this folder (client/local.py; None: data_dir), made on the first start.
+    # `insecure` serves plaintext with no tokens instead, and says so in each service's log.
+    credentials: Path | None = None
+    insecure: bool = False
     # The cores prefill and decode split between them (`thread_budgets`); None: those this process may use.
     cores: int | None = None
 
@@ -399,8 +398,22 @@ class Stack:
         base = self.config.metrics_base_port
         return [] if base is None else ["--metrics-port", str(base + offset)]
 
-    def _tls(self, name: str) -> list[str]:
-        return [] if self.config.tls_dir is None else tls_flags(self.config.tls_dir, name)
+    @property
+    def layout(self) -> Layout | None:
+        """Where the stack's credentials are; None when it serves plaintext."""
+        c = self.config
+        return None if c.insecure else Layout(c.credentials or c.data_dir)
+
+    def _secure(self, name: str) -> list[str]:
+        """The flags that make service `name` secure: its certificate, and the store's record key or decode's
+        tokens; --insecure when the stack is not."""
+        layout = self.layout
+        if layout is None:
+            return ["--insecure"]
+        own = {"kvstore": ["--record-key-file", str(layout.record_key)],
+               "decode": ["--auth-tokens", str(layout.tokens), "--auth-secret-file", str(layout.tokens_secret),
+                          "--service-tokens", str(layout.service_tokens)]}
+        return [*layout.tls_flags(name), *own.get(name, [])]
 
     def _log(self, name: str) -> Path | None:
         if self.log_dir is None:
@@ -437,26 +450,31 @@ class Stack:
         return ServiceSpec("kvstore", "kvstore", (
             "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
             "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
-            *self._metrics(2), *self._tls("kvstore"), *c.extra_store_args,
+            *self._metrics(2), *self._secure("kvstore"), *c.extra_store_args,
         ), self._log("kvstore"), connect_host(c.host))
 
     def prefill_spec(self, store_addr: str) -> ServiceSpec:
         c = self.config
         return ServiceSpec("prefill", "prefill_service", (
             *self._common(store_addr), "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1),
-            *self._threads("prefill"), *self._tls("prefill"), *c.extra_prefill_args,
+            *self._threads("prefill"), *self._secure("prefill"), *c.extra_prefill_args,
         ), self._log("prefill"), connect_host(c.host))
 
     def decode_spec(self, store_addr: str, prefill_addr: str) -> ServiceSpec:
         c = self.config
         return ServiceSpec("decode", "decode_service", (
             *self._common(store_addr), "--prefill", prefill_addr, "--listen", f"{c.host}:{c.decode_port}",
-            *self._metrics(0), *self._threads("decode"), *self._tls("decode"), *c.extra_decode_args,
+            *self._metrics(0), *self._threads("decode"), *self._secure("decode"), *c.extra_decode_args,
         ), self._log("decode"), connect_host(c.host))
 
     def _common(self, store_addr: str) -> tuple[str, ...]:
         c = self.config
         return "--model", str(c.model_dir), "--kvstore", store_addr, "--block-size", str(c.block_size)
+
+    def hosts(self) -> list[str]:
+        """The host the services' certificates must name besides localhost: the one they listen on."""
+        host = self.config.host.strip("[]")
+        return [] if host in ("", "0.0.0.0", "::", "127.0.0.1", "::1", "localhost") else [host]
 
     def check(self) -> None:
         """Raises StackError, before anything starts, when the model folder is missing or a port
@@ -478,6 +496,11 @@ class Stack:
     def start(self) -> Stack:
         try:
             self.check()
+            if self.layout is not None:
+                try:
+                    ensure_credentials(self.layout.root, self.hosts())
+                except (ValueError, OSError) as exc:  # TLSError, AuthConfigError: a half CA, a broken file
+                    raise StackError(f"the credentials in {self.layout.root} cannot be used: {exc}") from None
             store = self.add(self.store_spec())
             prefill = self.add(self.prefill_spec(store.addr))
             self.add(self.decode_spec(store.addr, prefill.addr))

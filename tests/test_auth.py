@@ -186,7 +186,7 @@ def test_auth_flags_need_the_secret_and_say_when_auth_is_off(
         auth_from_args(_flags("--auth-tokens", str(tokens_file), "--auth-secret-file", str(tmp_path / "short")), "x")
     with caplog.at_level(logging.WARNING, "rpc.auth"):
         assert auth_from_args(_flags(), "decode") is None
-    assert "auth is off: anyone who reaches the decode service is served and chooses its own cache_salt" in caplog.text
+    assert "auth is off: anyone who reaches the decode service is served, chooses its own cache_salt" in caplog.text
     secret = tmp_path / "secret"
     secret.write_text("k" * 40)
     auth = auth_from_args(_flags("--auth-tokens", str(tokens_file), "--auth-secret-file", str(secret)), "decode")

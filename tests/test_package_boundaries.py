@@ -31,7 +31,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "decode_service": {"protos", "rpc", "engine", "kvstore", "handoff", "prefill_service"},
     "router": {"protos", "rpc"},  # it holds no model
     "client": {"protos"},  # the library: Client, the metrics page reader (the rest of client/ are entry points)
-    "stack": set(),  # it starts the services as `python -m` processes
+    "stack": {"rpc", "client"},  # it starts the services as `python -m` processes, with credentials it makes
     "bench": set(LAYERS[:-1]),
 }
 # Besides every __main__.py: the `kvserve` command, `make demo`, `kvserve health` and the pytest plugin.

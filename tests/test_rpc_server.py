@@ -45,7 +45,7 @@ def test_a_taken_metrics_port_is_refused_before_serving() -> None:
 @pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
 def test_a_missing_model_is_one_line_and_exit_2(module: str, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", module, "--model", str(tmp_path / "nothing"), "--listen",
-                           "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
+                           "127.0.0.1:0", "--insecure"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "no model at" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -27,7 +27,7 @@ from rpc.server import Server
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
 from stack.stack import Service, start_service, stop_service
 
-NAMES = ("kvstore", "prefill", "decode", "client")
+NAMES = ("kvstore", "prefill", "decode", "router")
 KEY = BlockHash(b"k" * 32)
 
 
@@ -43,6 +43,7 @@ def _hosts(cert: x509.Certificate) -> set[str]:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("certs")
     assert kvserve(["certs", str(d), "--san", "kv.example", "--san", "10.0.0.7"]) == 0
+    assert kvserve(["certs", str(d), "--name", "client"]) == 0  # a tool's certificate, as `admin` is
     return d
 
 
@@ -78,7 +79,7 @@ def test_certs_make_a_chain_every_service_can_serve_and_present(certs: Path) -> 
         assert stat.S_IMODE((certs / f"{name}-key.pem").stat().st_mode) == 0o600
         TLSConfig.load(certs / f"{name}.pem", certs / f"{name}-key.pem", certs / "ca.pem")  # the key is the cert's
     assert sorted(p.name for p in certs.iterdir()) == sorted(
-        ["ca.pem", "ca-key.pem", *(f"{n}{suffix}.pem" for n in NAMES for suffix in ("", "-key"))])
+        ["ca.pem", "ca-key.pem", *(f"{n}{suffix}.pem" for n in (*NAMES, "client") for suffix in ("", "-key"))])
 
 
 def test_certs_print_the_flags_to_start_each_service(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,7 +112,7 @@ def test_certs_keep_the_ca_and_refuse_to_overwrite_without_force(
     assert (tmp_path / "kvstore.pem").read_bytes() != store
 
     store = (tmp_path / "kvstore.pem").read_bytes()  # what `kvserve up --tls` calls on every start
-    assert set(make_certs(tmp_path, keep_existing=True).written) == {"prefill", "decode", "client"}
+    assert set(make_certs(tmp_path, keep_existing=True).written) == {"prefill", "decode"}
     assert (tmp_path / "kvstore.pem").read_bytes() == store and (tmp_path / "ca.pem").read_bytes() == ca
     assert make_certs(tmp_path, keep_existing=True).written == {}
 
@@ -150,8 +151,9 @@ def test_the_flags_take_the_environment_and_refuse_half_settings(
 
     for var in (ENV_CERT, ENV_KEY, ENV_CA):
         monkeypatch.delenv(var, raising=False)
-    assert tls_from_args(parser().parse_args([]), "kvstore") is None
-    for argv, problem in [(["--tls-cert", str(certs / "kvstore.pem")], "kvstore: --tls-cert needs --tls-key"),
+    assert tls_from_args(parser().parse_args(["--insecure"]), "kvstore") is None
+    for argv, problem in [([], "kvstore: serves TLS unless told otherwise"),
+                          (["--insecure", "--tls-ca", str(certs / "ca.pem")], "kvstore: --insecure serves plaintext"),(["--tls-cert", str(certs / "kvstore.pem")], "kvstore: --tls-cert needs --tls-key"),
                           (["--tls-ca", str(certs / "ca.pem")], "kvstore: --tls-ca needs --tls-cert and --tls-key"),
                           (["--tls-cert", str(certs / "kvstore.pem"), "--tls-key", str(certs / "gone.pem")],
                            f"kvstore: TLS private key (--tls-key) {certs / 'gone.pem'}: no such file")]:
