@@ -5,12 +5,19 @@ processes), and the helpers of each part in `tests/*_fixtures.py`, `tests/fake_d
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.redis_fixtures import RedisServer
+
+# Where a `kvserve up` started by a test names its credentials for local clients (client/local.py): the
+# session's own folder, never the user's ~/.kvserve. Set at import, so that every process the tests start
+# inherits it.
+os.environ["KVSERVE_HOME"] = tempfile.mkdtemp(prefix="kvserve-home-")
 
 
 @pytest.fixture
