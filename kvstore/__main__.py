@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
+from kvstore import record_key
 from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
 from kvstore.leases import MAX_TTL_S
 from kvstore.server import StoreServer
@@ -19,6 +21,8 @@ from rpc.cli import (
     serve,
     tls_from_args,
 )
+
+log = logging.getLogger("kvstore")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,6 +52,15 @@ def parser() -> argparse.ArgumentParser:
                    help="bytes one caller's leases may pin at once; past it a Lookup with a lease is "
                         "RESOURCE_EXHAUSTED. Callers are told apart by certificate with mTLS, else by host "
                         "(default: a quarter of the top tier, at least 64MiB)")
+    p.add_argument("--record-key-file", type=Path, default=None, metavar="FILE",
+                   help="a secret the deployment's stores share (at least 32 hex characters, read once at start; "
+                        "`kvserve up` makes one): every record on disk and in the remote tier carries an HMAC-SHA256 "
+                        "binding it to its block hash, so that a record moved to another key, forged, or written "
+                        "by another deployment is a miss. Without it, records are bound to their keys by checksum "
+                        "only (anyone who can write the disk tier or Redis can forge blocks), and --remote-url "
+                        "needs --insecure")
+    p.add_argument("--no-record-key", action="store_true",
+                   help="ignore --record-key-file (to measure what the MAC costs): records bound by checksum only")
     remote = p.add_argument_group(
         "remote tier", "A Redis or Valkey shared by every node's store, under the local tiers: blocks stored here are "
         "written behind to it (never blocking a Put), and a local miss asks it once before computing. Its errors "
@@ -90,10 +103,28 @@ def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
                         tls_cert=args.remote_tls_cert, tls_key=args.remote_tls_key)
 
 
+def load_record_key(args: argparse.Namespace) -> record_key.RecordKey | None:
+    """The record key --record-key-file names; None (with a warning) without one. ValueError for a file that
+    cannot be used, and for a remote tier without a key unless --insecure."""
+    if args.record_key_file is not None and not args.no_record_key:
+        return record_key.load(args.record_key_file)
+    if args.remote_url is not None and not getattr(args, "insecure", False):
+        raise ValueError("--remote-url needs --record-key-file (whoever can write to Redis could otherwise serve any "
+                         "block to this store), or --insecure to accept that")
+    log.warning("no --record-key-file: store records are bound to their keys by checksum only; whoever can write "
+                "the disk tier%s can forge blocks", " or the remote tier" if args.remote_url else "")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     args = parse_args(parser(), argv, "kvstore")
     configure_logging("kvstore", args.log_level)
+    try:
+        key = load_record_key(args)
+    except ValueError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 2
     tls = tls_from_args(args, "kvstore")
     try:
         config = StoreConfig(
@@ -102,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             shm=args.shm, shm_root=args.shm_root, flush_timeout_s=args.flush_timeout,
             max_block_bytes=args.max_block_bytes, max_lease_ttl_s=args.max_lease_ttl_s,
             max_pinned_bytes_per_caller=args.max_pinned_bytes_per_caller, remote=remote_config(args),
+            record_key=key,
         )
         server = StoreServer(config, args.listen, metrics_port=args.metrics_port, tls=tls)
     except ValueError as exc:

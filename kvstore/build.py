@@ -34,7 +34,7 @@ def build_remote(config: StoreConfig) -> RemoteTier | None:
         return None
     from kvstore.remote_tier import RemoteTier  # redis only when a remote tier is on
 
-    return RemoteTier(config.remote)
+    return RemoteTier(config.remote, record_key=config.record_key)
 
 
 def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
@@ -53,7 +53,8 @@ def build_tiers(config: StoreConfig) -> list[tuple[TierStorage, int]]:
         tiers.append((host, config.host_capacity))
     if config.disk_capacity > 0 and config.disk_path is not None:
         try:
-            tiers.append((DiskTier(config.disk_path, config.disk_capacity), config.disk_capacity))
+            disk = DiskTier(config.disk_path, config.disk_capacity, record_key=config.record_key)
+            tiers.append((disk, config.disk_capacity))
         except (OSError, lmdb.Error) as exc:  # read-only, missing, full: the tier only holds cache
             log.error("disk tier at %s cannot be used (%s): serving from the memory tiers only", config.disk_path, exc)
     if not tiers:

@@ -59,8 +59,9 @@ def _tier_name(value: int) -> str:
 def _remote_stats(r: pb.RemoteStats) -> RemoteStats:
     breaker = pb.RemoteStats.Breaker.Name(r.breaker).removeprefix("BREAKER_").lower()
     return RemoteStats(r.url, breaker, r.hits, r.misses, r.read_errors, r.write_errors, r.checksum_failures,
-                       r.read_bytes, r.written_blocks, r.written_bytes, r.dropped_writes, r.queued_blocks,
-                       r.queued_bytes, Latency(r.read_calls, r.read_seconds), Latency(r.write_calls, r.write_seconds))
+                       r.mac_failures, r.read_bytes, r.written_blocks, r.written_bytes, r.dropped_writes,
+                       r.queued_blocks, r.queued_bytes, Latency(r.read_calls, r.read_seconds),
+                       Latency(r.write_calls, r.write_seconds))
 
 
 class KVStoreClient:
@@ -243,7 +244,7 @@ class KVStoreClient:
         ]
         return StoreStats(tiers, int(r.leases), int(r.pinned_blocks), int(r.checksum_failures),
                           int(r.disk_write_failures), int(r.removed_blocks),
-                          _remote_stats(r.remote) if r.HasField("remote") else None)
+                          _remote_stats(r.remote) if r.HasField("remote") else None, int(r.mac_failures))
 
     # -- extras --------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvstore.leases import MAX_TTL_S
+from kvstore.record_key import RecordKey
 
 _MiB = 1024**2
 _GiB = 1024**3
@@ -59,6 +60,7 @@ class StoreConfig:
     max_lease_ttl_s: float = MAX_TTL_S  # a longer lease gets this much
     max_pinned_bytes_per_caller: int | None = None  # None: a quarter of the top tier, at least build.MIN_PIN_CAP
     remote: RemoteConfig | None = None  # a shared remote tier under the local ones
+    record_key: RecordKey | None = None  # the MAC on the disk and remote tiers' records (None: checksum only)
 
     def __post_init__(self) -> None:
         if self.device not in ("off", "cpu", "cuda"):

@@ -2,8 +2,11 @@
 
 Writes and deletes land in a pending map (the latest op per key, read by `read`) and a writer
 thread commits them in batches, one synced transaction each (group commit). A SIGKILL loses at
-most the pending ops, never the database. Values are `block_format` records (header + payload),
-verified on every read. The map is sized from the capacity with headroom and grown if ever full.
+most the pending ops, never the database. Values are `block_format` records (header + payload), their
+headers made by the writer thread (with a record key, a pass over the payload) and checked at start, where a
+record that is not this store's under its key (moved, forged, another deployment's) or of an older layout is
+deleted; every read verifies the payload too. The map is sized from the capacity with headroom and grown if
+ever full.
 
 A disk that fails at runtime never takes the store down. A write that fails (the disk full or
 read-only, LMDB's map unable to grow, an I/O error) stops the tier taking blocks (`failure`, one log
@@ -30,7 +33,16 @@ from typing import IO, NamedTuple
 
 import lmdb
 
-from kvstore.block_format import HEADER_BYTES, BlockHeader, CorruptBlock, pack_header, unpack_header, verify
+from kvstore.block_format import (
+    HEADER_BYTES,
+    BlockHeader,
+    CorruptBlock,
+    ForeignRecord,
+    pack_header,
+    unpack_header,
+    verify,
+)
+from kvstore.record_key import RecordKey
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, Tier
 from protos.block_hash import HASH_BYTES, BlockHash
@@ -47,10 +59,12 @@ _MAX_PAGE_BYTES = 65536
 
 
 class Record(NamedTuple):
-    """A pending write: the block's header and its payload (bytes nobody changes any more)."""
+    """A pending write: a payload (bytes nobody changes any more) and what its header says."""
 
-    header: bytes
     payload: Buffer
+    checksum: int
+    ephemeral: bool
+    seq: int
 
 
 def _size(record: Record | None) -> int:
@@ -137,8 +151,12 @@ def initial_map_size(capacity_bytes: int) -> int:
 class DiskTier(TierStorage):
     tier = Tier.DISK
 
-    def __init__(self, path: str | Path, capacity_bytes: int, *, max_pending_bytes: int = 64 * _MiB) -> None:
+    def __init__(self, path: str | Path, capacity_bytes: int, *, max_pending_bytes: int = 64 * _MiB,
+                 record_key: RecordKey | None = None) -> None:
+        """`record_key`: the MAC's key (None: records bound to their keys by checksum only)."""
         self.path = Path(path)
+        self.record_key = record_key
+        self.foreign_records = 0  # records found at start that were not this store's under their key (deleted)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_file = self._lock_dir(self.path)
         self._map_size = initial_map_size(capacity_bytes)
@@ -203,8 +221,8 @@ class DiskTier(TierStorage):
     # -- TierStorage ---------------------------------------------------------------------------
 
     def write(self, key: BlockHash, payload: Buffer, checksum: int, *, ephemeral: bool, seq: int) -> None:
-        # No copy here (the store's lock is held): the writer thread joins header and payload.
-        self._enqueue(key, Record(pack_header(len(payload), checksum, ephemeral=ephemeral, seq=seq), payload))
+        # No copy and no MAC here (the store's lock is held): the writer thread makes the record.
+        self._enqueue(key, Record(payload, checksum, ephemeral, seq))
 
     def delete(self, key: BlockHash) -> None:
         self._enqueue(key, TOMBSTONE)
@@ -228,9 +246,9 @@ class DiskTier(TierStorage):
             if value is None:
                 return None
             view = memoryview(value)
-            header = unpack_header(view)
+            header = unpack_header(view, key, self.record_key)
             payload = view[HEADER_BYTES:]
-            verify(header, payload)
+            verify(header, payload, self.record_key)
             return bytes(payload)
 
     def keys(self) -> set[BlockHash]:
@@ -276,21 +294,29 @@ class DiskTier(TierStorage):
     # -- disk-only ------------------------------------------------------------------------------
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockHeader]]:
-        """Every stored block's key and header (payloads are not read); bad records are deleted."""
+        """Every stored block's key and checked header (payloads are not read: each read checks its own); bad
+        records are deleted, and those not this store's under their key counted (`foreign_records`)."""
         bad: list[bytes] = []
+        foreign = 0
         with self._env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
                 k = bytes(key)
                 try:
-                    header = unpack_header(memoryview(value)[:HEADER_BYTES])
-                    if len(k) != HASH_BYTES or len(value) != HEADER_BYTES + header.size:
-                        raise CorruptBlock("bad key or record length")
-                except CorruptBlock:
+                    if len(k) != HASH_BYTES:
+                        raise CorruptBlock("bad key length")
+                    header = unpack_header(memoryview(value)[:HEADER_BYTES], k, self.record_key)
+                    if len(value) != HEADER_BYTES + header.size:
+                        raise CorruptBlock("bad record length")
+                except CorruptBlock as exc:
+                    foreign += isinstance(exc, ForeignRecord)
                     bad.append(k)
                     continue
                 yield BlockHash(k), header
+        self.foreign_records += foreign
         if bad:
-            log.warning("deleting %d unreadable records from %s", len(bad), self.path)
+            log.warning("deleting %d unreadable records from %s: %d not this store's under their keys (moved, forged, "
+                        "or under another record key), %d damaged or of an older layout", len(bad), self.path, foreign,
+                        len(bad) - foreign)
             with self._env.begin(write=True) as txn:
                 for k in bad:
                     txn.delete(k)
@@ -343,14 +369,17 @@ class DiskTier(TierStorage):
         """Writes a batch in one transaction; False when it could not (the tier has failed, and says why)."""
         if self._failure is not None or not self._intact():
             return False
+        values = {key: None if r is None else b"".join((
+            pack_header(key, r.payload, r.checksum, self.record_key, ephemeral=r.ephemeral, seq=r.seq), r.payload))
+            for key, r in batch.items()}  # MACs before the transaction: it stays short
         for _ in range(8):
             try:
                 with self._env_lock.shared(), self._env.begin(write=True) as txn:
-                    for key, record in batch.items():
-                        if record is None:
+                    for key, value in values.items():
+                        if value is None:
                             txn.delete(key)
                         else:
-                            txn.put(key, record.header + record.payload)
+                            txn.put(key, value)
                 self._need = max(self._need, self._required_bytes())
                 return True
             except lmdb.MapFullError:

@@ -23,7 +23,10 @@ _PER_TIER: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, 
 _REMOTE: list[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str]] = [
     (CounterMetricFamily, "hits", "Blocks missing locally that the remote tier had (promoted into the local tiers)"),
     (CounterMetricFamily, "misses", "Blocks missing locally that the remote tier did not give (absent, bad, or an error)"),
-    (CounterMetricFamily, "checksum_failures", "Remote values that failed their check (misses)"),
+    (CounterMetricFamily, "checksum_failures", "Remote values that failed their checksum: damaged (misses)"),
+    (CounterMetricFamily, "mac_failures",
+     "Remote values not written under their key by this deployment: moved, forged, or under another record key "
+     "(misses)"),
     (CounterMetricFamily, "read_bytes", "Bytes read from the remote tier"),
     (CounterMetricFamily, "written_blocks", "Blocks written to the remote tier"),
     (CounterMetricFamily, "written_bytes", "Bytes written to the remote tier"),
@@ -48,6 +51,11 @@ class StoreCollector(Collector):
         yield CounterMetricFamily(
             "kvserve_kvstore_checksum_failures", "Corrupt blocks found, deleted and reported as misses",
             value=stats.checksum_failures,
+        )
+        yield CounterMetricFamily(
+            "kvserve_kvstore_mac_failures", "Disk records not written under their key by this deployment (moved, "
+            "forged, or under another record key), found at start or on a read: deleted, reported as misses",
+            value=stats.mac_failures,
         )
         available = GaugeMetricFamily("kvserve_kvstore_tier_available",
                                       "0 once a tier failed at runtime (disk full, read-only or damaged) and takes no "

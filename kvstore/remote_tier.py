@@ -13,7 +13,8 @@ It holds copies, not placements, so it is not a TierStorage: the store's index k
   pools reconnect by themselves. The store never calls this while holding its lock.
 
 Keys are `<prefix>:v<RECORD_VERSION>:<hex hash>`; values are store records (kvstore/block_format.py),
-so a record of another layout is never read, and a damaged one fails its checksum.
+so a record of another layout is never read, a damaged one fails its checksum, and one moved from another
+key, forged, or written under another record key fails its MAC (`mac_failures`): misses all.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from kvstore.block_format import RECORD_VERSION, CorruptBlock, pack_record, unpack_record
+from kvstore.block_format import RECORD_VERSION, CorruptBlock, ForeignRecord, pack_record, unpack_record
 from kvstore.config import RemoteConfig
+from kvstore.record_key import RecordKey
 from kvstore.types import LATENCY_BUCKETS_S, Buffer, Latency, RemoteStats
 from protos.block_hash import BlockHash
 
@@ -126,8 +128,8 @@ class _Histogram:
         return Latency(sum(self.counts), self.seconds, tuple(self.counts))
 
 
-COUNTERS = ("hits", "misses", "read_errors", "write_errors", "checksum_failures", "read_bytes", "written_blocks",
-            "written_bytes", "dropped_writes")  # RemoteStats' fields counted as they happen
+COUNTERS = ("hits", "misses", "read_errors", "write_errors", "checksum_failures", "mac_failures", "read_bytes",
+            "written_blocks", "written_bytes", "dropped_writes")  # RemoteStats' fields counted as they happen
 
 
 def redacted(url: str) -> str:
@@ -156,8 +158,12 @@ def connect(config: RemoteConfig) -> Any:
 class RemoteTier:
     """Blocks in Redis or Valkey, shared by every store configured with the same URL and key prefix."""
 
-    def __init__(self, config: RemoteConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: RemoteConfig, *, clock: Callable[[], float] = time.monotonic,
+                 record_key: RecordKey | None = None) -> None:
+        """`record_key`: the MAC's key (None: records bound to their keys by checksum only, so whoever can write
+        to Redis can forge them)."""
         self.config = config
+        self.record_key = record_key
         self.url = redacted(config.url)
         self.breaker = Breaker(clock)
         self._client: Any = None  # redis.Redis | RedisCluster, made on first use
@@ -233,11 +239,12 @@ class RemoteTier:
         if value is None:
             return None
         try:
-            found = unpack_record(value)
+            found = unpack_record(key, value, self.record_key)
         except CorruptBlock as exc:
             # Left there: the store that computes the block again writes over it (and it expires).
             log.warning("remote block %s failed its check (%s): a miss", key.hex()[:16], exc)
-            self._count(read_bytes=len(value), checksum_failures=1)
+            foreign = isinstance(exc, ForeignRecord)
+            self._count(read_bytes=len(value), checksum_failures=int(not foreign), mac_failures=int(foreign))
             return None
         self._count(read_bytes=len(value))
         return found
@@ -326,7 +333,7 @@ class RemoteTier:
         for key in batch:
             found = self._read_block(key)
             if found is not None:  # else gone from the local tiers already
-                records.append((self.key(key), pack_record(*found)))
+                records.append((self.key(key), pack_record(key, *found, self.record_key)))
         ttl_ms = max(1, int(self.config.ttl_s * 1000))
 
         def set_all() -> list[Any]:

@@ -131,7 +131,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(
             tiers=tiers, leases=stats.leases, pinned_blocks=stats.pinned_blocks,
             checksum_failures=stats.checksum_failures, disk_write_failures=stats.disk_write_failures,
-            removed_blocks=stats.removed_blocks, remote=_pb_remote(stats.remote),
+            removed_blocks=stats.removed_blocks, remote=_pb_remote(stats.remote), mac_failures=stats.mac_failures,
         )
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
@@ -217,7 +217,7 @@ def _pb_remote(remote: RemoteStats | None) -> pb.RemoteStats | None:
     return pb.RemoteStats(
         url=r.url, breaker=cast(pb.RemoteStats.Breaker, pb.RemoteStats.Breaker.Value("BREAKER_" + r.breaker.upper())),
         hits=r.hits, misses=r.misses, read_errors=r.read_errors, write_errors=r.write_errors,
-        checksum_failures=r.checksum_failures, read_bytes=r.read_bytes, written_blocks=r.written_blocks,
+        checksum_failures=r.checksum_failures, mac_failures=r.mac_failures, read_bytes=r.read_bytes, written_blocks=r.written_blocks,
         written_bytes=r.written_bytes, dropped_writes=r.dropped_writes, queued_blocks=r.queued_blocks,
         queued_bytes=r.queued_bytes, read_calls=r.read_latency.calls, read_seconds=r.read_latency.seconds,
         write_calls=r.write_latency.calls, write_seconds=r.write_latency.seconds,

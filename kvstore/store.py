@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvstore.block_format import CorruptBlock, checksum
+from kvstore.block_format import CorruptBlock, ForeignRecord, checksum
 from kvstore.disk_tier import DiskTier
 from kvstore.errors import BlockTooLarge, InvalidRequest, StoreFull, UnknownLease
 from kvstore.events import EventHub, StoreEvent
@@ -140,7 +140,8 @@ class BlockStore:
         # the arena same-host clients open: the device tier's, else the host tier's shared memory
         self.shm_tier = next((s.storage for s in self.tiers if isinstance(s.storage, ArenaTier)), None)
         self.events = events or EventHub()
-        self.checksum_failures = 0
+        self.checksum_failures = 0  # damaged blocks found in a local tier
+        self.mac_failures = 0  # disk records not this deployment's under their key (ForeignRecord), at start or read
         self.removed_blocks = 0  # removed at a reader's request (Remove)
         self._max_block_bytes = max_block_bytes
         self.max_lease_ttl_s = max_lease_ttl_s
@@ -366,8 +367,8 @@ class BlockStore:
                         return BlockRead(None, found[0], entry.size, found[2], slot.tier)
             try:
                 payload = slot.storage.read(key)
-            except CorruptBlock:
-                self._drop_corrupt(key, entry)
+            except CorruptBlock as exc:
+                self._drop_corrupt(key, entry, exc)
                 return None
             if payload is None:
                 self._drop_if_lost(key, entry, level)
@@ -460,7 +461,7 @@ class BlockStore:
             pinned = sum(1 for e in self._index.values() if e.pins > 0)
             failed_writes = self._disk.failed_writes if self._disk is not None else 0
             stats = StoreStats(tiers, len(self._leases), pinned, self.checksum_failures, failed_writes,
-                               self.removed_blocks)
+                               self.removed_blocks, mac_failures=self.mac_failures)
         return stats if self.remote is None else replace(stats, remote=self.remote.stats())
 
     def tier_of(self, key: BlockHash) -> Tier | None:
@@ -734,9 +735,9 @@ class BlockStore:
 
     # -- failures ------------------------------------------------------------------------------
 
-    def _drop_corrupt(self, key: BlockHash, entry: Entry) -> None:
+    def _drop_corrupt(self, key: BlockHash, entry: Entry, exc: CorruptBlock) -> None:
         with self._lock:
-            self.checksum_failures += 1
+            self._count_bad(exc)
             self._count_miss()
             if self._index.get(key) is entry:
                 self._remove(key, entry)
@@ -765,9 +766,15 @@ class BlockStore:
         # Under the lock, for demotion: a corrupt block is counted and not carried down.
         try:
             return slot.storage.read(key)
-        except CorruptBlock:
-            self.checksum_failures += 1
+        except CorruptBlock as exc:
+            self._count_bad(exc)
             return None
+
+    def _count_bad(self, exc: CorruptBlock) -> None:
+        if isinstance(exc, ForeignRecord):
+            self.mac_failures += 1
+        else:
+            self.checksum_failures += 1
 
     def _count_hit(self, level: int, remote: bool = False) -> None:
         if remote:  # just promoted from the remote tier: a miss in every local one
@@ -786,6 +793,7 @@ class BlockStore:
     def _rebuild_from_disk(self, level: int) -> None:
         assert self._disk is not None
         records = sorted(self._disk.scan(), key=lambda kh: kh[1].seq)
+        self.mac_failures += self._disk.foreign_records
         slot = self.tiers[level]
         for key, header in records:
             entry = Entry(header.size, header.checksum, header.ephemeral, level)

@@ -68,7 +68,8 @@ class RemoteStats:
     misses: int = 0
     read_errors: int = 0
     write_errors: int = 0
-    checksum_failures: int = 0
+    checksum_failures: int = 0  # damaged values
+    mac_failures: int = 0  # values not written under their key by this deployment (moved, forged, another record key)
     read_bytes: int = 0
     written_blocks: int = 0
     written_bytes: int = 0
@@ -84,10 +85,12 @@ class StoreStats:
     tiers: list[TierStats] = field(default_factory=list)
     leases: int = 0
     pinned_blocks: int = 0
-    checksum_failures: int = 0
+    checksum_failures: int = 0  # damaged blocks
     disk_write_failures: int = 0  # blocks the disk tier failed to write, and so does not hold
     removed_blocks: int = 0  # removed because a reader found them bad
     remote: RemoteStats | None = None  # None: no remote tier
+    # disk records not written under their key by this deployment (moved, forged, another record key): misses
+    mac_failures: int = 0
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.tier == name)

@@ -21,6 +21,7 @@ from kvstore.block_format import HEADER_BYTES
 from kvstore.config import StoreConfig
 from kvstore.disk_tier import DiskTier
 from kvstore.host_tier import ArenaHostTier, MemoryHostTier
+from kvstore.record_key import RecordKey
 from kvstore.server import StoreServer
 from kvstore.store import BlockStore
 from kvstore.tier import TierStorage
@@ -56,10 +57,11 @@ def make_store(
     tmp: Path | None = None,
     shm: bool = False,
     clock: FakeClock | None = None,
+    record_key: RecordKey | None = None,
     **limits: Any,
 ) -> BlockStore:
-    """A store of tiny capacities (bytes); tiers with capacity 0 are left out. `limits`: BlockStore's
-    per-caller limits (max_block_bytes, max_lease_ttl_s, max_pinned_bytes_per_caller)."""
+    """A store of tiny capacities (bytes); tiers with capacity 0 are left out; `record_key` for its disk tier.
+    `limits`: BlockStore's per-caller limits (max_block_bytes, max_lease_ttl_s, max_pinned_bytes_per_caller)."""
     tiers: list[tuple[TierStorage, int]] = []
     if device:
         from kvstore.device_tier import DeviceArenaTier
@@ -71,7 +73,7 @@ def make_store(
         tiers.append((ArenaHostTier(tmp / "shm", host) if shm and tmp else MemoryHostTier(), host))
     if disk:
         assert tmp is not None
-        tiers.append((DiskTier(tmp / "lmdb", disk), disk))
+        tiers.append((DiskTier(tmp / "lmdb", disk, record_key=record_key), disk))
     return BlockStore(tiers, clock=clock or FakeClock(), **limits)
 
 

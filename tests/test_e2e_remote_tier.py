@@ -1,6 +1,7 @@
 """End to end, two nodes sharing one Redis: each node runs its own store, prefill and decode as real
-processes, and the stores share blocks through the remote tier. A prompt computed on node A is cached
-on node B with the tokens Hugging Face generates, and a Redis stopped mid-run fails no request."""
+processes, and the stores share blocks through the remote tier under one record key. A prompt computed on
+node A is cached on node B with the tokens Hugging Face generates; records moved between a prompt's blocks
+in Redis are misses, never wrong tokens; and a Redis stopped mid-run fails no request."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.hashing import Namespace, prefix_hashes
 from engine.model import model_fingerprint
 from kvstore import KVStoreClient
 from kvstore.block_format import RECORD_VERSION
+from kvstore.record_key import write_new
 from kvstore.types import RemoteStats
 from tests.polling import wait_until
 from tests.redis_fixtures import RedisServer, needs_redis
@@ -32,10 +34,13 @@ def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture(scope="module")
-def nodes(shared_redis: RedisServer) -> Iterator[tuple[ProcessStack, ProcessStack]]:
+def nodes(shared_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[ProcessStack, ProcessStack]]:
     # The URL through the environment, as a deployment with a password would pass it.
+    record_key = write_new(tmp_path_factory.mktemp("record-key") / "record-key")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("KVSERVE_KVSTORE_REMOTE_URL", shared_redis.url)
+        env.setenv("KVSERVE_KVSTORE_RECORD_KEY_FILE", str(record_key))
         a = ProcessStack("remote-a", [ARCH], ["--remote-timeout-s", "2"])
         try:
             b = ProcessStack("remote-b", [ARCH], ["--remote-timeout-s", "2"])
@@ -63,10 +68,15 @@ def generate(node: ProcessStack, ids: list[int]) -> tuple[tuple[int, ...], int]:
     return got.token_ids, got.usage.cached_tokens
 
 
+def redis_names(ids: list[int]) -> list[str]:
+    """The Redis keys of the prompt's full blocks."""
+    root = Namespace(model_fingerprint(model_dir(ARCH)), "float32", BLOCK_SIZE).root()
+    return [f"kvserve:v{RECORD_VERSION}:{h.hex()}" for h in prefix_hashes(ids, BLOCK_SIZE, root)]
+
+
 def wait_written(redis_server: RedisServer, ids: list[int], timeout_s: float = 30.0) -> None:
     """Until every full block of the prompt is in Redis (the stores write behind)."""
-    root = Namespace(model_fingerprint(model_dir(ARCH)), "float32", BLOCK_SIZE).root()
-    names = [f"kvserve:v{RECORD_VERSION}:{h.hex()}" for h in prefix_hashes(ids, BLOCK_SIZE, root)]
+    names = redis_names(ids)
     client = redis_server.client()
     wait_until(lambda: client.exists(*names) == len(names), timeout_s,
                message="the store did not write the prompt's blocks to Redis")
@@ -85,6 +95,29 @@ def test_a_prompt_computed_on_one_node_is_cached_on_the_other(
     assert on_b == on_a
     stats = remote_stats(b)
     assert stats.hits >= 5 and stats.breaker == "closed" and stats.read_errors == 0
+    assert stats.mac_failures == 0
+
+
+def test_records_moved_between_a_prompts_blocks_in_redis_are_misses_not_wrong_tokens(
+        nodes: tuple[ProcessStack, ProcessStack], shared_redis: RedisServer) -> None:
+    a, b = nodes
+    ids = tokens(5 * BLOCK_SIZE + 3, seed=730)
+    on_a, _ = generate(a, ids)
+    wait_written(shared_redis, ids)
+    names = redis_names(ids)
+    client = shared_redis.client()
+    second, third = client.get(names[1]), client.get(names[2])
+    client.set(names[1], third or b"", keepttl=True)  # valid records, each under the other's key
+    client.set(names[2], second or b"", keepttl=True)
+    before = remote_stats(b)
+
+    on_b, cached_b = generate(b, ids)  # checked against Hugging Face's tokens
+    assert on_b == on_a
+    assert cached_b == BLOCK_SIZE  # block 0 from Redis; block 1 is the first miss, and everything after it
+    after = remote_stats(b)
+    assert after.hits - before.hits == 1
+    assert after.mac_failures - before.mac_failures == 2  # one Lookup read both moved records
+    assert after.checksum_failures == before.checksum_failures
 
 
 def test_a_redis_stopped_mid_run_fails_no_request(

@@ -256,8 +256,9 @@ def test_a_block_corrupted_on_disk(disk: Rig, seen_by: str) -> None:
     def flip_last_byte(record: bytearray) -> None:
         record[-1] ^= 0xFF
         if seen_by == "engine":
-            h = unpack_header(memoryview(record))
-            header = pack_header(h.size, checksum(bytes(record[HEADER_BYTES:])), ephemeral=h.ephemeral, seq=h.seq)
+            h = unpack_header(memoryview(record), key, None)
+            body = bytes(record[HEADER_BYTES:])
+            header = pack_header(key, body, checksum(body), None, ephemeral=h.ephemeral, seq=h.seq)
             record[: len(header)] = header
 
     disk.store.stop()

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.block_format import CorruptBlock, checksum, pack_header, unpack_header, verify
+from kvstore.block_format import (
+    HEADER_BYTES,
+    CorruptBlock,
+    ForeignRecord,
+    checksum,
+    pack_header,
+    unpack_header,
+    verify,
+)
 from kvstore.errors import BlockTooLarge, InvalidRequest
 from kvstore.events import EventHub, StoreEvent
 from kvstore.eviction import EvictionPolicy
 from kvstore.leases import LeaseTable
+from kvstore.record_key import RecordKey
 from kvstore.types import Tier
 from kvstore.wire import BlockAssembler, split_block
 from protos.kvserve.v1 import kvstore_pb2 as pb
@@ -66,18 +75,26 @@ def test_assembler_rejects_inconsistent_chunks() -> None:
         asm.finish()
 
 
-def test_block_header_detects_damage() -> None:
+@pytest.mark.parametrize("record_key", [None, RecordKey(b"k" * 32)], ids=["plaintext", "mac"])
+def test_block_header_detects_damage(record_key: RecordKey | None) -> None:
     data = b"payload"
-    record = pack_header(len(data), checksum(data), ephemeral=True, seq=7) + data
-    header = unpack_header(record)
+    record = pack_header(key(1), data, checksum(data), record_key, ephemeral=True, seq=7) + data
+    header = unpack_header(record, key(1), record_key)
     assert (header.size, header.seq, header.ephemeral) == (len(data), 7, True)
-    verify(header, record[32:])
+    verify(header, record[HEADER_BYTES:], record_key)
+    with pytest.raises(CorruptBlock) as damaged:
+        verify(header, b"paylaod", record_key)
+    assert not isinstance(damaged.value, ForeignRecord)
     with pytest.raises(CorruptBlock):
-        verify(header, b"paylaod")
+        unpack_header(b"XXXX" + record[4:], key(1), record_key)
     with pytest.raises(CorruptBlock):
-        unpack_header(b"XXXX" + record[4:])
-    with pytest.raises(CorruptBlock):
-        unpack_header(record[:10])
+        unpack_header(record[:10], key(1), record_key)
+    with pytest.raises(ForeignRecord):  # the same record under another key
+        unpack_header(record, key(2), record_key)
+    seq_changed = bytearray(record)
+    seq_changed[24] ^= 1
+    with pytest.raises(ForeignRecord):
+        unpack_header(seq_changed, key(1), record_key)
 
 
 def test_lease_table_expires_in_ttl_order() -> None:

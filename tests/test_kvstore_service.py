@@ -311,7 +311,7 @@ def test_metrics_are_served(tmp_path: Path) -> None:
     assert 'kvserve_kvstore_hits_total{tier="host"} 1.0' in text
     assert "kvserve_kvstore_leases 1.0" in text
     for name in ("bytes", "misses_total", "evictions_total", "demotions_total", "promotions_total", "checksum_failures_total",
-                 "disk_write_failures_total", "removed_blocks_total"):
+                 "disk_write_failures_total", "removed_blocks_total", "mac_failures_total"):
         assert f"kvserve_kvstore_{name}" in text
     assert 'kvserve_kvstore_tier_available{tier="host"} 1.0' in text
 

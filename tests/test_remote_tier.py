@@ -123,7 +123,7 @@ def test_a_corrupted_value_is_a_miss_counted_and_written_over(
     assert remote(b).stats().checksum_failures == 1 and remote(b).stats().hits == 0
     # The store that misses computes the block and puts it: its write replaces the bad value.
     put_and_write(b, range(1))
-    assert client.get(name) == pack_record(payload(0), block_checksum(payload(0)))
+    assert client.get(name) == pack_record(k, payload(0), block_checksum(payload(0)), None)
 
 
 @needs_redis

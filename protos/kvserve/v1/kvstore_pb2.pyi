@@ -135,7 +135,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "leases", "pinned_blocks", "checksum_failures", "disk_write_failures", "removed_blocks", "remote")
+    __slots__ = ("tiers", "leases", "pinned_blocks", "checksum_failures", "disk_write_failures", "removed_blocks", "remote", "mac_failures")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class StatsResponse(_message.Message):
     DISK_WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FAILURES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     leases: int
     pinned_blocks: int
@@ -150,10 +151,11 @@ class StatsResponse(_message.Message):
     disk_write_failures: int
     removed_blocks: int
     remote: RemoteStats
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., disk_write_failures: _Optional[int] = ..., removed_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+    mac_failures: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., leases: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., disk_write_failures: _Optional[int] = ..., removed_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., mac_failures: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("url", "breaker", "hits", "misses", "read_errors", "write_errors", "checksum_failures", "read_bytes", "written_blocks", "written_bytes", "dropped_writes", "queued_blocks", "queued_bytes", "read_calls", "read_seconds", "write_calls", "write_seconds")
+    __slots__ = ("url", "breaker", "hits", "misses", "read_errors", "write_errors", "checksum_failures", "read_bytes", "written_blocks", "written_bytes", "dropped_writes", "queued_blocks", "queued_bytes", "read_calls", "read_seconds", "write_calls", "write_seconds", "mac_failures")
     class Breaker(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         BREAKER_UNSPECIFIED: _ClassVar[RemoteStats.Breaker]
@@ -181,6 +183,7 @@ class RemoteStats(_message.Message):
     READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WRITE_CALLS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FAILURES_FIELD_NUMBER: _ClassVar[int]
     url: str
     breaker: RemoteStats.Breaker
     hits: int
@@ -198,7 +201,8 @@ class RemoteStats(_message.Message):
     read_seconds: float
     write_calls: int
     write_seconds: float
-    def __init__(self, url: _Optional[str] = ..., breaker: _Optional[_Union[RemoteStats.Breaker, str]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., read_errors: _Optional[int] = ..., write_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., read_bytes: _Optional[int] = ..., written_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., queued_blocks: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., read_calls: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_calls: _Optional[int] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+    mac_failures: int
+    def __init__(self, url: _Optional[str] = ..., breaker: _Optional[_Union[RemoteStats.Breaker, str]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., read_errors: _Optional[int] = ..., write_errors: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., read_bytes: _Optional[int] = ..., written_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., queued_blocks: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., read_calls: _Optional[int] = ..., read_seconds: _Optional[float] = ..., write_calls: _Optional[int] = ..., write_seconds: _Optional[float] = ..., mac_failures: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ()
