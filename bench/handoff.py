@@ -22,7 +22,8 @@ decode fetching the prompt's blocks, against one decode step); the server's own 
 measured requests, and the prompt tokens prefill took from its pool (none expected) and the store.
 Goal printed as met or not: stack TTFT p50 <= 1.3x in-process p50. With --addr, give the stack's
 --kvstore too (the writer is started here against it) and --metrics pages to read. `--device` and
-`--dtype` apply to the services started here (the writer's too) and to the baseline.
+`--dtype` apply to the services started here (the writer's too) and to the baseline; `--record-key on|off`
+to the store started here.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from bench.streams import timed_stream
 from bench.target import (
     Target,
     add_device_flags,
+    add_record_key_flag,
     add_target_flags,
     delta,
     device_flags,
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "handoff",
         "settings": {"prefix_tokens": args.prefix_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "seed": args.seed, "model": str(args.model), "device": args.device, "dtype": args.dtype,
-                     "metrics_read": metrics},
+                     "record_key": args.record_key, "metrics_read": metrics},
         "baseline_torch_threads": baseline["torch_threads"], "rows": [stack, reuse], "runs": runs,
         "stack_vs_in_process": ratio,
         "cached_tokens_per_request": cached / len(runs),
@@ -195,7 +197,8 @@ def report_text(r: dict[str, Any]) -> str:
                         f"from prefill's pool {r['pool_hit_tokens_per_request']:.0f})")
     lines = [
         f"handoff: {s['prefix_tokens']} tokens in the store (put there by another prefill) + {s['new_tokens']} new, "
-        f"{s['repeats']} repeats; model {s['model']}",
+        f"{s['repeats']} repeats; model {s['model']}"
+        + (f"; store record key {s['record_key']}" if s.get("record_key") else ""),
         format_table(COLUMNS, r["rows"]),
         f"stack / in-process reuse: x{r['stack_vs_in_process']:.2f}; {per_request}",
         f"server side (p50): TTFT {stack['server_ttft_p50_s'] * 1000:.1f} ms, of which the Prefill call (arrival to handle) "
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_flags(ap)
     add_device_flags(ap)
+    add_record_key_flag(ap)
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="in the store (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=32, help="computed after it (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="(default %(default)s)")
@@ -244,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.addr and not args.kvstore:
         ap.error("with --addr, give the stack's --kvstore too: the writer prefill puts the prefix there")
+    if args.addr and args.record_key:
+        ap.error("--record-key sets the store started here: not with --addr")
     if min(args.prefix_tokens, args.new_tokens, args.repeats) < 1:
         ap.error("--prefix-tokens, --new-tokens and --repeats must be >= 1")
     ensure_model(args.model)

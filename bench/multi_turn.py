@@ -60,7 +60,7 @@ from bench.report import (
 )
 from bench.sessions import Settings, random_tokens, run_session
 from bench.streams import StreamTrace, timed_stream
-from bench.target import add_target_flags, ensure_model, open_target
+from bench.target import add_record_key_flag, add_target_flags, ensure_model, open_target
 from client.client import Client
 
 GROWTH_GOAL = 1.5  # TTFT(last round) <= 1.5x TTFT(round 1), with the cache
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
             for r in range(s.rounds)]
     total = sum(len(t.token_ids) for u in cached for t in u)
     span = max(t.end for u in cached for t in u) - min(t.sent for u in cached for t in u)
-    report = {"bench": "multi-turn", "settings": {**asdict(s), "model": str(args.model),
+    report = {"bench": "multi-turn", "settings": {**asdict(s), "model": str(args.model), "record_key": args.record_key,
                                                   "baseline_repeats": args.baseline_repeats, "peer": args.peer},
               "baseline_torch_threads": base["torch_threads"], "rounds": rows,
               "throughput_tok_s": total / span, **summarize(rows)}
@@ -173,7 +173,8 @@ def report_text(r: dict[str, Any]) -> str:
     lines = [
         f"multi-turn: {s['users']} users ({rate}), {s['rounds']} rounds, system prompt {s['system_tokens']} tokens, "
         f"each user's own context {s['user_tokens']}, "
-        f"questions {s['question_tokens']}, answers {s['answer_tokens']} tokens; model {s['model']}",
+        f"questions {s['question_tokens']}, answers {s['answer_tokens']} tokens; model {s['model']}"
+        + (f"; store record key {s['record_key']}" if s.get("record_key") else ""),
         "TTFT in ms as the client sees it, with the cache and without it (same run, same stack); "
         "HF full / reuse: one user, no serving system, whole history / over a cache of the history",
         format_table(TTFT_COLUMNS, rows),
@@ -215,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvserve bench multi-turn", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_flags(ap)
+    add_record_key_flag(ap)
     ap.add_argument("--users", type=int, default=4, help="(default %(default)s)")
     ap.add_argument("--rounds", type=int, default=10, help="questions per user (default %(default)s)")
     ap.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt (default %(default)s)")
@@ -240,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--users, --rounds, --question-tokens, --answer-tokens and --replicas must be >= 1, "
                  "--rate and --user-tokens >= 0")
     vllm_peer.check_peer_args(ap, args)
+    if args.record_key and (args.addr or args.replicas > 1):
+        ap.error("--record-key sets the one stack started here: not with --addr or --replicas")
     return args
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.metrics import parse_metrics
+from kvstore.record_key import write_new
 from stack.stack import Stack, StackConfig
 
 DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")
@@ -58,6 +59,22 @@ def store_device_flags(args: argparse.Namespace) -> list[str]:
     if not args.device.startswith("cuda") or re.fullmatch(r"0+\s*[A-Za-z]*", args.store_device_capacity.strip()):
         return []
     return ["--device", "cuda", "--device-capacity", args.store_device_capacity]
+
+
+def add_record_key_flag(ap: argparse.ArgumentParser) -> None:
+    """--record-key on|off: the store started here with or without a MAC on its records, to measure its cost."""
+    ap.add_argument("--record-key", choices=["on", "off"], default=None,
+                    help="the store started here: on, with a record key of its own (an HMAC-SHA256 on every record "
+                         "written to or read from disk and Redis); off, without one (records bound to their keys "
+                         "by checksum only). Default: as the stack starts it")
+
+
+def record_key_flags(args: argparse.Namespace, tmp: Path) -> list[str]:
+    """The store's flags for --record-key (a new key file in tmp for on); none when the benchmark has no such flag."""
+    choice = getattr(args, "record_key", None)
+    if choice == "on":
+        return ["--record-key-file", str(write_new(tmp / "record-key"))]
+    return ["--no-record-key"] if choice == "off" else []
 
 
 @contextlib.contextmanager
@@ -108,7 +125,7 @@ def add_target_flags(ap: argparse.ArgumentParser) -> None:
 def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] = (),
                 store_args: Sequence[str] = (), decode_args: Sequence[str] = ()) -> Iterator[Target]:
     """args.addr as it is, or a local stack with its metrics pages (`engine_args` to prefill and decode,
-    `store_args` to the store, `decode_args` to decode), stopped on exit."""
+    `store_args` to the store, then its --record-key flags, `decode_args` to decode), stopped on exit."""
     if args.addr:
         yield Target(args.addr, args.kvstore, tuple(args.metrics), args.model)
         return
@@ -116,7 +133,7 @@ def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] 
     ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
     with tempfile.TemporaryDirectory(prefix=f"kvserve-bench-{name}-") as tmp, \
             local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports, engine_args=engine_args,
-                        store_args=store_args, decode_args=decode_args) as s:
+                        store_args=[*store_args, *record_key_flags(args, Path(tmp))], decode_args=decode_args) as s:
         yield Target(s.addr, s.service("kvstore").addr,
                      tuple(f"http://127.0.0.1:{p}/metrics" for p in ports.values()), args.model,
                      s.config.block_size)
