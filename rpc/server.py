@@ -198,7 +198,7 @@ class Server:
         """Binds and serves; OSError with the address when a port is taken or invalid."""
         if self.metrics_port is not None:
             try:
-                self._metrics_server, _ = start_metrics_server(self.metrics_port, listen_host(self.listen),
+                self._metrics_server = start_metrics_server(self.metrics_port, listen_host(self.listen),
                                                                self.registry, self.tls)
             except OSError as exc:
                 raise OSError(f"cannot serve metrics on port {self.metrics_port}: {exc.strerror or exc}") from None
