@@ -48,8 +48,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self.tenant_salts is None:
             return options
         tenant = current_tenant()
-        if tenant is None:  # auth on, but no AuthInterceptor in front of this servicer
-            raise Unauthenticated("this service requires a bearer token")
+        if tenant is None:  # an internal call that names no tenant, or no AuthInterceptor in front
+            raise Unauthenticated("this service requires a bearer token (a service calling for a tenant sends the "
+                                  "tenant's in kvserve-on-behalf-of)")
         return dataclasses.replace(options, cache_salt=self.tenant_salts.salt(tenant, options.cache_salt))
 
     def Generate(  # noqa: N802 - gRPC method name
