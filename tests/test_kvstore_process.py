@@ -87,7 +87,7 @@ def test_sigkill_never_corrupts_the_disk_tier(tmp_path: Path) -> None:
 
 
 def test_cli_rejects_bad_configuration(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["--disk-capacity", "1GiB"]) == 2
+    assert main(["--insecure", "--disk-capacity", "1GiB"]) == 2
     assert "--disk-path" in capsys.readouterr().err
 
 
