@@ -83,7 +83,7 @@ def writer_prefill(target: Target, log_dir: Path, engine_args: list[str]) -> Ite
     assert target.store_addr is not None
     service = start_service("prefill-writer", "prefill_service", [
         "--model", str(target.model), "--kvstore", target.store_addr, "--block-size", str(target.block_size),
-        "--listen", "127.0.0.1:0", *engine_args], log_dir / "prefill-writer.log")
+        "--listen", "127.0.0.1:0", "--insecure", *engine_args], log_dir / "prefill-writer.log")
     try:
         yield service.addr
     finally:

@@ -76,7 +76,8 @@ def nodes_and_routers(args: argparse.Namespace, policies: list[str]) -> Iterator
         for policy in policies:
             port = free_port()
             router = start_service(f"router-{policy}", "router", [
-                "--listen", "127.0.0.1:0", "--decode", decode, "--policy", policy, "--metrics-port", str(port)],
+                "--listen", "127.0.0.1:0", "--insecure", "--decode", decode, "--policy", policy, "--metrics-port",
+                str(port)],
                 logs / f"router-{policy}.log")
             stack.callback(stop_service, router)
             addrs[policy], metrics[policy] = router.addr, f"http://127.0.0.1:{port}/metrics"

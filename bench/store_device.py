@@ -59,7 +59,7 @@ def best_of(repeat: int, device: torch.device, fn: Callable[[], object]) -> floa
 
 def start_store(device: str, capacity: int) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--device", device, "--device-capacity",
+        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--insecure", "--device", device, "--device-capacity",
          str(capacity), "--host-capacity", str(64 << 20), "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip

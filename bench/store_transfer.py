@@ -89,7 +89,7 @@ def block_memcpy_gbps(count: int, block: int, repeat: int) -> float:
 
 def start_server(host_capacity: int) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--host-capacity", str(host_capacity), "--log-level", "WARNING"],
+        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--insecure", "--host-capacity", str(host_capacity), "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.stdout is not None

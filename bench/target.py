@@ -92,7 +92,8 @@ def local_stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill
     config = StackConfig(model_dir=model, data_dir=tmp / name, decode_port=0, prefill_port=0, store_port=0,
                          extra_store_args=[*flags("kvstore"), *store_args],
                          extra_prefill_args=[*flags("prefill"), *engine_args, *prefill_args],
-                         extra_decode_args=[*flags("decode"), *engine_args, *decode_args])
+                         extra_decode_args=[*flags("decode"), *engine_args, *decode_args],
+                         insecure=True)  # plaintext: the benchmarks measure the engine and the hand-off
     with Stack(config, log_dir=log_dir / name if log_dir else tmp / name / "logs") as s:
         yield s
 
