@@ -4,9 +4,11 @@ FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
 # One unprivileged user for every service: the store's same-host arena serves only callers of its own
-# user. The folders that compose and Kubernetes mount volumes on belong to it, so that new volumes do too.
-RUN useradd --uid 10001 --create-home kvserve && mkdir -p /models /data /certs \
-    && chown kvserve:kvserve /models /data /certs
+# user. The folders that compose and Kubernetes mount volumes on belong to it, so that new volumes do too
+# (/credentials and /export/*: docker-compose.yml's credentials volumes).
+RUN useradd --uid 10001 --create-home kvserve \
+    && mkdir -p /models /data /credentials /export/kvstore /export/prefill /export/decode /export/router \
+    && chown -R kvserve:kvserve /models /data /credentials /export
 WORKDIR /app
 COPY . .
 # EXTRAS=gpu (docker-compose.gpu.yml): cupy, for the store's device arena and CUDA IPC.

@@ -3,16 +3,21 @@
 - The compose files, alone and merged as `docker compose -f A -f B` merges them, against the Compose
   Specification's JSON schema (the copy check-jsonschema ships as vendor.compose-spec), and their wiring:
   every setting a KVSERVE_<SERVICE>_<FLAG> variable that the service's own parser reads.
+- Secure by default: the compose file's one-shot `credentials` command, run here, gives each service
+  its own files and nothing else; only the front door is published, on loopback; the Kubernetes pods
+  mount only their own keys of a Secret that the documented commands make; no deployment file holds
+  a key or a token.
 - The Kubernetes overlays, built by `kubectl kustomize`, every object against the API schemas of the
   newest Kubernetes kubernetes-validate ships, strictly (an unknown field fails), and their wiring.
 - Every flag of every service readable from its variable.
 - (slow) The compose file's services run as local processes, with their own commands, variables and
-  health checks, form a stack that answers.
+  health checks, form a stack that answers the admin token through the router, over TLS.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import copy
 import importlib
@@ -21,8 +26,10 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
@@ -38,7 +45,8 @@ from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
-OVERRIDES = {"tls": ROOT / "docker-compose.tls.yml", "gpu": ROOT / "docker-compose.gpu.yml"}
+OVERRIDES = {"gpu": ROOT / "docker-compose.gpu.yml", "insecure": ROOT / "docker-compose.insecure.yml"}
+COMBINATIONS = [(), ("gpu",), ("insecure",), ("gpu", "insecure")]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("trial", "production")
 KUBERNETES_VERSION = "1.37"  # the newest kubernetes-validate 1.37 ships schemas for
@@ -46,6 +54,21 @@ SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__main__"
             "decode": "decode_service.__main__", "router": "router.__main__"}
 SHARED_VARS = {"KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA", "KVSERVE_AUTH_TOKENS", "KVSERVE_TOKEN"}
 PORTS = {"kvstore": 50053, "prefill": 50052, "decode": 50051, "router": 50050}
+OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
+# What each service reads of `kvserve credentials DIR`, and nothing else: its own certificate and key, the CA,
+# and its secrets. Compose copies these into each service's own volume; each Kubernetes pod mounts these keys
+# of the Secret. Neither the CA's key nor admin/ (the master keys) is in any of them.
+SERVICE_FILES = {
+    "kvstore": {"ca.pem": "certs/ca.pem", "kvstore.pem": "certs/kvstore.pem",
+                "kvstore-key.pem": "certs/kvstore-key.pem", "record.key": "auth/record.key"},
+    "prefill": {"ca.pem": "certs/ca.pem", "prefill.pem": "certs/prefill.pem",
+                "prefill-key.pem": "certs/prefill-key.pem"},
+    "decode": {"ca.pem": "certs/ca.pem", "decode.pem": "certs/decode.pem", "decode-key.pem": "certs/decode-key.pem",
+               "tokens": "auth/tokens", "tokens.secret": "auth/tokens.secret",
+               "service-tokens": "auth/service-tokens"},
+    "router": {"ca.pem": "certs/ca.pem", "router.pem": "certs/router.pem", "router-key.pem": "certs/router-key.pem",
+               "router.token": "auth/router.token"},
+}
 
 
 # -- the services' flags ------------------------------------------------------------------------------
@@ -171,7 +194,7 @@ def schema_errors(validator: jsonschema.protocols.Validator, spec: dict[str, Any
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(spec)]
 
 
-@pytest.mark.parametrize("overrides", [(), ("tls",), ("gpu",), ("gpu", "tls")], ids=lambda o: "+".join(o) or "base")
+@pytest.mark.parametrize("overrides", COMBINATIONS, ids=lambda o: "+".join(o) or "base")
 def test_the_compose_files_follow_the_compose_specification(overrides: tuple[str, ...]) -> None:
     validator = compose_schema()
     for path in [COMPOSE, *(OVERRIDES[o] for o in overrides)]:
@@ -194,15 +217,17 @@ def service_args(service: str, spec: dict[str, Any]) -> argparse.Namespace:
 
 def test_the_compose_services_are_wired_through_their_variables() -> None:
     services = compose()["services"]
-    assert set(services) == {"model-init", "redis", *SERVICES}
+    assert set(services) == {"credentials", "model-init", "redis", *SERVICES}
     args = {name: service_args(name, services[name]) for name in SERVICES}
     for name, port in PORTS.items():
         spec = services[name]
         assert args[name].listen == f"0.0.0.0:{port}"
         assert spec["healthcheck"]["test"] == ["CMD", "kvserve", "health", f"127.0.0.1:{port}"]
-        assert all(k.startswith(env_prefix(name)) for k in spec["environment"])  # no stray variables
-        for dep, condition in spec.get("depends_on", {}).items():
-            if dep == "model-init":
+        assert all(k.startswith(env_prefix(name)) or k in SHARED_VARS for k in spec["environment"])  # no strays
+        assert not args[name].insecure  # TLS unless docker-compose.insecure.yml says otherwise
+        assert spec["depends_on"]["credentials"] == {"condition": "service_completed_successfully"}
+        for dep, condition in spec["depends_on"].items():
+            if services[dep].get("restart") == "no":  # a one-shot: credentials, model-init
                 assert condition == {"condition": "service_completed_successfully"}
             else:
                 assert condition == {"condition": "service_healthy"} and "healthcheck" in services[dep]
@@ -222,8 +247,7 @@ def test_the_compose_services_are_wired_through_their_variables() -> None:
     redis = services["redis"]["command"]
     assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in redis
     assert redis[redis.index("--save") + 1] == "" and redis[redis.index("--appendonly") + 1] == "no"
-    if "remote_url" in args["kvstore"]:
-        assert args["kvstore"].remote_url == "redis://redis:6379/0"
+    assert args["kvstore"].remote_url == "redis://redis:6379/0"
 
 
 def test_compose_settings_come_from_the_environment_or_env_file() -> None:
@@ -238,7 +262,7 @@ def test_compose_settings_come_from_the_environment_or_env_file() -> None:
 
 
 def test_compose_variables_name_real_flags() -> None:
-    for overrides in [(), ("tls",), ("gpu",)]:
+    for overrides in COMBINATIONS:
         names = {k for spec in compose(*overrides)["services"].values() for k in spec.get("environment", {})}
         assert_vars_name_flags(names, f"compose {overrides}")
 
@@ -255,39 +279,163 @@ def test_the_gpu_override_reserves_gpus_and_selects_cuda() -> None:
     assert re.search(r"^ARG TORCH_INDEX=", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
 
 
-def test_the_tls_override_starts_every_service_with_mtls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docker-compose.tls.yml: its one-shot `certs` command writes what the services' KVSERVE_TLS_*
-    variables name; with them each service loads a certificate for every host it is dialled by, and
-    its health check (`kvserve health 127.0.0.1:PORT`, which reads the same variables) passes TLS."""
-    from rpc.certs import main as certs_main
+def published(services: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
+    """Each service's published ports as (host address, host port); address '' is every interface."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for name, spec in services.items():
+        for port in spec.get("ports", []):
+            if isinstance(port, dict):  # the long syntax
+                out.setdefault(name, []).append((port.get("host_ip", ""), str(port.get("published", ""))))
+                continue
+            parts = str(port).rsplit(":", 2)  # [HOST_IP:][HOST_PORT:]CONTAINER_PORT
+            out.setdefault(name, []).append((parts[0] if len(parts) == 3 else "", parts[-2] if len(parts) > 1 else ""))
+    return out
+
+
+@pytest.mark.parametrize("overrides", COMBINATIONS, ids=lambda o: "+".join(o) or "base")
+def test_only_the_front_door_is_published_and_on_loopback(overrides: tuple[str, ...]) -> None:
+    """Not the store's port, not prefill's or decode's, not the metrics ports, not Valkey's; the router's on
+    127.0.0.1 unless KVSERVE_PUBLISH_HOST says otherwise."""
+    services = compose(*overrides)["services"]
+    assert published(services) == {"router": [("127.0.0.1", "50050")]}
+    wide = compose(*overrides, env={"KVSERVE_PUBLISH_HOST": "0.0.0.0"})["services"]
+    assert published(wide) == {"router": [("0.0.0.0", "50050")]}
+    services["decode"]["ports"] = ["50051:50051", {"target": 9100, "published": 9100}]  # the check can fail
+    assert published(services)["decode"] == [("", "50051"), ("", "9100")]
+
+
+def service_args_in(stack: LocalCompose, name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """The flags the service's variables give it as `stack` runs it (its volumes mapped to folders), the shared
+    KVSERVE_TLS_* included."""
+    env = stack.env(name)
+    for var in SHARED_VARS:
+        if env.get(var):
+            monkeypatch.setenv(var, env[var])
+        else:
+            monkeypatch.delenv(var, raising=False)
+    p = service_parser(name)  # reads the shared variables as its defaults
+    return p.parse_args(env_args(p, name, env))
+
+
+def cert_hosts(path: Path) -> list[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [*sans.get_values_for_type(x509.DNSName), *map(str, sans.get_values_for_type(x509.IPAddress))]
+
+
+def exported_files() -> list[str]:
+    """The files the compose file's header tells a user to take out of the credentials volume."""
+    return re.findall(r"docker compose run --rm -T --entrypoint cat credentials (\S+) >", COMPOSE.read_text())
+
+
+def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-shot `credentials` command, run as compose runs it (volumes mapped to folders), makes the node's
+    credentials in the `credentials` volume, which no running service mounts, and copies each service only the
+    files it reads into a volume of its own that only it mounts, read-only. With them each service serves TLS
+    with its own certificate, named for every host it is dialled by, and has its secrets."""
+    from client.local import Layout
+    from router.__main__ import service_token
+    from rpc.auth import auth_from_args
     from rpc.cli import tls_from_args
 
-    services = compose("tls")["services"]
-    command, certs_dir, *certs_argv = services["certs"]["command"]
-    assert command == "certs" and f"kvserve-certs:{certs_dir}" in services["certs"]["volumes"]
-    assert certs_main([str(tmp_path), *certs_argv]) == 0  # the one-shot service, here
-    assert services["kvstore"]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+    spec = compose()
+    services = spec["services"]
+    stack = LocalCompose(spec, tmp_path)
+    stack.run_once("credentials")
+    master = Layout(stack.volumes["credentials"])
+    assert master.complete() and (master.certs / "ca-key.pem").is_file()
+    assert [f.removeprefix("/credentials/") for f in exported_files()] == ["certs/ca.pem", "admin/admin.token"]
 
-    def hosts(name: str) -> list[str]:
-        cert = x509.load_pem_x509_certificate((tmp_path / f"{name}.pem").read_bytes())
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        return [*sans.get_values_for_type(x509.DNSName), *map(str, sans.get_values_for_type(x509.IPAddress))]
+    def mounted_by(volume: str) -> list[str]:
+        return [n for n, s in services.items() if any(m.split(":")[0] == volume for m in s.get("volumes", []))]
 
-    for name in SERVICES:
-        spec = services[name]
-        assert f"kvserve-certs:{certs_dir}:ro" in spec["volumes"]
-        for var in ("KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA"):
-            path = spec["environment"].pop(var)
-            assert path.startswith(f"{certs_dir}/")
-            monkeypatch.setenv(var, str(tmp_path / path.removeprefix(f"{certs_dir}/")))
-        args = service_args(name, spec)
+    assert mounted_by("credentials") == ["credentials"]  # the master keys and the CA's key: the job's alone
+    for name, names in SERVICE_FILES.items():
+        own = stack.volumes[f"{name}-credentials"]
+        assert mounted_by(f"{name}-credentials") == ["credentials", name]
+        assert f"{name}-credentials:/credentials:ro" in services[name]["volumes"]
+        assert sorted(f.name for f in own.iterdir()) == sorted(names)
+        for file, source in names.items():
+            assert (own / file).read_bytes() == (master.root / source).read_bytes()
+            if not file.endswith(".pem") or file.endswith("-key.pem"):
+                assert (own / file).stat().st_mode & 0o077 == 0, file  # secrets stay 0600
+        env = stack.env(name)  # its variables name every file it gets, and only those
+        assert {Path(env[k]) for k, v in services[name]["environment"].items()
+                if str(v).startswith("/credentials/")} == {own / f for f in names}
+        args = service_args_in(stack, name, monkeypatch)
         tls = tls_from_args(args, name)
-        assert tls is not None and tls.has_identity and tls.ca == (tmp_path / "ca.pem").read_bytes()
-        assert args.tls_cert == str(tmp_path / f"{name}.pem")  # its own certificate
-        assert "127.0.0.1" in hosts(name)  # what its health check dials
+        assert tls is not None and tls.has_identity and tls.ca == master.ca.read_bytes()
+        assert args.tls_cert == str(own / f"{name}.pem")
+        assert "127.0.0.1" in cert_hosts(own / f"{name}.pem")  # what its health check dials
+        dialled = service_args(name, services[name])
         for peer in ("kvstore", "prefill", "decode"):  # the host it dials a peer by is in the peer's certificate
-            if (addr := getattr(args, peer, None)) and name != peer:
-                assert addr.rsplit(":", 1)[0] in hosts(peer)
+            if (addr := getattr(dialled, peer, None)) and name != peer:
+                assert addr.rsplit(":", 1)[0] in cert_hosts(stack.volumes[f"{peer}-credentials"] / f"{peer}.pem")
+
+    store = service_args_in(stack, "kvstore", monkeypatch)
+    assert store.record_key_file == stack.volumes["kvstore-credentials"] / "record.key" and store.remote_url
+    auth = auth_from_args(service_args_in(stack, "decode", monkeypatch), "decode")
+    assert auth is not None and auth.authenticator is not None and auth.services is not None
+    admin = master.admin_token.read_text().strip()
+    router = service_token(service_args_in(stack, "router", monkeypatch))
+    assert (auth.authenticator.tenant_of(admin), auth.services.tenant_of(router)) == ("admin", "router")
+    assert auth.authenticator.tenant_of(router) is None and auth.services.tenant_of(admin) is None
+
+    before = {f: f.read_bytes() for f in master.root.rglob("*") if f.is_file()}
+    stack.run_once("credentials")  # every `up` runs it again: it keeps what is there
+    assert {f: f.read_bytes() for f in master.root.rglob("*") if f.is_file()} == before
+
+
+def test_the_insecure_override_serves_plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docker-compose.insecure.yml: each service takes --insecure and no TLS variable (an empty variable is
+    none), so its health check asks in plaintext too; decode's tokens and the store's record key stay."""
+    from client.health import parser as health_parser
+    from rpc.cli import tls_from_args
+
+    services = compose("insecure")["services"]
+    for name in SERVICES:
+        env = services[name]["environment"]
+        for var in ("KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA"):
+            assert env[var] == ""
+            monkeypatch.setenv(var, env[var])
+        args = service_args(name, services[name])
+        assert args.insecure and tls_from_args(args, name) is None
+        health = health_parser().parse_args(["127.0.0.1:1"])
+        assert health.tls_ca is None and health.tls_cert is None and health.tls_key is None
+    assert service_args("decode", services["decode"]).auth_tokens == Path("/credentials/tokens")
+    assert service_args("kvstore", services["kvstore"]).record_key_file == Path("/credentials/record.key")
+
+
+# -- no key or token in the repository ------------------------------------------------------------------
+
+DEPLOY_FILES = sorted([ROOT / "Dockerfile", *ROOT.glob("docker-compose*.yml"),
+                       *(f for f in KUSTOMIZE.rglob("*") if f.is_file())])
+_PEM = re.compile(r"-----BEGIN [A-Z ]+-----|PRIVATE KEY")
+_HEX = re.compile(r"(?<![0-9A-Fa-f])[0-9A-Fa-f]{32,}(?![0-9A-Fa-f])")  # secrets, record keys, token hashes
+_WORD = re.compile(r"(?<![\w-])[\w-]{32,}(?![\w-])")  # a bearer token: token_urlsafe's 43 characters
+
+
+def secrets_in(text: str) -> list[str]:
+    """What in `text` looks like a key, a certificate, a secret or a token."""
+    tokens = [w for w in _WORD.findall(text)
+              if re.search(r"[a-z]", w) and re.search(r"[A-Z]", w) and re.search(r"\d", w)]
+    return [*_PEM.findall(text), *_HEX.findall(text), *tokens]
+
+
+def test_no_deployment_file_holds_a_key_or_token(tmp_path: Path) -> None:
+    """The compose files, the Dockerfile and the Kubernetes files hold no key, certificate, token or secret,
+    and make none: no Secret object, no secretGenerator (the pods' Secret is the operator's)."""
+    from stack.credentials import ensure
+
+    assert ROOT / "docker-compose.yml" in DEPLOY_FILES and KUSTOMIZE / "base" / "kvstore.yaml" in DEPLOY_FILES
+    assert {str(f.relative_to(ROOT)): found for f in DEPLOY_FILES if (found := secrets_in(f.read_text()))} == {}
+    for f in KUSTOMIZE.rglob("*.yaml"):
+        for doc in yaml.safe_load_all(f.read_text()):
+            assert doc is None or (doc.get("kind") != "Secret" and "secretGenerator" not in doc), f
+    layout, _ = ensure(tmp_path)  # the check can fail: it finds every file `kvserve credentials` makes
+    made = [f for f in layout.root.rglob("*") if f.is_file()]
+    assert len(made) >= 16 and [f.name for f in made if not secrets_in(f.read_text())] == []
+    assert secrets_in(f"KVSERVE_TOKEN={layout.admin_token.read_text()}")
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------------
@@ -322,10 +470,6 @@ def pod_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return [*spec.get("initContainers", []), *spec["containers"]]
 
 
-def env_value(container: dict[str, Any], name: str) -> Any:
-    return next(e for e in container.get("env", []) if e["name"] == name)
-
-
 @pytest.fixture(scope="module", params=OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     """An overlay's name and the objects `kubectl kustomize` builds from it."""
@@ -356,36 +500,114 @@ def test_the_kubernetes_overlay_builds_and_validates(overlay: tuple[str, list[di
     assert_vars_name_flags(set(config_map(objects)), f"{name} ConfigMap")
 
 
+KINDS = {"kvstore": "DaemonSet", "prefill": "Deployment", "decode": "Deployment", "router": "Deployment"}
+
+
 def test_each_kubernetes_service_serves_and_is_probed_on_its_port(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     name, objects = overlay
     config = config_map(objects)
-    kinds = {"kvstore": "DaemonSet", "prefill": "Deployment", "decode": "Deployment", "router": "Deployment"}
-    for service, kind in kinds.items():
-        container = find(objects, kind, f"kvserve-{service}")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(k.endswith("_INSECURE") for k in config)  # TLS everywhere
+    for service, kind in KINDS.items():
+        template = find(objects, kind, f"kvserve-{service}")["spec"]["template"]
+        container = template["spec"]["containers"][0]
         assert container["args"] == [service]  # the image's entrypoint is `kvserve`
         assert {"configMapRef": {"name": next(o for o in objects if o["kind"] == "ConfigMap")["metadata"]["name"]}} \
             in container["envFrom"]
         assert config[f"{env_prefix(service)}LISTEN"] == f"0.0.0.0:{PORTS[service]}"
-        for probe in ("readinessProbe", "livenessProbe"):  # Kubernetes' native gRPC health probe
-            assert container[probe]["grpc"] == {"port": PORTS[service]}
+        # `kvserve health`, which presents the pod's own certificate (KVSERVE_TLS_*): the native gRPC probe
+        # speaks plaintext only. It takes about a second to start.
+        probes = [p for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in container]
+        assert {"readinessProbe", "livenessProbe"} <= set(probes)
+        for probe in probes:
+            assert container[probe]["exec"] == {"command": ["kvserve", "health", f"127.0.0.1:{PORTS[service]}"]}
+            assert container[probe]["timeoutSeconds"] >= 5
+        assert all("hostPort" not in p for p in container["ports"])  # reached through Services only
+        assert template["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
         assert_vars_name_flags({e["name"] for e in container.get("env", []) if e["name"].startswith("KVSERVE_")},
                                f"{name} kvserve-{service}")
 
 
+def test_each_pod_mounts_only_its_own_keys_of_the_secret(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """The Secret kvserve-credentials (the operator's: no overlay makes one) mounted read-only at /credentials,
+    only the pod's own keys, readable by the pod's group; the pod's variables name each of them."""
+    _, objects = overlay
+    assert [o for o in objects if o["kind"] == "Secret"] == []
+    for service, kind in KINDS.items():
+        pod = find(objects, kind, f"kvserve-{service}")["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        volume = next(v for v in pod["volumes"] if v["name"] == "credentials")["secret"]
+        assert volume["secretName"] == "kvserve-credentials" and volume["defaultMode"] == 0o440
+        assert {i["key"]: i["path"] for i in volume["items"]} == {f: f for f in SERVICE_FILES[service]}
+        assert {"name": "credentials", "mountPath": "/credentials", "readOnly": True} in container["volumeMounts"]
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert (env["KVSERVE_TLS_CERT"], env["KVSERVE_TLS_KEY"], env["KVSERVE_TLS_CA"]) == (
+            f"/credentials/{service}.pem", f"/credentials/{service}-key.pem", "/credentials/ca.pem")
+        assert {v for v in env.values() if v and v.startswith("/credentials/")} == {
+            f"/credentials/{f}" for f in SERVICE_FILES[service]}
+        for init in pod.get("initContainers", []):  # the model's builder needs none of it
+            assert all(m["name"] != "credentials" for m in init.get("volumeMounts", []))
+
+
+def documented_secret_commands() -> str:
+    """The block of docs/OPERATIONS.md that makes the credentials and the Secret."""
+    blocks = re.findall(r"```sh\n(.*?)```", OPERATIONS.read_text(), re.DOTALL)
+    return next(b for b in blocks if "create secret generic kvserve-credentials" in b)
+
+
+@pytest.fixture(scope="module")
+def documented_secret(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """The Secret that docs/OPERATIONS.md's commands make, run here (HOME a temporary folder, kubectl as
+    `--dry-run=client -o yaml`): its keys and their bytes."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed")
+    home = tmp_path_factory.mktemp("home")
+    out = home / "objects.yaml"
+    script = (f'set -e\nkvserve() {{ "{sys.executable}" -m client.cli "$@"; }}\n'
+              f'kubectl() {{ "{KUBECTL}" "$@" --dry-run=client -o yaml >> "{out}"; echo --- >> "{out}"; }}\n'
+              + documented_secret_commands())
+    done = subprocess.run(["bash", "-c", script], cwd=home, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    secrets = [o for o in yaml.safe_load_all(out.read_text()) if o and o["kind"] == "Secret"]
+    assert [(s["metadata"]["name"], s["metadata"]["namespace"]) for s in secrets] == [("kvserve-credentials", "kvserve")]
+    return {key: base64.b64decode(value) for key, value in secrets[0]["data"].items()}
+
+
+def test_the_documented_secret_holds_what_the_pods_mount_and_no_master_key(
+        overlay: tuple[str, list[dict[str, Any]]], documented_secret: dict[str, bytes], tmp_path: Path) -> None:
+    """Every key a pod mounts and nothing more: not the CA's key, not admin/. Each service's certificate names
+    every host it is dialled by in the overlay (its Service), and the front door's names `kvserve`."""
+    _, objects = overlay
+    assert set(documented_secret) == {f for files in SERVICE_FILES.values() for f in files}
+    for name, data in documented_secret.items():
+        (tmp_path / name).write_bytes(data)
+    config = config_map(objects)
+    dialled = {"kvstore": [config["KVSERVE_PREFILL_KVSTORE"], config["KVSERVE_DECODE_KVSTORE"]],
+               "prefill": [config["KVSERVE_DECODE_PREFILL"]], "decode": [config["KVSERVE_ROUTER_DECODE"]],
+               "router": ["kvserve:50050"]}
+    for service, addrs in dialled.items():
+        for addr in addrs:
+            host = addr.rsplit(":", 1)[0]
+            assert host in cert_hosts(tmp_path / f"{service}.pem"), (service, host)
+            assert any(o["kind"] == "Service" and o["metadata"]["name"] == host for o in objects)
+
+
 def test_prefill_and_decode_pods_share_their_nodes_store(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    """Each prefill and decode pod calls its own node's store (NODE_IP and the store's hostPort), maps its
-    arena through the same /dev/shm as the same user, and reads the model volume; decode calls the prefill
-    pods of its own node, and is scheduled only beside one."""
+    """Each prefill and decode pod calls its own node's store (a Service of internalTrafficPolicy Local), maps
+    its arena through the same /dev/shm as the same user, and reads the model volume; decode calls the
+    prefill pods of its own node, and is scheduled only beside one."""
     _, objects = overlay
     config = config_map(objects)
     store = find(objects, "DaemonSet", "kvserve-kvstore")["spec"]["template"]["spec"]
-    host_port = next(p["hostPort"] for p in store["containers"][0]["ports"] if p["name"] == "grpc")
     shm = next(v for v in store["volumes"] if v["name"] == "shm")
     for service in ("prefill", "decode"):
         pod = find(objects, "Deployment", f"kvserve-{service}")["spec"]["template"]["spec"]
         container = pod["containers"][0]
-        assert env_value(container, "NODE_IP")["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
-        assert env_value(container, f"{env_prefix(service)}KVSTORE")["value"] == f"$(NODE_IP):{host_port}"
+        host, port = config[f"{env_prefix(service)}KVSTORE"].split(":")
+        local = find(objects, "Service", host)["spec"]
+        assert local["internalTrafficPolicy"] == "Local" and local["ports"][0]["port"] == int(port) == PORTS["kvstore"]
+        assert local["selector"]["app.kubernetes.io/component"] == "kvstore"
         assert next(v for v in pod["volumes"] if v["name"] == "shm") == shm
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
         assert pod["securityContext"]["runAsUser"] == store["securityContext"]["runAsUser"]  # the arena's check
@@ -490,7 +712,7 @@ class LocalCompose:
         return value
 
     def env(self, service: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_HOME"}
         env.update(PYTHONUNBUFFERED="1", KVSERVE_PARENT_PID=str(os.getpid()),
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         env.update({k: self.rewrite(service, k, str(v)) for k, v in self.services[service].get("environment", {}).items()})
@@ -557,7 +779,12 @@ def _order(services: dict[str, Any]) -> list[str]:
 
 @pytest.mark.slow
 def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
+    """The one-shots (credentials, model-init), Valkey, then each service with its command, variables and
+    health check; the stack answers the admin token through the router over TLS, as a user on the host
+    calls it with the CA and token the compose file's header says to take out, and refuses a caller with
+    no token, a plaintext caller, and a metrics scraper without a certificate."""
     from client import Client
+    from client.client import KVServeError, UnauthenticatedError
     from tests.redis_fixtures import RedisServer
 
     spec = compose()
@@ -573,21 +800,38 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
         assert redis.cli("CONFIG", "GET", "maxmemory-policy").split() == ["maxmemory-policy", "allkeys-lru"]
         cleanup.callback(stack.stop)
         for service in _order(spec["services"]):
-            if service == "model-init":
+            if spec["services"][service].get("restart") == "no":  # a one-shot
                 stack.run_once(service)
             elif service != "redis":
                 stack.start(service)
         assert (stack.volumes["models"] / "tiny-llama" / "config.json").exists()
 
+        ca, token_file = (Path(stack.rewrite("credentials", "", path)) for path in exported_files())
+        token = token_file.read_text().strip()
         prompt = "The compose stack, run as local processes, answers through its front door. " * 2
-        with Client(stack.addr("router")) as front, Client(stack.addr("decode")) as decode:
+        with Client(stack.addr("router"), token=token, tls_ca=ca) as front, \
+                Client(stack.addr("decode"), token=token, tls_ca=ca) as decode:
             first = front.generate(prompt, max_tokens=8, ignore_eos=True)
             again = front.generate(prompt, max_tokens=8, ignore_eos=True)
             direct = decode.generate(prompt, max_tokens=8, ignore_eos=True)
         assert first.usage.completion_tokens == 8 and first.usage.cached_tokens == 0
         assert again.token_ids == direct.token_ids == first.token_ids
         assert again.usage.cached_tokens > 0  # the store kept the prompt's blocks
-        if "remote_url" in service_args("kvstore", spec["services"]["kvstore"]):
-            # written behind: wait for the first blocks to arrive
-            wait_until(lambda: int(redis.cli("DBSIZE")) > 0, timeout_s=60, interval_s=0.2,
-                       message="the store wrote nothing to the remote tier")
+        with Client(stack.addr("router"), timeout_s=30, token="", tls_ca=ca) as anonymous, \
+                pytest.raises(UnauthenticatedError):
+            anonymous.generate(prompt, max_tokens=1)
+        with Client(stack.addr("router"), timeout_s=30, token=token) as plaintext, pytest.raises(KVServeError):
+            plaintext.generate(prompt, max_tokens=1)
+
+        metrics = f"https://127.0.0.1:{stack.port('kvstore', 9102)}/metrics"
+        admin = ssl.create_default_context(cafile=str(ca))
+        admin.load_cert_chain(*(stack.rewrite("credentials", "", f"/credentials/admin/{f}")
+                                for f in ("admin.pem", "admin-key.pem")))
+        with urllib.request.urlopen(metrics, context=admin, timeout=30) as page:
+            assert b"kvserve_kvstore_" in page.read()
+        with pytest.raises(OSError):  # no certificate from the CA: no metrics
+            urllib.request.urlopen(metrics, context=ssl.create_default_context(cafile=str(ca)), timeout=30).read()
+
+        # written behind: wait for the first blocks to arrive
+        wait_until(lambda: int(redis.cli("DBSIZE")) > 0, timeout_s=60, interval_s=0.2,
+                   message="the store wrote nothing to the remote tier")
