@@ -19,6 +19,7 @@ import string
 from pathlib import Path
 
 from kvstore.types import Buffer
+from rpc.auth import readable_by_others
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def load(path: str | Path) -> RecordKey:
     path = Path(path)
     try:
         text = path.read_text(encoding="ascii").strip()
-        mode = path.stat().st_mode
+        st = path.stat()
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise ValueError(f"--record-key-file {path}: cannot be read ({why})") from None
@@ -65,9 +66,9 @@ def load(path: str | Path) -> RecordKey:
         raise ValueError(f"--record-key-file {path}: must hold at least {MIN_HEX_CHARS} hex characters and "
                          f"nothing else (it holds {len(text)} characters); `python -c 'from kvstore.record_key "
                          f"import write_new; write_new(\"FILE\")'` makes one")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if readable_by_others(st):
         log.warning("--record-key-file %s is readable by other users (mode %o): whoever reads it can forge "
-                    "store records; chmod 600 it", path, stat.S_IMODE(mode))
+                    "store records; chmod 600 it", path, stat.S_IMODE(st.st_mode))
     return RecordKey(text.encode("ascii"))
 
 

@@ -158,9 +158,15 @@ def load_secret(path: Path) -> bytes:
     if len(text) < MIN_SECRET_CHARS:
         raise AuthConfigError(f"the server secret {path} has {len(text)} characters, fewer than {MIN_SECRET_CHARS}: "
                               "write a long random one (`python -c 'import secrets; print(secrets.token_hex(32))'`)")
-    if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if readable_by_others(path.stat()):
         log.warning("the server secret %s can be read by other users: chmod 600 it", path)
     return text.encode("utf-8")
+
+
+def readable_by_others(st: os.stat_result) -> bool:
+    """Whether a secret file with this stat is open to other users: to everyone, or to a group this process
+    is not in as its own (a Kubernetes Secret mounted 0440 for the pod's fsGroup is not)."""
+    return bool(st.st_mode & stat.S_IRWXO or (st.st_mode & stat.S_IRWXG and st.st_gid != os.getegid()))
 
 
 @dataclass(frozen=True, slots=True)
