@@ -228,10 +228,14 @@ def test_a_record_key_file_that_cannot_be_used_is_refused(tmp_path: Path, conten
 def test_a_record_key_file_others_may_read_is_used_with_a_warning(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     path = write_new(tmp_path / "record-key")
-    path.chmod(0o640)
+    path.chmod(0o640)  # the process's own group (a Kubernetes Secret under fsGroup): no warning
     with caplog.at_level(logging.WARNING, "kvstore.record_key"):
         load(path)
-    assert any("readable by other users (mode 640)" in r.getMessage() for r in caplog.records)
+    assert not caplog.records
+    path.chmod(0o604)
+    with caplog.at_level(logging.WARNING, "kvstore.record_key"):
+        load(path)
+    assert any("readable by other users (mode 604)" in r.getMessage() for r in caplog.records)
 
 
 def test_a_remote_tier_needs_a_record_key_unless_insecure(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
