@@ -285,7 +285,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         base = config.metrics_base_port
         for i, s in enumerate(stack.services):
-            metrics = "" if base is None else f", metrics: http://{s.host}:{base + 2 - i}/metrics"
+            scheme = "http" if layout is None else "https"
+            metrics = "" if base is None else f", metrics: {scheme}://{s.host}:{base + 2 - i}/metrics"
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
         how = ("plaintext, no auth (--insecure)" if layout is None else
                f"TLS, admin token in {layout.admin_token}; local clients find both")
