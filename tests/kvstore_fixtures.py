@@ -100,7 +100,7 @@ def start_process(args: list[str], *, max_file_bytes: int | None = None, stderr:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--log-level", "WARNING", *args],
+        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--log-level", "WARNING", "--insecure", *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=limit if max_file_bytes is not None else None,
     )

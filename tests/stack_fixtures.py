@@ -305,7 +305,9 @@ class ProcessStack:
     """A KV store process, and a prefill + decode process per arch, all on port 0 over loopback.
 
     Started with `python -m <package>`; ports come from their `LISTENING <port>` lines. Logs go to
-    files under the test workdir (named in failures). `decode_args` go to each decode.
+    files under the test workdir (named in failures). `decode_args` go to each decode. The tests that use
+    it are about caching, generation and failures, not security: every service serves plaintext
+    (`--insecure`), and says so; tests/test_tls.py and tests/test_auth.py start secure ones.
     """
 
     def __init__(self, name: str, archs: Sequence[str], store_args: Sequence[str] = (),
@@ -318,7 +320,8 @@ class ProcessStack:
             model_dir(arch)
         self.dir = workdir() / name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.store_args = ["--disk-capacity", "256MiB", "--disk-path", str(self.dir / "lmdb"), *store_args]
+        self.store_args = ["--disk-capacity", "256MiB", "--disk-path", str(self.dir / "lmdb"), "--insecure",
+                           *store_args]
         self.decode_args = list(decode_args)
         self.store: Service = start_service(
             "kvstore", "kvstore", ["--listen", "127.0.0.1:0", *self.store_args], self.dir / "kvstore.log"
@@ -337,7 +340,7 @@ class ProcessStack:
 
     def _common(self, arch: str) -> list[str]:
         return ["--model", str(model_dir(arch)), "--kvstore", self.store.addr, "--block-size", str(BLOCK_SIZE),
-                "--listen", "127.0.0.1:0", "--log-level", "WARNING"]
+                "--listen", "127.0.0.1:0", "--log-level", "WARNING", "--insecure"]
 
     def _start_prefill(self, arch: str):  # type: ignore[no-untyped-def]
         from stack.stack import start_service

@@ -40,7 +40,7 @@ class StoreProcess:
 
     def __init__(self, name: str, *args: str) -> None:
         self.dir = workdir() / name
-        self.args = ["--disk-path", str(self.dir / "lmdb"), "--log-level", "WARNING", *args]
+        self.args = ["--disk-path", str(self.dir / "lmdb"), "--log-level", "WARNING", "--insecure", *args]
         self.service = self._start(0)
 
     def _start(self, port: int) -> Service:

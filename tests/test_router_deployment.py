@@ -2,7 +2,8 @@
 and decode), and routers in front of both decode replicas. Every answer equals Hugging Face's; with
 --policy prefix a chat's second turn lands where its first was; with round robin it lands on the other
 node and still finds the first turn's blocks through Redis; a decode replica killed mid-run costs at
-most the requests it had in flight."""
+most the requests it had in flight. Routing is what is tested, not security: every part serves
+plaintext (`--insecure`); tests/test_auth.py puts a router in front of a secure replica."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class Deployment:
 def start_router(decode: list[str], policy: str) -> tuple[Service, int]:
     port = free_port()
     service = start_service(f"router-{policy}", "router", [
-        "--listen", "127.0.0.1:0", "--decode", ",".join(decode), "--policy", policy, "--metrics-port", str(port)])
+        "--listen", "127.0.0.1:0", "--decode", ",".join(decode), "--policy", policy, "--metrics-port", str(port),
+        "--insecure"])
     return service, port
 
 
@@ -70,7 +72,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         for name in ("a", "b"):
             config = StackConfig(model_dir=model_dir(ARCH), data_dir=tmp / name, decode_port=0, prefill_port=0,
                                  store_port=0, host_capacity="256MiB", disk_capacity="0",
-                                 extra_store_args=["--remote-url", redis.url])
+                                 extra_store_args=["--remote-url", redis.url], insecure=True)
             nodes.append(Stack(config, log_dir=tmp / name / "logs").start())
         addrs = [n.addr for n in nodes]
         for policy in ("prefix", "round-robin"):
@@ -209,17 +211,19 @@ def test_decode_spreads_over_prefill_replicas_and_skips_a_dead_one(tmp_path: Pat
     model = str(model_dir(ARCH))
     services: list[Service] = []
     try:
-        store = start_service("kvstore", "kvstore", ["--listen", "127.0.0.1:0", "--host-capacity", "256MiB"],
-                              tmp_path / "kvstore.log")
+        store = start_service("kvstore", "kvstore", ["--listen", "127.0.0.1:0", "--host-capacity", "256MiB",
+                                                     "--insecure"], tmp_path / "kvstore.log")
         services.append(store)
         ports = [free_port(), free_port()]
         prefills = [start_service(f"prefill-{i}", "prefill_service", [
-            "--model", model, "--kvstore", store.addr, "--listen", "127.0.0.1:0", "--metrics-port", str(port)],
+            "--model", model, "--kvstore", store.addr, "--listen", "127.0.0.1:0", "--metrics-port", str(port),
+            "--insecure"],
             tmp_path / f"prefill-{i}.log") for i, port in enumerate(ports)]
         services += prefills
         decode = start_service("decode", "decode_service", [
             "--model", model, "--kvstore", store.addr, "--prefill", ",".join(p.addr for p in prefills),
-            "--listen", "127.0.0.1:0", "--local-prefill-tokens", "0"], tmp_path / "decode.log")  # every prompt to prefill
+            "--listen", "127.0.0.1:0", "--local-prefill-tokens", "0", "--insecure"],  # every prompt to prefill
+            tmp_path / "decode.log")
         services.append(decode)
         prompts = [tokens(2 * BLOCK_SIZE + i, seed=900 + i) for i in range(6)]
         wants = [oracle(ARCH, p, 5) for p in prompts]

@@ -172,7 +172,8 @@ def stack() -> Iterator[ProcessStack]:
 @pytest.fixture(scope="module")
 def services(stack: ProcessStack) -> Iterator[dict[str, Service]]:
     """Each service of SERVICES by name: the stack's, and a router in front of its decode."""
-    router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", stack.decode[ARCH].addr])
+    router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", stack.decode[ARCH].addr,
+                                                "--insecure"])  # as the stack: random values, not credentials
     yield {"store": stack.store, "prefill": stack.prefill[ARCH], "decode": stack.decode[ARCH],
            "decode-replica": stack.decode[ARCH], "router": router}
     stop_service(router)
