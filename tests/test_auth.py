@@ -34,6 +34,7 @@ from rpc.auth import (
     parse_tokens,
 )
 from rpc.auth import main as token_main
+from rpc.certs import flags, make_certs
 from rpc.server import Server
 from tests.polling import wait_until
 
@@ -272,28 +273,32 @@ def test_health_and_reflection_need_no_token(echo_server: str) -> None:
 
 
 class AuthStack:
+    """A stack as secure as `kvserve up` by default, whose tokens file holds two tenants besides the admin
+    (`kvserve credentials`, then `kvserve token` for each, as an operator would)."""
+
     def __init__(self, root: Path) -> None:
         from rpc.auth import add_token
+        from stack.credentials import ensure
         from stack.stack import Stack, StackConfig
         from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
-        self.tokens_file = root / "tokens"
+        self.layout, _ = ensure(root / "credentials")
+        self.tokens_file = self.layout.tokens
         self.acme = add_token(self.tokens_file, "acme")
         self.globex = add_token(self.tokens_file, "globex")
-        default_secret_path(self.tokens_file).write_text("a-server-secret-" * 4 + "\n")
         self.log_dir = root / "logs"
         self.stack = Stack(StackConfig(
             model_dir=model_dir("llama"), data_dir=root / "data", decode_port=0, prefill_port=0, store_port=0,
-            host_capacity="64MiB", disk_capacity="128MiB", block_size=BLOCK_SIZE,
-            extra_decode_args=["--auth-tokens", str(self.tokens_file)],
+            host_capacity="64MiB", disk_capacity="128MiB", block_size=BLOCK_SIZE, credentials=self.layout.root,
         ), log_dir=self.log_dir).start()
         self.addr = self.stack.addr
 
     def decode_log(self) -> str:
         return (self.log_dir / "decode.log").read_text(errors="replace")
 
-    def client(self, token: str | None) -> Client:
-        return Client(self.addr, timeout_s=60, token=token if token is not None else "")
+    def client(self, token: str | None, addr: str | None = None) -> Client:
+        return Client(addr or self.addr, timeout_s=60, token=token if token is not None else "",
+                      tls_ca=self.layout.ca)
 
 
 @pytest.fixture(scope="module")
@@ -317,12 +322,13 @@ def test_the_front_door_refuses_calls_without_a_valid_token(
         with auth_stack.client(token) as c, pytest.raises(UnauthenticatedError) as info:
             c.generate(token_ids=[1, 2, 3], max_tokens=1)
         assert "send metadata authorization: Bearer <token>" in info.value.details
-    with grpc.insecure_channel(auth_stack.addr) as channel:  # balancers check health without a token
+    ca = grpc.ssl_channel_credentials(auth_stack.layout.ca.read_bytes())
+    with grpc.secure_channel(auth_stack.addr, ca) as channel:  # balancers check health without a token
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert "auth is on: 2 token(s) of 2 tenant(s)" in auth_stack.decode_log()
+    assert "auth is on: 3 token(s) of 3 tenant(s)" in auth_stack.decode_log()  # acme, globex and the admin
     monkeypatch.setenv("KVSERVE_TOKEN", auth_stack.acme)  # the client's default
-    with Client(auth_stack.addr, timeout_s=60) as c:
+    with Client(auth_stack.addr, timeout_s=60, tls_ca=auth_stack.layout.ca) as c:
         assert c.generate(token_ids=[1, 2, 3], max_tokens=1, ignore_eos=True).usage.completion_tokens == 1
 
 
@@ -379,9 +385,11 @@ def test_decode_refuses_to_start_with_tokens_but_no_secret(tmp_path: Path) -> No
     """The tokens file named by $KVSERVE_AUTH_TOKENS: the flag's environment default reaches decode."""
     tokens_file = tmp_path / "tokens"
     tokens_file.write_text(f"acme {sha('a')}\n")
+    make_certs(tmp_path / "certs", ["decode"])
     env = {**os.environ, "KVSERVE_AUTH_TOKENS": str(tokens_file)}
-    done = subprocess.run([sys.executable, "-m", "decode_service", "--model", str(tmp_path / "no-model")],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-m", "decode_service", "--model", str(tmp_path / "no-model"),
+                           *flags(tmp_path / "certs", "decode")], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert done.returncode == 2, done.stderr
     assert f"decode: no server secret at {tokens_file}.secret" in done.stderr and "Traceback" not in done.stderr
 
@@ -389,18 +397,21 @@ def test_decode_refuses_to_start_with_tokens_but_no_secret(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_router_passes_each_callers_token_to_the_replica(auth_stack: AuthStack, tmp_path: Path) -> None:
     """The router holds no token table: the replica authenticates each request (and scopes its prefix
-    hashes to the tenant); the router's own calls (load, events) use its --token."""
+    hashes to the tenant); the router's own calls (load, events) use its service token (--token-file, from
+    decode's --service-tokens), over TLS with its own certificate."""
     from stack.stack import start_service, stop_service
 
+    layout = auth_stack.layout
     router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", auth_stack.addr,
-                                                "--token", auth_stack.globex], tmp_path / "router.log")
+                                                "--token-file", str(layout.router_token),
+                                                *layout.tls_flags("router")], tmp_path / "router.log")
     try:
         wait_until(lambda: "is healthy" in (tmp_path / "router.log").read_text(), timeout_s=60, interval_s=0.1,
                    message="the router never saw its replica")
         for token in ("", "not-a-token"):
-            with Client(router.addr, timeout_s=60, token=token) as c, pytest.raises(UnauthenticatedError):
+            with auth_stack.client(token, router.addr) as c, pytest.raises(UnauthenticatedError):
                 c.generate(token_ids=[1, 2, 3], max_tokens=1)
-        with Client(router.addr, timeout_s=60, token=auth_stack.acme) as c:
+        with auth_stack.client(auth_stack.acme, router.addr) as c:
             assert len(c.generate(token_ids=list(range(40)), max_tokens=3, ignore_eos=True).token_ids) == 3
     finally:
         stop_service(router)
