@@ -79,6 +79,17 @@ def test_up_refuses_a_model_folder_without_a_config(tmp_path: Path, kind: str) -
     assert "Traceback" not in done.stderr
 
 
+def test_up_takes_the_old_tls_flag_and_refuses_tokens_without_tls(tmp_path: Path) -> None:
+    """`up --tls` (TLS is the default now) still starts as before: here it gets as far as the model check.
+    `--insecure` with `--auth-tokens` would send bearer tokens in plaintext: refused before anything starts."""
+    model = tmp_path / "no-model"
+    done = run_up(up_argv(tmp_path, model, free_ports(3), "--tls"))
+    assert done.returncode == 1 and f"model folder {model} does not exist" in done.stderr, done.stderr
+    done = run_up(up_argv(tmp_path, model, free_ports(3), "--insecure", "--auth-tokens", str(tmp_path / "t")))
+    assert done.returncode == 2 and "--auth-tokens needs TLS: drop --insecure" in done.stderr, done.stderr
+    assert not (tmp_path / "data" / "logs").exists() and not (tmp_path / "data" / "certs").exists()
+
+
 @pytest.mark.slow
 def test_up_shows_why_a_service_did_not_start(tmp_path: Path) -> None:
     """A model the engine refuses (sliding window): the reason is on the terminal, not only in a log."""
@@ -201,9 +212,11 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     """One `up`; its store, prefill and decode are SIGKILLed in turn. Each time `up` says which one died
     and its own last log lines, starts it again on its port, counts the restart in DATA_DIR/up.json and
     `kvserve stats`, and the next requests give the same tokens. A dead store's shm dir goes, and prefill
-    and decode map the new store's arena instead of keeping the dead one's memory."""
+    and decode map the new store's arena instead of keeping the dead one's memory. `up` is secure, as by
+    default: the client finds its credentials by itself, and the health checks present the admin certificate."""
     from client.client import Client
-    from stack.stack import wait_healthy
+    from client.local import Layout
+    from stack.stack import health_credentials, wait_healthy
     from stack.supervisor import UpStatus, read_status
 
     data = tmp_path / "data"
@@ -225,8 +238,10 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
         out.wait_for("ready:", proc)
         front_door = f"127.0.0.1:{ports[0]}"
 
+        admin = health_credentials(Layout(data).admin_tls_flags())
+
         def generate() -> list[int]:
-            with Client(front_door, timeout_s=120) as client:
+            with Client(front_door, timeout_s=120) as client:  # no token, no CA: those `up` registered
                 return list(client.generate(prompt="The store was killed, and yet", max_tokens=6,
                                             ignore_eos=True).token_ids)
 
@@ -259,7 +274,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
             assert again.restarts == 1 and again.pid not in (None, pid) and again.last_exit is not None
             assert again.last_exit.signal == "SIGKILL" and again.addr == before.services[name].addr
             assert {n: s.pid for n, s in now.services.items() if n != name} == others
-            wait_healthy(again.addr, 60)
+            wait_healthy(again.addr, 60, credentials=admin)
             assert generate() == expected
             assert proc.poll() is None
 
@@ -311,41 +326,95 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     _assert_gone(seen)
 
 
-@pytest.mark.slow
-def test_up_with_tls_and_tokens_serves_only_who_shows_them(tmp_path: Path) -> None:
-    """`up --tls --auth-tokens F`, as an operator would start it: the front door serves TLS to a client
-    with the CA and a token, refuses one without a token; the store and prefill take no caller without
-    a certificate from the CA; `kvserve stats --tls-dir` reads the store with the client certificate."""
-    from client.client import Client, UnauthenticatedError
+def _refuse_callers_without_a_certificate(ca: Path, ports: list[int]) -> None:
+    """The store and prefill (`ports`) refuse plaintext, and TLS without a client certificate."""
     from protos.kvserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-    tokens = tmp_path / "tokens"
-    token = subprocess.run([KVSERVE, "token", "team-a", "--tokens-file", str(tokens)], capture_output=True,
-                           text=True, timeout=60, check=True).stdout.strip()
+    for port in ports:
+        for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"), grpc.secure_channel(
+                f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca.read_bytes()))):
+            with channel, pytest.raises(grpc.RpcError) as refused:
+                kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def _kvserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVSERVE, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_up_is_secure_by_default_and_local_clients_find_its_credentials(tmp_path: Path) -> None:
+    """`up` with no security flag, on a data dir where an operator made the credentials and a tenant's token
+    (`kvserve credentials`, `kvserve token`): the front door serves TLS to a client with the CA and a token
+    and refuses one without a token; `kvserve generate` and `Client` on this host, given neither, find the
+    CA and the admin token that `up` registered; the store and prefill take no caller without a
+    certificate from the CA; `kvserve stats --data-dir` reads the store with the admin certificate. When
+    `up` stops, its registration goes."""
+    from client import local
+    from client.client import Client, UnauthenticatedError
+
+    data = tmp_path / "data"
+    made = _kvserve("credentials", str(data))
+    assert made.returncode == 0, made.stderr
+    layout = local.Layout(data)
+    assert layout.complete()
+    token = _kvserve("token", "team-a", "--tokens-file", str(layout.tokens))
+    assert token.returncode == 0, token.stderr
     ports = free_ports(3)
-    proc = _start_on(tmp_path, ports, "--tls", "--auth-tokens", str(tokens))
+    front_door = f"127.0.0.1:{ports[0]}"
+    proc = _start_on(tmp_path, ports)
     assert proc.stdout is not None and proc.stderr is not None
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
-    certs = tmp_path / "data" / "certs"
     try:
-        assert f"--tls-ca {certs / 'ca.pem'}" in out.wait_for("ready:", proc)
+        ready = out.wait_for("ready:", proc)
+        assert f"ready: front door at {front_door}, TLS, admin token in {layout.admin_token}" in ready, ready
         _wait_children(proc.pid, 3)
-        front_door = f"127.0.0.1:{ports[0]}"
-        with Client(front_door, timeout_s=120, tls_ca=certs / "ca.pem", token=token) as c:
+        found = local.find(front_door)
+        assert found is not None and found.root == data.resolve()
+
+        done = _kvserve("generate", "--addr", front_door, "--max-tokens", "4", "--ignore-eos", "--json", "hello")
+        assert done.returncode == 0, done.stderr
+        assert len(json.loads(done.stdout)["token_ids"]) == 4
+        with Client(front_door, timeout_s=120) as c:  # the admin, found by itself
+            assert len(c.generate(prompt="as the admin", max_tokens=4, ignore_eos=True).token_ids) == 4
+        with Client(front_door, timeout_s=120, tls_ca=layout.ca, token=token.stdout.strip()) as c:
             assert len(c.generate(prompt="over TLS", max_tokens=4, ignore_eos=True).token_ids) == 4
-        with Client(front_door, timeout_s=60, tls_ca=certs / "ca.pem", token="") as c, \
+        with Client(front_door, timeout_s=60, tls_ca=layout.ca, token="") as c, \
                 pytest.raises(UnauthenticatedError):
             c.generate(prompt="no token", max_tokens=4)
-        for port in ports[1:]:  # prefill and the store: plaintext, and TLS without a certificate
-            for channel in (grpc.insecure_channel(f"127.0.0.1:{port}"), grpc.secure_channel(
-                    f"127.0.0.1:{port}", grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))):
-                with channel, pytest.raises(grpc.RpcError) as refused:
-                    kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=10)
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-        stats = subprocess.run([KVSERVE, "stats", "--data-dir", str(tmp_path / "data"), "--tls-dir", str(certs),
-                                "--json"], capture_output=True, text=True, timeout=60)
+        _refuse_callers_without_a_certificate(layout.ca, ports[1:])
+
+        stats = _kvserve("stats", "--data-dir", str(data), "--json")
         assert stats.returncode == 0, stats.stderr
         assert json.loads(stats.stdout)["kvstore"]["tiers"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, "".join(err.lines)
+    assert all(local.find(f"127.0.0.1:{port}") is None for port in ports)
+
+
+@pytest.mark.slow
+def test_up_with_a_tokens_file_of_its_own_serves_its_tenants_and_the_admin(tmp_path: Path) -> None:
+    """`up --auth-tokens F`: F's tenants are served with the CA and their token; the admin, whose token `up`
+    names on its ready line for local clients to find, is served too."""
+    from client.client import Client
+
+    tokens = tmp_path / "tokens"
+    token = _kvserve("token", "team-a", "--tokens-file", str(tokens))
+    assert token.returncode == 0, token.stderr
+    ports = free_ports(3)
+    front_door = f"127.0.0.1:{ports[0]}"
+    proc = _start_on(tmp_path, ports, "--auth-tokens", str(tokens))
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    ca = tmp_path / "data" / "certs" / "ca.pem"
+    try:
+        out.wait_for("ready:", proc)
+        with Client(front_door, timeout_s=120, tls_ca=ca, token=token.stdout.strip()) as c:
+            assert len(c.generate(prompt="a tenant", max_tokens=4, ignore_eos=True).token_ids) == 4
+        done = _kvserve("generate", "--addr", front_door, "--max-tokens", "4", "--ignore-eos", "the admin")
+        assert done.returncode == 0, done.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
