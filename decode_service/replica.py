@@ -7,14 +7,19 @@ replica holds from Events, and weighs that against Load. Events carries two stre
 store's own, relayed, and this replica's KV pool (tier TIER_ENGINE: a snapshot when the stream
 starts, then what each engine step named and evicted), so that a chat's next turn goes to the
 replica whose pool still holds its history, where decode computes only the new question.
+
+Events keeps within what a router believes (router.bounds): every event names at most MAX_EVENT_HASHES
+hashes (the pool's snapshot and the store's batches go in pieces), and a store event with a malformed
+hash, kind or tier ends the stream (UNAVAILABLE, naming the store) instead of being passed on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -26,7 +31,10 @@ from handoff.requests import encode, options_from_proto, prompt_from_proto
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from router.bounds import STORE_TIERS, Lie, check_event, pieces
 from rpc.errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].full_name
 EVENTS_BEHIND = 1024  # events an Events stream may fall behind before it is ended (its router follows again)
@@ -45,11 +53,7 @@ class PoolEvents:
         self._streams: list[queue.Queue[Event | None]] = []
 
     def changed(self, named: list[BlockHash], evicted: list[BlockHash]) -> None:
-        events = []
-        if named:
-            events.append(Event(kind=Event.KIND_STORED, hashes=named, tier=kvstore_pb2.TIER_ENGINE))
-        if evicted:
-            events.append(Event(kind=Event.KIND_REMOVED, hashes=evicted, tier=kvstore_pb2.TIER_ENGINE))
+        events = [*_events(Event.KIND_STORED, named), *_events(Event.KIND_REMOVED, evicted)]
         with self._lock:
             self._held.update(dict.fromkeys(named))
             for h in evicted:
@@ -67,9 +71,12 @@ class PoolEvents:
 
     def subscribe(self) -> queue.Queue[Event | None]:
         """A queue of this pool's events, the first the snapshot of what it holds now; None ends it."""
-        stream: queue.Queue[Event | None] = queue.Queue(EVENTS_BEHIND)
         with self._lock:
-            stream.put_nowait(Event(kind=Event.KIND_STORED, hashes=list(self._held), tier=kvstore_pb2.TIER_ENGINE))
+            snapshot = _events(Event.KIND_STORED, list(self._held)) or [
+                Event(kind=Event.KIND_STORED, tier=kvstore_pb2.TIER_ENGINE)]  # an empty pool's
+            stream: queue.Queue[Event | None] = queue.Queue(EVENTS_BEHIND + len(snapshot))
+            for event in snapshot:
+                stream.put_nowait(event)
             self._streams.append(stream)
         return stream
 
@@ -104,20 +111,26 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
     def Events(  # noqa: N802 - gRPC method name
         self, request: kvstore_pb2.EventsRequest, context: grpc.ServicerContext
     ) -> Iterator[kvstore_pb2.Event]:
-        """The pool's events and the store's, merged; ends (UNAVAILABLE) when the store's stream ends."""
+        """The pool's events and the store's, merged; ends (UNAVAILABLE) when the store's stream ends or
+        sends an event out of bounds."""
         stream = self.pool_events.subscribe()
         call = self.store.watch_events()
-        store_error: list[grpc.RpcError] = []
+        store_error: list[grpc.RpcError | Lie] = []
 
         def relay() -> None:  # the store's events into the same queue, waiting for room: they must not be lost
             try:
-                for event in call:
-                    while context.is_active():
-                        try:
-                            stream.put(event, timeout=_POLL_S)
-                            break
-                        except queue.Full:
-                            pass
+                for batch in call:
+                    check_event(batch, STORE_TIERS, most=None)  # a batch is as long as the store's message allows
+                    for event in pieces(batch.hashes):
+                        while context.is_active():
+                            try:
+                                stream.put(Event(kind=batch.kind, hashes=event, tier=batch.tier), timeout=_POLL_S)
+                                break
+                            except queue.Full:
+                                pass
+            except Lie as lie:
+                call.cancel()
+                store_error.append(lie)
             except grpc.RpcError as exc:
                 store_error.append(exc)
             with contextlib.suppress(queue.Full):
@@ -139,5 +152,14 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
             call.cancel()
         if store_error and context.is_active():
             exc = store_error[0]
+            if isinstance(exc, Lie):
+                log.warning("the events of this replica's store (%s) are out of bounds (%s): ending the "
+                            "stream that relayed them", self.store.addr, exc)
+                raise Unavailable(f"the events of this replica's store ({self.store.addr}) are out of bounds: {exc}")
             raise Unavailable(f"the events of this replica's store ({self.store.addr}) ended: "
                               f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+
+
+def _events(kind: Event.Kind, hashes: Sequence[bytes]) -> list[Event]:
+    """Events of the pool naming `hashes`, in pieces a router takes."""
+    return [Event(kind=kind, hashes=piece, tier=kvstore_pb2.TIER_ENGINE) for piece in pieces(hashes)]

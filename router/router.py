@@ -16,6 +16,9 @@ The prompt's block hashes come from one replica (`DecodeReplica.PrefixHashes`), 
 scopes them to the caller's tenant exactly as the replica serving the request will; a router holds
 no model and no tenant secret. A replica's index also learns a request's blocks when the router
 sends it there, before its store says so, so that a burst of turns of one chat stays together.
+
+What a replica says is checked (router.bounds) and its indexes are capped in bytes: a replica that
+lies is distrusted, its claims dropped, so that it can neither steer placement nor grow this process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from router.bounds import Lie, check_event, check_load, prompt_hashes
 from rpc.addresses import Targets
 from rpc.errors import ServiceError, Unavailable
 from rpc.server import CLIENT_CHANNEL_OPTIONS
@@ -41,6 +46,15 @@ log = logging.getLogger(__name__)
 POLICIES = ("prefix", "least-loaded", "round-robin")
 DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 Metadata = Sequence[tuple[str, str]]
+# What one entry of a BlockIndex costs past its hash's own bytes: the hash's bytes object (33 bytes of
+# header, 80 in all with pymalloc's rounding for a 32-byte hash) and its dict slot (37-60 bytes measured
+# between resizes, CPython 3.11), rounded up.
+ENTRY_BYTES = 128
+# A replica's two indexes together (half each): 419,430 blocks an index at 32 + 128 bytes, 6.7 M tokens
+# at 16 a block, more than an 8B model's KV pool on an H200 (~50 k blocks); 8 replicas cost 1 GiB at most,
+# whatever they send.
+INDEX_BYTES = 128 << 20
+DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events are followed again
 
 
 class Upstream(ServiceError):
@@ -52,29 +66,40 @@ class Upstream(ServiceError):
 
 
 class BlockIndex:
-    """The block hashes one replica's node holds, oldest first; at most `capacity`, the oldest forgotten."""
+    """The block hashes one replica's node holds, oldest first: at most `capacity` of them and `capacity_bytes`
+    (`nbytes`: each hash's length + ENTRY_BYTES), the oldest forgotten."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, capacity_bytes: int = INDEX_BYTES // 2) -> None:
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
         self._blocks: dict[BlockHash, None] = {}
         self._lock = threading.Lock()
 
     def add(self, hashes: Sequence[bytes]) -> None:
         with self._lock:
             for h in hashes:
-                self._blocks.pop(BlockHash(h), None)
+                if h in self._blocks:
+                    del self._blocks[BlockHash(h)]  # seen again: now the newest
+                else:
+                    self.nbytes += len(h) + ENTRY_BYTES
                 self._blocks[BlockHash(h)] = None
-            while len(self._blocks) > self.capacity:
-                del self._blocks[next(iter(self._blocks))]
+            while self._blocks and (len(self._blocks) > self.capacity or self.nbytes > self.capacity_bytes):
+                oldest = next(iter(self._blocks))
+                del self._blocks[oldest]
+                self.nbytes -= len(oldest) + ENTRY_BYTES
 
     def remove(self, hashes: Sequence[bytes]) -> None:
         with self._lock:
             for h in hashes:
-                self._blocks.pop(BlockHash(h), None)
+                if h in self._blocks:
+                    del self._blocks[BlockHash(h)]
+                    self.nbytes -= len(h) + ENTRY_BYTES
 
     def clear(self) -> None:
         with self._lock:
             self._blocks.clear()
+            self.nbytes = 0
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._blocks
@@ -87,7 +112,8 @@ class Replica:
     """One decode replica: its channel, whether it is healthy, how busy, and which blocks it holds."""
 
     def __init__(self, addr: str, tls: TLSConfig | None, metadata: Metadata, index_capacity: int,
-                 poll_s: float, target_name: str | None = None) -> None:
+                 poll_s: float, target_name: str | None = None, *, index_bytes: int = INDEX_BYTES,
+                 distrust_s: float = DISTRUST_S, on_lie: Callable[[str, Lie], None] | None = None) -> None:
         self.addr = addr
         options: list[tuple[str, Any]] = list(CLIENT_CHANNEL_OPTIONS)
         if tls is not None and target_name is not None:  # an address resolved from a name: check the name
@@ -97,27 +123,36 @@ class Replica:
         self.replica = decode_pb2_grpc.DecodeReplicaStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = list(metadata)
-        self.index = BlockIndex(index_capacity)  # in its node's store
-        self.pool = BlockIndex(index_capacity)  # in its engine's KV pool
+        self.index = BlockIndex(index_capacity, index_bytes // 2)  # in its node's store
+        self.pool = BlockIndex(index_capacity, index_bytes // 2)  # in its engine's KV pool
+        self.lie: Lie | None = None  # why its claims are not believed, until its events are followed again
         self.healthy = False
         self.others_load = 0  # sequences there that are not this router's, when it last asked
         self.in_flight = 0  # requests this router has sent there and not seen end
         self.last_chosen = 0  # the router's number of the last request placed here
         self._lock = threading.Lock()
         self._poll_s = poll_s
+        self._distrust_s = distrust_s
+        self._on_lie = on_lie
         self._stop = threading.Event()
         self._events_call: Any = None
         self._threads = [threading.Thread(target=self._poll, name=f"poll {addr}", daemon=True),
                          threading.Thread(target=self._follow_events, name=f"events {addr}", daemon=True)]
 
     @property
+    def trusted(self) -> bool:
+        return self.lie is None
+
+    @property
     def load(self) -> int:
         """Sequences running or waiting there: this router's own, counted as they start and end, and the
-        others' (other routers', direct callers') as of the last poll."""
-        return self.in_flight + self.others_load
+        others' (other routers', direct callers') as of the last poll, unless the replica lied."""
+        return self.in_flight + (self.others_load if self.lie is None else 0)
 
     def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of the leading `hashes` the replica holds, in its pool or its node's store."""
+        """How many of the leading `hashes` the replica holds, in its pool or its node's store; 0 when it lied."""
+        if self.lie is not None:
+            return 0
         n = 0
         for h in hashes:
             if h not in self.pool and h not in self.index:
@@ -146,6 +181,32 @@ class Replica:
     def mark_down(self) -> None:
         self.healthy = False
 
+    def learned(self, hashes: Sequence[BlockHash]) -> None:
+        """A request whose prompt has `hashes` was sent there: the replica will hold its blocks."""
+        with self._lock:
+            if self.lie is None:
+                self.index.add(hashes)
+
+    def distrust(self, lie: Lie) -> None:
+        """Drops all the replica claimed, once it lied: its Events stream is cancelled, its indexes cleared
+        and its load taken as this router's own requests there. Requests still go there (it may be healthy,
+        and only its Generate answers reach callers); its claims steer none. Its events are followed
+        again, from an empty index, after `distrust_s`."""
+        with self._lock:  # what it claimed is added under this lock too: none of it outlives the lie
+            if self.lie is not None:
+                return
+            self.lie = lie.with_traceback(None)  # whose frames hold the message that lied
+            self.index.clear()
+            self.pool.clear()
+        self.others_load = 0
+        call = self._events_call
+        if call is not None:
+            call.cancel()
+        log.warning("decode replica %s lied (%s: %s): its blocks and load are not believed; following its "
+                    "events again in %.0f s", self.addr, lie.reason, str(lie), self._distrust_s)
+        if self._on_lie is not None:
+            self._on_lie(self.addr, lie)
+
     def _poll(self) -> None:
         warned = False
         while not self._stop.is_set():
@@ -158,9 +219,11 @@ class Replica:
             if healthy:
                 try:
                     mine = self.in_flight
-                    load = self.replica.Load(decode_pb2.LoadRequest(), timeout=timeout, metadata=self._metadata)
-                    self.others_load = max(0, int(load.running + load.waiting) - mine)
-                except grpc.RpcError as exc:  # the load stays as last known; requests still go there
+                    reply = self.replica.Load(decode_pb2.LoadRequest(), timeout=timeout, metadata=self._metadata)
+                    self.others_load = max(0, check_load(reply) - mine)
+                except Lie as lie:
+                    self.distrust(lie)
+                except (grpc.RpcError, ValueError) as exc:  # the load stays as last known; requests still go there
                     if not warned and isinstance(exc, grpc.Call) and exc.code() in (
                             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
                         log.warning("decode replica %s does not tell its load (%s): give the router --token "
@@ -171,19 +234,40 @@ class Replica:
             self.healthy = healthy
             self._stop.wait(self._poll_s)
 
+    def _apply(self, event: kvstore_pb2.Event) -> bool:
+        """Adds or removes what a checked event names; False (nothing done) once the replica has lied."""
+        index = self.pool if event.tier == kvstore_pb2.TIER_ENGINE else self.index
+        with self._lock:
+            if self.lie is not None:
+                return False
+            if event.kind == kvstore_pb2.Event.KIND_STORED:
+                index.add(event.hashes)
+            else:
+                index.remove(event.hashes)
+        return True
+
     def _follow_events(self) -> None:
         backoff = 0.5
         while not self._stop.is_set():
+            if self.lie is not None:  # it lied: nothing it said is kept, and it is heard again after a while
+                if self._stop.wait(self._distrust_s):
+                    return
+                with self._lock:
+                    self.index.clear()
+                    self.pool.clear()
+                    self.lie = None
             try:
-                self._events_call = self.replica.Events(kvstore_pb2.EventsRequest(), metadata=self._metadata)
+                self._events_call = call = self.replica.Events(kvstore_pb2.EventsRequest(), metadata=self._metadata)
                 self.pool.clear()  # the stream starts with a snapshot of the pool
-                for event in self._events_call:
+                for event in call:
+                    check_event(event)
                     backoff = 0.5
-                    index = self.pool if event.tier == kvstore_pb2.TIER_ENGINE else self.index
-                    if event.kind == kvstore_pb2.Event.KIND_STORED:
-                        index.add(event.hashes)
-                    elif event.kind == kvstore_pb2.Event.KIND_REMOVED:
-                        index.remove(event.hashes)
+                    if not self._apply(event):  # it lied elsewhere (its load, a prompt's hashes)
+                        call.cancel()
+                        break
+            except Lie as lie:
+                self.distrust(lie)
+                continue
             except (grpc.RpcError, ValueError) as exc:
                 if self._stop.is_set():
                     return
@@ -196,8 +280,11 @@ class Replica:
 class Router:
     def __init__(self, targets: Sequence[str], *, policy: str = "prefix", load_weight: float = 32.0,
                  tls: TLSConfig | None = None, metadata: Metadata = (), index_capacity: int = 1_000_000,
+                 index_bytes: int = INDEX_BYTES, distrust_s: float = DISTRUST_S,
                  poll_s: float = 0.5, resolve_every_s: float = 10.0,
                  on_route: Callable[[str, str, int], None] | None = None) -> None:
+        """`index_capacity` and `index_bytes` cap what the router keeps of each replica's blocks (entries in
+        each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
         if not targets:
@@ -209,10 +296,13 @@ class Router:
         self._tls = tls
         self._metadata = list(metadata)
         self._index_capacity = index_capacity
+        self._index_bytes = index_bytes
+        self._distrust_s = distrust_s
         self._poll_s = poll_s
         self._resolve_every_s = resolve_every_s
         self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
+        self._lies: Counter[tuple[str, str]] = Counter()  # (replica, reason): times it was distrusted
         self._lock = threading.Lock()
         self._choices = itertools.count(1)  # numbers each choice: among equals, the least recently chosen goes
         self._hash_turn = itertools.count()  # which replica prefix_hashes asks
@@ -239,6 +329,24 @@ class Router:
     def num_healthy(self) -> int:
         return sum(r.healthy for r in self._all())
 
+    @property
+    def num_distrusted(self) -> int:
+        return sum(not r.trusted for r in self._all())
+
+    @property
+    def index_bytes(self) -> int:
+        """What the replicas' indexes hold now, in bytes (BlockIndex.nbytes)."""
+        return sum(r.index.nbytes + r.pool.nbytes for r in self._all())
+
+    def lies(self) -> dict[tuple[str, str], int]:
+        """(replica, reason): how many times a replica was distrusted, for every reason it was."""
+        with self._lock:
+            return dict(self._lies)
+
+    def _lied(self, addr: str, lie: Lie) -> None:
+        with self._lock:
+            self._lies[addr, lie.reason] += 1
+
     # -- placing a request ---------------------------------------------------------------------
 
     def prefix_hashes(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
@@ -246,10 +354,12 @@ class Router:
         """The prompt's block hashes from a healthy replica; [] when none answers (the request is then
         placed by load alone). A status about the request itself (a bad prompt, a missing token) is
         the caller's, raised as it came."""
-        for replica in self._healthy(self._hash_turn)[:2]:
+        for replica in [r for r in self._healthy(self._hash_turn) if r.trusted][:2]:
             try:
                 reply = replica.replica.PrefixHashes(request, metadata=metadata, timeout=timeout_s)
-                return [BlockHash(h) for h in reply.hashes]
+                return prompt_hashes(reply)
+            except Lie as lie:
+                replica.distrust(lie)
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -310,7 +420,7 @@ class Router:
                     replica.mark_down()
                     tried.append(replica.addr)
                     continue
-                replica.index.add(hashes)  # it will hold them: the next turn should find them here
+                replica.learned(hashes)  # it will hold them: the next turn should find them here
                 if self.on_route is not None:
                     self.on_route(replica.addr, self.policy, held)
                 yield first
@@ -341,7 +451,8 @@ class Router:
         wanted = self._targets.resolve()
         with self._lock:
             gone = [r for a, r in self.replicas.items() if a not in wanted]
-            new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name)
+            new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name,
+                              index_bytes=self._index_bytes, distrust_s=self._distrust_s, on_lie=self._lied)
                    for a, name in wanted.items() if a not in self.replicas}
             self.replicas = {a: r for a, r in {**self.replicas, **new}.items() if a in wanted}
         for r in gone:

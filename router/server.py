@@ -7,6 +7,8 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
 from router.router import Router
@@ -26,10 +28,27 @@ class RouterMetrics:
                               ["replica", "policy"], registry=registry)
         self.held_blocks = Histogram(p + "held_blocks", "Leading prompt blocks the chosen replica held",
                                      buckets=HELD_BUCKETS, registry=registry)
+        Gauge(p + "distrusted_replicas", "Decode replicas whose claims (blocks, load) are not believed now, "
+              "since they lied", registry=registry).set_function(lambda: router.num_distrusted)
+        Gauge(p + "index_bytes", "Bytes the router's indexes of the replicas' blocks hold",
+              registry=registry).set_function(lambda: router.index_bytes)
+        registry.register(_Lies(router))
 
     def observe(self, replica: str, policy: str, held: int) -> None:
         self.routed.labels(replica=replica, policy=policy).inc()
         self.held_blocks.observe(held)
+
+
+class _Lies(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        lies = CounterMetricFamily("kvserve_router_replica_lies", "Times a decode replica was distrusted, by "
+                                   "what it lied about (hash, count, kind, tier, load)", labels=["replica", "reason"])
+        for (replica, reason), n in sorted(self.router.lies().items()):
+            lies.add_metric([replica, reason], n)
+        yield lies
 
 
 class RouterServicer(decode_pb2_grpc.DecodeServicer):

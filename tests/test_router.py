@@ -16,7 +16,7 @@ from prefill_service.client import PrefillReplicas
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2_grpc
 from router.__main__ import parser
-from router.router import DECODE_SERVICE, BlockIndex, Router
+from router.router import DECODE_SERVICE, ENTRY_BYTES, BlockIndex, Router
 from router.server import RouterServicer
 from rpc.addresses import resolve
 from rpc.cli import env_args
@@ -40,8 +40,9 @@ def test_the_index_holds_hashes_and_forgets_the_oldest() -> None:
     assert h(1) in index and h(2) not in index and len(index) == 3
     index.remove([h(1), h(42)])
     assert h(1) not in index and len(index) == 2
+    assert index.nbytes == 2 * (32 + ENTRY_BYTES)  # what it holds, in bytes: capped too (test_router_bounds.py)
     index.clear()
-    assert len(index) == 0
+    assert len(index) == 0 and index.nbytes == 0
 
 
 def test_resolve_names_every_address_of_a_name() -> None:
