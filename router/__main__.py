@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protos.kvserve.v1 import decode_pb2_grpc
-from router.router import DECODE_SERVICE, POLICIES, Router
+from router.router import DECODE_SERVICE, INDEX_BYTES, POLICIES, Router
 from router.server import RouterMetrics, RouterServicer
 from rpc.addresses import split_targets
 from rpc.cli import (
@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the router's service token, for its own calls to the replicas' internal API (their "
                         f"load, events and prompts' hashes), which decode lists in --service-tokens; requests "
                         f"pass on their callers' tokens (default ${TOKEN_ENV})")
+    p.add_argument("--index-mib", type=int, default=INDEX_BYTES >> 20, metavar="MIB",
+                   help="most memory the router keeps of each replica's block hashes, in MiB (its store's and its "
+                        "pool's, half each; the oldest are forgotten first) (default %(default)s)")
     p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
                    help="read the service token from FILE instead (`kvserve credentials` writes auth/router.token)")
     return p
@@ -74,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tls = tls_from_args(args, "router")
     try:
         token = service_token(args)
+        if args.index_mib < 1:
+            raise ValueError(f"--index-mib must be at least 1, not {args.index_mib}")
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
@@ -81,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     require_client_cert=False)  # the front door, as decode's
     try:
         router = Router(split_targets(args.decode), policy=args.policy,
-                        load_weight=args.load_weight, tls=tls,
+                        load_weight=args.load_weight, tls=tls, index_bytes=args.index_mib << 20,
                         metadata=[("authorization", f"Bearer {token}")] if token else [])
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
 from router.bounds import Lie, check_event, check_load, prompt_hashes
 from rpc.addresses import Targets
+from rpc.auth import ON_BEHALF_OF
 from rpc.errors import ServiceError, Unavailable
 from rpc.server import CLIENT_CHANNEL_OPTIONS
 from rpc.tls import TLSConfig, channel
@@ -351,20 +352,29 @@ class Router:
 
     def prefix_hashes(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
                       timeout_s: float) -> list[BlockHash]:
-        """The prompt's block hashes from a healthy replica; [] when none answers (the request is then
-        placed by load alone). A status about the request itself (a bad prompt, a missing token) is
-        the caller's, raised as it came."""
+        """The prompt's block hashes from a healthy replica, asked with the router's own service token and,
+        in `ON_BEHALF_OF`, the caller's (so that they are its tenant's); [] when none answers (the request
+        is then placed by load alone). A status about the request itself (a bad prompt) is the caller's,
+        raised as it came; a refused token is placed by load too (the Generate call then says why, or the
+        router's token is wrong: logged)."""
+        asked = [*self._metadata, *((ON_BEHALF_OF, v) for k, v in metadata if k == "authorization")]
         for replica in [r for r in self._healthy(self._hash_turn) if r.trusted][:2]:
             try:
-                reply = replica.replica.PrefixHashes(request, metadata=metadata, timeout=timeout_s)
+                reply = replica.replica.PrefixHashes(request, metadata=asked, timeout=timeout_s)
                 return prompt_hashes(reply)
             except Lie as lie:
                 replica.distrust(lie)
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    log.warning("prefix hashes from %s refused (%s: %s): placing by load; the router's "
+                                "--token-file must be a token from the replicas' --service-tokens",
+                                replica.addr, code.name, details)
+                    return []
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.UNIMPLEMENTED):
-                    raise Upstream(code, exc.details() if isinstance(exc, grpc.Call) else str(exc)) from exc
+                    raise Upstream(code, details) from exc
                 log.warning("prefix hashes from %s failed (%s): placing by load", replica.addr, code.name)
         return []
 

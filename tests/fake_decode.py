@@ -77,8 +77,10 @@ class FakeReplica(decode_pb2_grpc.DecodeReplicaServicer):
         self.events = events
         self.load = load or decode_pb2.LoadResponse()
         self.prefix = prefix or decode_pb2.PrefixHashesResponse()
+        self.refuse: grpc.StatusCode | None = None  # PrefixHashes' status instead of `prefix`
         self.streams = 0
         self.sent_bytes = 0
+        self.prefix_metadata: list[dict[str, str]] = []  # the metadata of each PrefixHashes call
         self._lock = threading.Lock()
 
     def Events(  # noqa: N802 - gRPC method name
@@ -101,6 +103,9 @@ class FakeReplica(decode_pb2_grpc.DecodeReplicaServicer):
     def PrefixHashes(  # noqa: N802 - gRPC method name
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> decode_pb2.PrefixHashesResponse:
+        self.prefix_metadata.append(dict(context.invocation_metadata()))
+        if self.refuse is not None:
+            context.abort(self.refuse, "refused")
         return self.prefix
 
 

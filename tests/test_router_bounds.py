@@ -306,6 +306,28 @@ def test_a_replica_lying_about_its_load_or_a_prompts_hashes_is_distrusted(server
         router.close()
 
 
+def test_prefix_hashes_are_asked_with_the_routers_token_for_the_callers_tenant(servers: list[FakeServer]) -> None:
+    """Decode's internal API answers only a service token; the caller's token names the tenant whose
+    namespace the hashes are in (rpc/auth.py). A refused token places the request by load."""
+    prompt = [h(i) for i in range(4)]
+    replica = FakeReplica(prefix=decode_pb2.PrefixHashesResponse(hashes=prompt, prompt_tokens=64, block_size=16))
+    servers.append(serve(replica))
+    router = Router([servers[0].addr], poll_s=0.05, metadata=[("authorization", "Bearer router-token")])
+    router.start()
+    try:
+        wait_until(lambda: router.num_healthy == 1)
+        assert router.prefix_hashes(decode_pb2.GenerateRequest(), [("authorization", "Bearer tenant-token")],
+                                    5.0) == prompt
+        asked = replica.prefix_metadata[-1]
+        assert asked["authorization"] == "Bearer router-token"
+        assert asked["kvserve-on-behalf-of"] == "Bearer tenant-token"
+        replica.refuse = grpc.StatusCode.PERMISSION_DENIED
+        assert router.prefix_hashes(decode_pb2.GenerateRequest(), [], 5.0) == []
+        assert "kvserve-on-behalf-of" not in replica.prefix_metadata[-1]
+    finally:
+        router.close()
+
+
 # --- the decode replica's relay of its store's events ---------------------------------------------
 
 
