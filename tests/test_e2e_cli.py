@@ -1,6 +1,7 @@
-"""`kvserve up` as a user runs it from a fresh shell: the stack comes up, `kvserve generate --json`
-and `kvserve stats --json` answer, and SIGTERM stops all three services (a stream in flight ends
-with UNAVAILABLE or completes; no process is left behind)."""
+"""`kvserve up` as a user runs it from a fresh shell: the stack comes up, secure as by default, `kvserve
+generate --json` and `kvserve stats --json` answer with no credentials given (they find those `up` made),
+and SIGTERM stops all three services (a stream in flight ends with UNAVAILABLE or completes; no process
+is left behind)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def up(tmp_path: Path) -> Iterator[Up]:
 
 def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
     addr = f"127.0.0.1:{up.decode}"
-    assert f"ready: front door at {addr}" in up.output()
+    assert f"ready: front door at {addr}, TLS, admin token in " in up.output()
     services = children(up.proc.pid)
     assert len(services) == 3
 

@@ -1,5 +1,6 @@
 """`kvserve health ADDR`: exit 0 for SERVING, 1 for any other answer (draining, an unknown service), 2 when
-the server cannot be asked; against a real store server, plaintext and with mTLS."""
+the server cannot be asked; against a real store server, plaintext and with mTLS, and against one of a
+`kvserve up` on this host, whose admin certificate it finds with no flags."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from client import local
 from client.cli import main as kvserve
 from kvstore.config import StoreConfig
 from kvstore.server import SERVICE_NAME, StoreServer
 from rpc.certs import make_certs
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig
+from stack.credentials import ensure
 from tests.kvstore_fixtures import REPO, running_server
 
 
@@ -96,6 +99,27 @@ def test_mtls_needs_a_certificate_from_the_ca(mtls_store: StoreServer, certs: Pa
     monkeypatch.setenv(ENV_KEY, str(certs / "kvstore-key.pem"))
     monkeypatch.setenv(ENV_CA, str(certs / "ca.pem"))
     assert kvserve(["health", addr]) == 0
+
+
+def test_a_server_of_an_up_on_this_host_is_asked_with_its_admin_certificate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No flags: the credentials that `up` registered for the port (client/local.py) are used, and only while
+    they are registered."""
+    for var in (ENV_CA, ENV_CERT, ENV_KEY):
+        monkeypatch.delenv(var, raising=False)
+    layout, _ = ensure(tmp_path / "data")
+    server = StoreServer(StoreConfig(shm=False), tls=TLSConfig.load(*layout.cert("kvstore"), layout.ca))
+    port = server.start()
+    addr = f"127.0.0.1:{port}"
+    try:
+        assert kvserve(["health", addr]) == 2  # no `up` named it: plaintext, refused
+        local.register([port], layout.root)
+        assert kvserve(["health", addr]) == 0
+        local.unregister([port], layout.root)
+        assert kvserve(["health", addr]) == 2
+    finally:
+        local.unregister([port])
+        server.stop(grace_s=0.5)
 
 
 def test_the_kvserve_command_exits_with_the_status(store: StoreServer) -> None:
