@@ -324,6 +324,9 @@ class DecodeService:
         if handle.block_size != bs:
             problems.append(f"block size {handle.block_size} there, {bs} here: "
                             "start both with the same --block-size")
+        vocab = model.vocab_size
+        if not all(0 <= t < vocab for t in (*handle.prompt_token_ids, handle.first_token_id)):
+            problems.append(f"token ids outside this model's vocabulary [0, {vocab})")
         if not problems:
             return
         StoreSession(self.store, self._store_failed).release(handle.lease_id)

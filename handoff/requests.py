@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from engine.model import Model, encode_prompt
 from engine.sampling import SamplingParams
-from protos.block_hash import BlockHash
+from protos.block_hash import HASH_BYTES, BlockHash
 from protos.kvserve.v1 import common_pb2, prefill_pb2
 from rpc.errors import InvalidArgument
 
@@ -180,7 +180,26 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResponse:
     )
 
 
+class MalformedHandle(ValueError):
+    """A prefill answer that no prefill service sends: its shape does not add up."""
+
+
 def handle_from_proto(r: prefill_pb2.PrefillResponse) -> PrefillHandle:
+    """The handle of a prefill answer, checked for shape (what another process sends is bounded and
+    verified before it is used; the token ids against the model in decode). MalformedHandle says what
+    does not add up."""
+    problem = (
+        "no prompt token ids" if not r.prompt_token_ids
+        else f"block size {r.block_size}" if r.block_size < 1
+        else f"{len(r.block_hashes)} block hashes for {len(r.prompt_token_ids)} tokens"
+        if len(r.block_hashes) > len(r.prompt_token_ids) // r.block_size
+        else "a block hash that is not 32 bytes" if any(len(h) != HASH_BYTES for h in r.block_hashes)
+        else "a tail key that is not 32 bytes" if r.tail_key and len(r.tail_key) != HASH_BYTES
+        else f"{r.num_cached_tokens} cached tokens of {len(r.prompt_token_ids)}"
+        if r.num_cached_tokens > len(r.prompt_token_ids) else ""
+    )
+    if problem:
+        raise MalformedHandle(f"the prefill answer has {problem}")
     t = r.timings
     return PrefillHandle(
         request_id=r.request_id,

@@ -26,6 +26,7 @@ from kvstore.arena import RESERVE as LOCAL_RESERVE
 from kvstore.arena import LocalCallError, host_id, scatter
 from kvstore.arena_map import ArenaMap
 from kvstore.block_format import checksum
+from kvstore.config import MAX_BLOCK_BYTES
 from kvstore.types import Buffer, Latency, LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
 from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
@@ -37,7 +38,6 @@ from rpc.tls import TLSConfig, channel
 if TYPE_CHECKING:
     from kvstore.device_tier import Device, OpenedSegment, Tensor
 
-_NO_LIMIT = 1 << 62
 
 
 class StoreInfo(NamedTuple):
@@ -362,7 +362,8 @@ class KVStoreClient:
 
     def _get_rpc(self, keys: list[BlockHash], todo: list[int], arena: ArenaMap | None,
                  take: Callable[[int, Buffer], None], take_shm: Callable[[int, ArenaMap, int, int, int], bool]) -> None:
-        assembler = BlockAssembler(_NO_LIMIT)
+        # A block the store answers is bounded as one it would take: no answer makes this process buffer more.
+        assembler = BlockAssembler(MAX_BLOCK_BYTES, "the most a store holds in one block")
         retry: list[int] = []
         pending = iter(todo)
         request = pb.GetRequest(hashes=[keys[i] for i in todo], via_shm=arena is not None)

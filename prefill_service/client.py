@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from handoff.requests import (
+    MalformedHandle,
     PrefillHandle,
     PromptInput,
     RequestOptions,
@@ -85,6 +86,8 @@ class PrefillCall:
             return handle_from_proto(next(self._call))
         except StopIteration:
             raise UpstreamError(grpc.StatusCode.INTERNAL, f"prefill at {self._addr} ended without a handle") from None
+        except MalformedHandle as exc:  # not a prefill service of ours: as one that does not answer
+            raise Unavailable(f"the prefill service at {self._addr} answered a malformed hand-off: {exc}") from None
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
 
