@@ -57,7 +57,8 @@ class Fakes:
     def __init__(self, tmp: Path, backoff: Callable[[], Backoff]) -> None:
         self.tmp = tmp
         self.out, self.err = io.StringIO(), io.StringIO()
-        self.stack = Stack(StackConfig(model_dir=tmp, data_dir=tmp), log_dir=tmp / "logs")
+        # The fakes serve plaintext: their command lines carry no TLS flags, so up's health checks ask in plaintext.
+        self.stack = Stack(StackConfig(model_dir=tmp, data_dir=tmp, insecure=True), log_dir=tmp / "logs")
         self.mode = {name: tmp / f"{name}.mode" for name in ("prefill", "decode")}
         (tmp / "logs").mkdir()
         for name, mode in self.mode.items():
