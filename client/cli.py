@@ -173,9 +173,7 @@ def parser() -> argparse.ArgumentParser:
                          "read and write every cached prompt. Default: secure, with the credentials made in "
                          "DATA_DIR on the first start (`kvserve credentials --help`), which local clients find")
     up.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    up.add_argument("--auth-tokens", type=Path, default=None, metavar="FILE",
-                    help="the tenants' tokens file (`kvserve token`) instead of DATA_DIR/auth/tokens; its secret is "
-                         "FILE.secret")
+    up.add_argument("--auth-tokens", type=Path, default=None, help=argparse.SUPPRESS)  # refused: see cmd_up
 
     gen = sub.add_parser(
         "generate", help="generate from a prompt, chat messages or token ids",
@@ -243,12 +241,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill_port=args.prefill_port, store_port=args.store_port,
         metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
         disk_capacity=args.disk_capacity, block_size=args.block_size,
-        extra_decode_args=[] if args.auth_tokens is None else ["--auth-tokens", str(args.auth_tokens),
-                                                               "--auth-secret-file", f"{args.auth_tokens}.secret"],
         insecure=args.insecure,
     )
-    if args.insecure and args.auth_tokens is not None:
-        print("kvserve up: --auth-tokens needs TLS: drop --insecure", file=sys.stderr)
+    if args.auth_tokens is not None:
+        print(f"kvserve up: --auth-tokens is gone: up keeps its tenants in {args.data_dir / 'auth' / 'tokens'} "
+              f"(with the admin's). Add one with `kvserve token TENANT --tokens-file "
+              f"{args.data_dir / 'auth' / 'tokens'}` and send `up` SIGHUP to load it", file=sys.stderr)
         return 2
     if args.insecure:
         print("kvserve up: warning: --insecure: plaintext, no tokens, no record MAC; any process that reaches "
@@ -281,6 +279,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    # SIGHUP: decode re-reads its tokens files (a tenant added or revoked with `kvserve token`).
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: stack.service("decode").process.send_signal(signal.SIGHUP))
     supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=lambda: stop_signal != 0)
     try:
         base = config.metrics_base_port

@@ -79,14 +79,15 @@ def test_up_refuses_a_model_folder_without_a_config(tmp_path: Path, kind: str) -
     assert "Traceback" not in done.stderr
 
 
-def test_up_takes_the_old_tls_flag_and_refuses_tokens_without_tls(tmp_path: Path) -> None:
+def test_up_takes_the_old_tls_flag_and_refuses_a_tokens_file_of_its_own(tmp_path: Path) -> None:
     """`up --tls` (TLS is the default now) still starts as before: here it gets as far as the model check.
-    `--insecure` with `--auth-tokens` would send bearer tokens in plaintext: refused before anything starts."""
+    `--auth-tokens` is refused, saying where up keeps its tenants, before anything starts."""
     model = tmp_path / "no-model"
     done = run_up(up_argv(tmp_path, model, free_ports(3), "--tls"))
     assert done.returncode == 1 and f"model folder {model} does not exist" in done.stderr, done.stderr
-    done = run_up(up_argv(tmp_path, model, free_ports(3), "--insecure", "--auth-tokens", str(tmp_path / "t")))
-    assert done.returncode == 2 and "--auth-tokens needs TLS: drop --insecure" in done.stderr, done.stderr
+    done = run_up(up_argv(tmp_path, model, free_ports(3), "--auth-tokens", str(tmp_path / "t")))
+    assert done.returncode == 2, done.stderr
+    assert f"up keeps its tenants in {tmp_path / 'data' / 'auth' / 'tokens'}" in done.stderr, done.stderr
     assert not (tmp_path / "data" / "logs").exists() and not (tmp_path / "data" / "certs").exists()
 
 
@@ -395,23 +396,27 @@ def test_up_is_secure_by_default_and_local_clients_find_its_credentials(tmp_path
 
 
 @pytest.mark.slow
-def test_up_with_a_tokens_file_of_its_own_serves_its_tenants_and_the_admin(tmp_path: Path) -> None:
-    """`up --auth-tokens F`: F's tenants are served with the CA and their token; the admin, whose token `up`
-    names on its ready line for local clients to find, is served too."""
-    from client.client import Client
+def test_a_tenant_added_to_a_running_up_is_served_after_sighup(tmp_path: Path) -> None:
+    """`kvserve token team-a --tokens-file DATA_DIR/auth/tokens`, then SIGHUP to `up` (passed on to decode):
+    team-a is served with the CA and its token; before the SIGHUP its token is refused. The admin, whose
+    token local clients find, is served throughout."""
+    from client.client import Client, UnauthenticatedError
 
-    tokens = tmp_path / "tokens"
-    token = _kvserve("token", "team-a", "--tokens-file", str(tokens))
-    assert token.returncode == 0, token.stderr
     ports = free_ports(3)
     front_door = f"127.0.0.1:{ports[0]}"
-    proc = _start_on(tmp_path, ports, "--auth-tokens", str(tokens))
+    proc = _start_on(tmp_path, ports)
     assert proc.stdout is not None and proc.stderr is not None
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
-    ca = tmp_path / "data" / "certs" / "ca.pem"
+    data = tmp_path / "data"
     try:
         out.wait_for("ready:", proc)
-        with Client(front_door, timeout_s=120, tls_ca=ca, token=token.stdout.strip()) as c:
+        token = _kvserve("token", "team-a", "--tokens-file", str(data / "auth" / "tokens"))
+        assert token.returncode == 0, token.stderr
+        with Client(front_door, timeout_s=120, tls_ca=data / "certs" / "ca.pem", token=token.stdout.strip()) as c:
+            with pytest.raises(UnauthenticatedError):
+                c.generate(prompt="a tenant", max_tokens=1)
+            proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: "reloaded" in (data / "logs" / "decode.log").read_text(), timeout_s=30)
             assert len(c.generate(prompt="a tenant", max_tokens=4, ignore_eos=True).token_ids) == 4
         done = _kvserve("generate", "--addr", front_door, "--max-tokens", "4", "--ignore-eos", "the admin")
         assert done.returncode == 0, done.stderr
