@@ -8,7 +8,7 @@ store's own, relayed, and this replica's KV pool (tier TIER_ENGINE: a snapshot w
 starts, then what each engine step named and evicted), so that a chat's next turn goes to the
 replica whose pool still holds its history, where decode computes only the new question.
 
-Events keeps within what a router believes (router.bounds): every event names at most MAX_EVENT_HASHES
+Events keeps within what a router believes (protos.bounds): every event names at most MAX_EVENT_HASHES
 hashes (the pool's snapshot and the store's batches go in pieces), and a store event with a malformed
 hash, kind or tier ends the stream (UNAVAILABLE, naming the store) instead of being passed on.
 """
@@ -30,8 +30,8 @@ from engine.hashing import prefix_hashes
 from handoff.requests import encode, options_from_proto, prompt_from_proto
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
+from protos.bounds import STORE_TIERS, Lie, check_event, pieces
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from router.bounds import STORE_TIERS, Lie, check_event, pieces
 from rpc.errors import Unavailable
 
 log = logging.getLogger(__name__)

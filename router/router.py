@@ -17,7 +17,7 @@ scopes them to the caller's tenant exactly as the replica serving the request wi
 no model and no tenant secret. A replica's index also learns a request's blocks when the router
 sends it there, before its store says so, so that a burst of turns of one chat stays together.
 
-What a replica says is checked (router.bounds) and its indexes are capped in bytes: a replica that
+What a replica says is checked (protos.bounds) and its indexes are capped in bytes: a replica that
 lies is distrusted, its claims dropped, so that it can neither steer placement nor grow this process.
 """
 
@@ -34,8 +34,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.block_hash import BlockHash
+from protos.bounds import Lie, check_event, check_load, prompt_hashes
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from router.bounds import Lie, check_event, check_load, prompt_hashes
 from rpc.addresses import Targets
 from rpc.auth import ON_BEHALF_OF
 from rpc.errors import ServiceError, Unavailable

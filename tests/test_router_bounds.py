@@ -2,7 +2,7 @@
 "Router"; RELIABILITY.md). The attack: a replica (or anything answering on a --decode address) whose
 `DecodeReplica.Events` sent 64 KiB "hashes" drove the router from 109 MiB to 5.2 GiB in about 70 s, still
 rising, since its indexes were capped only in entries (1,000,000 each). Now every claim is checked
-(router/bounds.py), the indexes are capped in bytes, and a replica that lies is distrusted: its Events
+(protos/bounds.py), the indexes are capped in bytes, and a replica that lies is distrusted: its Events
 stream cancelled, its indexes cleared, the lie counted; the router keeps serving with the others.
 
 Replicas here are tests/fake_decode.py's, served over real gRPC in this process."""
@@ -25,8 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from decode_service.replica import DecodeReplicaServicer, PoolEvents
 from protos.block_hash import HASH_BYTES, BlockHash
-from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from router.bounds import (
+from protos.bounds import (
     MAX_EVENT_HASHES,
     MAX_LOAD,
     MAX_PROMPT_HASHES,
@@ -35,6 +34,7 @@ from router.bounds import (
     check_load,
     prompt_hashes,
 )
+from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
 from router.router import ENTRY_BYTES, BlockIndex, Router
 from router.server import RouterMetrics
 from rpc.server import Server

@@ -1,5 +1,6 @@
 """What a router believes of a decode replica, and past which bounds a replica is lying (docs/DESIGN.md,
-"Router"). Every claim a replica sends (its Events, its Load, a prompt's PrefixHashes) is checked here
+"Router"): a contract between the services, so it lives beside their protos (decode checks the store's
+events it relays by the same bounds). Every claim a replica sends (its Events, its Load, a prompt's PrefixHashes) is checked here
 before anything it names is kept; a claim out of bounds raises `Lie`, and the router then drops all that
 replica told it (router.router.Replica.distrust).
 
