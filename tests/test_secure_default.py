@@ -12,7 +12,7 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,7 @@ class Up:
     process: subprocess.Popen[str]
     data_dir: Path
     ports: list[int]
+    insecure: bool
 
     def addr(self, i: int) -> str:
         return f"127.0.0.1:{self.ports[i]}"
@@ -68,7 +69,7 @@ def _start_up(tmp: Path, *extra: str) -> Iterator[Up]:
         raise AssertionError("kvserve up did not start:\n" + "".join(seen))
     threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
     try:
-        yield Up(process, data_dir, ports)
+        yield Up(process, data_dir, ports, "--insecure" in extra)
     finally:
         process.terminate()
         process.wait(60)
@@ -108,8 +109,7 @@ def _store_attacks(channel: grpc.Channel, victim_hashes: list[bytes]) -> dict[st
     """What the store tells or takes from `channel`: a Lookup of a guessed prompt, a Get of its blocks, a
     forged Put; RpcError's code for what it refused."""
     stub = kvstore_pb2_grpc.KVStoreStub(channel)
-    outcome: dict[str, object] = {}
-    calls = {
+    return _outcomes({
         "lookup": lambda: stub.Lookup(kvstore_pb2.LookupRequest(hashes=victim_hashes), timeout=5).num_hits,
         "get": lambda: sum(len(r.chunk.data) for r in stub.Get(kvstore_pb2.GetRequest(hashes=victim_hashes),
                                                                 timeout=5)),
@@ -117,7 +117,12 @@ def _store_attacks(channel: grpc.Channel, victim_hashes: list[bytes]) -> dict[st
             hash=b"\x01" * 32, total_size=len(BLOCK), offset=0, data=BLOCK, checksum=checksum(BLOCK)))]),
             timeout=5).num_new,
         "events": lambda: next(iter(stub.Events(kvstore_pb2.EventsRequest(), timeout=5))).kind,
-    }
+    })
+
+
+def _outcomes(calls: dict[str, Callable[[], object]]) -> dict[str, object]:
+    """Each call's answer, or the status code it was refused with."""
+    outcome: dict[str, object] = {}
     for name, call in calls.items():
         try:
             outcome[name] = call()
@@ -131,7 +136,7 @@ def _victim_hashes(up: Up) -> list[bytes]:
     hashes, which the attacker is assumed to have guessed, from decode as the router asks for them."""
     with Client(up.addr(0)) as client:
         assert client.generate(PROMPT, max_tokens=2).usage.prompt_tokens > 64
-    layout, secure = up.layout, "--insecure" not in up.process.args
+    layout, secure = up.layout, not up.insecure
     channel = (grpc.secure_channel(up.addr(0), grpc.ssl_channel_credentials(layout.ca.read_bytes())) if secure
                else grpc.insecure_channel(up.addr(0)))
     metadata = [("authorization", f"Bearer {layout.router_token.read_text().strip()}"),
@@ -179,19 +184,13 @@ def _replica_calls(addr: str, credentials: grpc.ChannelCredentials | None, metad
     channel = grpc.insecure_channel(addr) if credentials is None else grpc.secure_channel(addr, credentials)
     stub = decode_pb2_grpc.DecodeReplicaStub(channel)
     request = decode_pb2.GenerateRequest(prompt=common_pb2.Prompt(text=PROMPT))
-    calls = {
-        "load": lambda: stub.Load(decode_pb2.LoadRequest(), metadata=metadata, timeout=5).running,
-        "prefix_hashes": lambda: len(stub.PrefixHashes(request, metadata=metadata, timeout=10).hashes),
-        "events": lambda: next(iter(stub.Events(kvstore_pb2.EventsRequest(), metadata=metadata, timeout=5))).tier,
-    }
-    outcome: dict[str, object] = {}
     with channel:
-        for name, call in calls.items():
-            try:
-                outcome[name] = call()
-            except grpc.RpcError as exc:
-                outcome[name] = exc.code()  # type: ignore[attr-defined]
-    return outcome
+        return _outcomes({
+            "load": lambda: stub.Load(decode_pb2.LoadRequest(), metadata=metadata, timeout=5).running,
+            "prefix_hashes": lambda: len(stub.PrefixHashes(request, metadata=metadata, timeout=10).hashes),
+            "events": lambda: next(iter(stub.Events(kvstore_pb2.EventsRequest(), metadata=metadata,
+                                                    timeout=5))).tier,
+        })
 
 
 def test_decode_replica_answers_only_a_service_token(secure: Up) -> None:
