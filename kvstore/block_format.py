@@ -4,7 +4,7 @@ Header (96 bytes, little endian): magic b"KVSR" (KV store record), layout versio
 the payload u64, payload size u64, write sequence u64 (restores LRU order after a restart), digest (32 bytes),
 tag (32 bytes). The tag binds the record to the block hash it is stored under: a record moved to another
 hash, forged, or written under another record key is a `ForeignRecord`, a miss.
-- With a record key (kvstore/record_key.py): digest = SHA-256 of the payload, tag = HMAC-SHA256 of the
+- With a record key (kvstore/record_key.py): digest = BLAKE3 of the payload, tag = HMAC-SHA256 of the
   header's fields before the tag, then the block hash. The header alone is checked when the disk tier is
   indexed at start; the payload against its digest on every read.
 - Without one (plaintext): digest zero, tag = xxh3-128 of the same. A record moved between hashes is still a
