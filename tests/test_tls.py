@@ -111,7 +111,7 @@ def test_certs_keep_the_ca_and_refuse_to_overwrite_without_force(
     assert (tmp_path / "ca.pem").read_bytes() == ca
     assert (tmp_path / "kvstore.pem").read_bytes() != store
 
-    store = (tmp_path / "kvstore.pem").read_bytes()  # what `kvserve up --tls` calls on every start
+    store = (tmp_path / "kvstore.pem").read_bytes()  # what `kvserve up` calls on every start
     assert set(make_certs(tmp_path, keep_existing=True).written) == {"prefill", "decode"}
     assert (tmp_path / "kvstore.pem").read_bytes() == store and (tmp_path / "ca.pem").read_bytes() == ca
     assert make_certs(tmp_path, keep_existing=True).written == {}
