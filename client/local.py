@@ -27,10 +27,18 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 HOME_ENV = "KVSERVE_HOME"
 ADMIN_TENANT = "admin"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class ClientCredentials(TypedDict):
+    """`Client(addr, **credentials)`."""
+
+    token: str
+    tls_ca: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +105,7 @@ class Layout:
         cert, key = self.admin_cert
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
 
-    def client_kwargs(self) -> dict[str, str]:
+    def client_kwargs(self) -> ClientCredentials:
         """`Client`'s token and tls_ca as the admin (a stack's own tools and tests)."""
         return {"token": self.admin_token.read_text(encoding="utf-8").strip(), "tls_ca": str(self.ca)}
 

@@ -33,6 +33,7 @@ import pytest
 
 if TYPE_CHECKING:
     from client.client import Client
+    from client.local import ClientCredentials
     from kvstore import KVStoreClient
     from stack.stack import Stack
 
@@ -61,7 +62,7 @@ class KVServeStack:
     credentials: Path  # the folder of its CA, certificates and tokens (client/local.py)
 
     @property
-    def client_kwargs(self) -> dict[str, str]:
+    def client_kwargs(self) -> ClientCredentials:
         """`Client(stack.addr, **stack.client_kwargs)`: the admin's token and the CA of the front door."""
         from client.local import Layout
 
