@@ -119,6 +119,7 @@ def fake_python(tmp_path: Path, body: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_is_skipped_with_its_log(tmp_path: Path) -> None:
     python = fake_python(tmp_path, """\
         print("RuntimeError: no CPU attention backend for head size 7", flush=True)
@@ -131,6 +132,7 @@ def test_a_server_that_dies_is_skipped_with_its_log(tmp_path: Path) -> None:
     assert "no CPU attention backend for head size 7" in peer["skipped"]
 
 
+@pytest.mark.slow
 def test_a_server_never_ready_is_stopped_with_its_children(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     python = fake_python(tmp_path, f"""\

@@ -172,6 +172,7 @@ def test_ctrl_c_in_generate_cancels_quietly() -> None:
         assert fake.servicer.wait_outcomes(1) == ["cancelled"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_chat() -> None:
     with FakeServer(delay_s=0.01) as fake:
         proc = _cli("chat", "--max-tokens", "300", "--addr", fake.addr)

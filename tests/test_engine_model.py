@@ -22,6 +22,7 @@ def test_loaded_model_describes_its_kv() -> None:
     assert model.fingerprint == model_fingerprint(model.path)
 
 
+@pytest.mark.slow
 def test_fingerprint_stable_across_processes_and_copies(tmp_path: Path) -> None:
     path = tiny_model_path("qwen2")
     child = subprocess.run(

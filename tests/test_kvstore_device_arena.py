@@ -134,6 +134,7 @@ def test_another_process_opens_the_device_arena_and_moves_tensors_both_ways(tmp_
     assert not list(tmp_path.glob("kvserve-*"))  # its socket dir went with it
 
 
+@pytest.mark.slow
 def test_a_client_of_a_restarted_store_opens_its_new_arena(tmp_path: Path) -> None:
     proc, port = device_store(tmp_path)
     with KVStoreClient(f"127.0.0.1:{port}") as c:

@@ -294,6 +294,7 @@ def test_corrupt_lmdb_value_is_detected_deleted_counted_and_a_miss(tmp_path: Pat
         assert c.lookup([key(2)]).num_hits == 0
 
 
+@pytest.mark.slow
 def test_metrics_are_served(tmp_path: Path) -> None:
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
         c.put([(key(1), payload(1))])
@@ -316,6 +317,7 @@ def test_metrics_are_served(tmp_path: Path) -> None:
     assert 'kvserve_kvstore_tier_available{tier="host"} 1.0' in text
 
 
+@pytest.mark.slow
 def test_client_follows_a_restarted_store_to_its_new_shm_dir(tmp_path: Path) -> None:
     config = StoreConfig(shm_root=str(tmp_path), disk_capacity=1 * MiB, disk_path=tmp_path / "db")
     first = StoreServer(config)

@@ -69,6 +69,7 @@ def test_loading_the_plugin_imports_no_grpc_and_no_torch() -> None:
     assert loaded.isdisjoint({"grpc", "google", "protos", "kvstore", "engine", "torch", "transformers"}), loaded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given", ["option", "env", "ini"])
 def test_the_model_folder_comes_from_the_option_then_env_then_ini(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, given: str

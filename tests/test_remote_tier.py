@@ -168,6 +168,7 @@ def test_a_slow_redis_times_out_as_misses(redis_server: RedisServer, stores: Cal
     assert b.lookup(keys).num_hits == 4
 
 
+@pytest.mark.slow
 @needs_redis
 def test_a_cluster_of_three_masters_shares_blocks_across_its_slots(
         tmp_path: Path, stores: Callable[..., BlockStore]) -> None:

@@ -201,6 +201,7 @@ def test_an_honest_replicas_events_are_indexed_as_before(servers: list[FakeServe
         router.close()
 
 
+@pytest.mark.slow
 def test_a_replica_sending_64_kib_hashes_is_dropped_and_the_router_stays_flat(servers: list[FakeServer]) -> None:
     """The attack, from a replica that first claims a prompt, then sends 4 MiB events of 63 new 64 KiB hashes
     each. Before, every hash was kept: the issue saw 5.2 GiB after 70 s, and this test's process grew by 240

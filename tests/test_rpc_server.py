@@ -42,6 +42,7 @@ def test_a_taken_metrics_port_is_refused_before_serving() -> None:
         assert server.port == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
 def test_a_missing_model_is_one_line_and_exit_2(module: str, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", module, "--model", str(tmp_path / "nothing"), "--listen",

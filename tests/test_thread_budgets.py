@@ -124,6 +124,7 @@ def prepared_threads(module: str, *flags: str, cores: set[int] | None = None) ->
     return [int(n) for n in done.stdout.split()], done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["prefill_service", "decode_service"])
 def test_a_service_given_threads_1_runs_torch_on_one_thread(module: str) -> None:
     threads, log = prepared_threads(module, "--threads", "1")
@@ -131,6 +132,7 @@ def test_a_service_given_threads_1_runs_torch_on_one_thread(module: str) -> None
     assert "compute threads: 1 (--threads;" in log  # one line at start
 
 
+@pytest.mark.slow
 def test_without_the_flag_a_service_takes_the_cores_it_may_use() -> None:
     threads, log = prepared_threads("prefill_service", cores={0})
     assert threads == [1, 1]  # torch alone sizes its team to the machine's cores, not to the affinity mask
