@@ -22,7 +22,7 @@ from client import local
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
 from client.health import positive_float
 from client.metrics import parse_metrics
-from stack.stack import Stack, StackConfig, StackError, health_credentials
+from stack.stack import Stack, StackConfig, StackError
 from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
@@ -467,7 +467,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _print_up_status(up)
     admin = local.Layout(args.data_dir)  # the admin's credentials, where an `up` made them
     layout = admin if admin.complete() else None
-    credentials = None if layout is None else health_credentials(layout.admin_tls_flags())
+    credentials = None if layout is None else layout.admin_credentials()
     with (grpc.insecure_channel(store_addr) if credentials is None
           else grpc.secure_channel(store_addr, credentials)) as channel:
         reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)

@@ -62,9 +62,7 @@ def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     (client/local.py); else None (plaintext). ValueError names a missing or unreadable file."""
     if args.tls_cert is None and args.tls_key is None and args.tls_ca is None:
         found = local.find(args.addr)
-        if found is None:
-            return None
-        (args.tls_cert, args.tls_key), args.tls_ca = found.admin_cert, found.ca
+        return None if found is None else found.admin_credentials()
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
 

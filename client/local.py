@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
+import grpc
+
 HOME_ENV = "KVSERVE_HOME"
 ADMIN_TENANT = "admin"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -100,10 +102,10 @@ class Layout:
         cert, key = self.cert(name)
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
 
-    def admin_tls_flags(self) -> list[str]:
-        """The flags of a tool that presents the admin certificate (`kvserve health`)."""
+    def admin_credentials(self) -> grpc.ChannelCredentials:
+        """TLS that trusts the CA and presents the admin certificate (`kvserve health`, `stats`)."""
         cert, key = self.admin_cert
-        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
+        return grpc.ssl_channel_credentials(self.ca.read_bytes(), key.read_bytes(), cert.read_bytes())
 
     def client_kwargs(self) -> ClientCredentials:
         """`Client`'s token and tls_ca as the admin (a stack's own tools and tests)."""

@@ -59,8 +59,6 @@ def parser() -> argparse.ArgumentParser:
                         "by another deployment is a miss. Without it, records are bound to their keys by checksum "
                         "only (anyone who can write the disk tier or Redis can forge blocks), and --remote-url "
                         "needs --insecure")
-    p.add_argument("--no-record-key", action="store_true",
-                   help="ignore --record-key-file (to measure what the MAC costs): records bound by checksum only")
     remote = p.add_argument_group(
         "remote tier", "A Redis or Valkey shared by every node's store, under the local tiers: blocks stored here are "
         "written behind to it (never blocking a Put), and a local miss asks it once before computing. Its errors "
@@ -106,7 +104,7 @@ def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
 def load_record_key(args: argparse.Namespace) -> record_key.RecordKey | None:
     """The record key --record-key-file names; None (with a warning) without one. ValueError for a file that
     cannot be used, and for a remote tier without a key unless --insecure."""
-    if args.record_key_file is not None and not args.no_record_key:
+    if args.record_key_file is not None:
         return record_key.load(args.record_key_file)
     if args.remote_url is not None and not getattr(args, "insecure", False):
         raise ValueError("--remote-url needs --record-key-file (whoever can write to Redis could otherwise serve any "

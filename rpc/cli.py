@@ -126,12 +126,11 @@ def tls_from_args(args: argparse.Namespace, service: str) -> TLSConfig | None:
             raise TLSError("serves TLS unless told otherwise: give --tls-cert, --tls-key and --tls-ca (`kvserve "
                            "credentials DIR` makes them; `kvserve up` does it for you), or --insecure for plaintext "
                            "on a port nobody else can reach")
-        missing = ("--tls-cert and --tls-key" if args.tls_cert is None and args.tls_key is None
-                   else "--tls-cert" if args.tls_cert is None else "--tls-key" if args.tls_key is None else "")
+        flag, missing = (("--tls-ca", "--tls-cert and --tls-key") if args.tls_cert is None and args.tls_key is None
+                         else ("--tls-key", "--tls-cert") if args.tls_cert is None
+                         else ("--tls-cert", "--tls-key") if args.tls_key is None else ("", ""))
         if missing:
-            given_flag = "--tls-ca" if missing == "--tls-cert and --tls-key" else \
-                "--tls-key" if args.tls_cert is None else "--tls-cert"
-            raise TLSError(f"{given_flag} needs {missing}: a service serves TLS with its own certificate and key, "
+            raise TLSError(f"{flag} needs {missing}: a service serves TLS with its own certificate and key, "
                            f"which it also presents to the services it calls (`kvserve certs DIR` makes them)")
         return TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
     except TLSError as exc:

@@ -134,14 +134,13 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry, tls:
     TLS it is HTTPS with the service's certificate, and a scraper must present a certificate from the CA, as
     the internal gRPC servers ask: the page names block counts, tenants' load and timings, and a scraper
     (Prometheus's tls_config, `kvserve stats`) can present one."""
-    if tls is None:
-        server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
-        return server
-    cert, key, ca = tls.paths
-    if cert is None or key is None or ca is None:
-        raise OSError("metrics under TLS need the service's certificate, key and CA as files")
-    server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry, certfile=cert, keyfile=key,
-                                  client_cafile=ca, client_auth_required=True)
+    https: dict[str, Any] = {}
+    if tls is not None:
+        cert, key, ca = tls.paths
+        if cert is None or key is None or ca is None:
+            raise OSError("metrics under TLS need the service's certificate, key and CA as files")
+        https = {"certfile": cert, "keyfile": key, "client_cafile": ca, "client_auth_required": True}
+    server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry, **https)
     return server
 
 

@@ -63,8 +63,10 @@ class TLSConfig:
         if ca is not None:
             ca_pem, _ = read_certificate(Path(ca), "TLS CA (--tls-ca)")
         source = ", ".join(f"{what} {path}" for what, path in (("cert", cert), ("CA", ca)) if path is not None)
-        return cls(cert_pem, key_pem, ca_pem, source,
-                   tuple(None if p is None else str(p) for p in (cert, key, ca)))  # type: ignore[arg-type]
+        def path(p: str | Path | None) -> str | None:
+            return None if p is None else str(p)
+
+        return cls(cert_pem, key_pem, ca_pem, source, (path(cert), path(key), path(ca)))
 
     @property
     def has_identity(self) -> bool:

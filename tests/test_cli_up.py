@@ -217,7 +217,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     default: the client finds its credentials by itself, and the health checks present the admin certificate."""
     from client.client import Client
     from client.local import Layout
-    from stack.stack import health_credentials, wait_healthy
+    from stack.stack import wait_healthy
     from stack.supervisor import UpStatus, read_status
 
     data = tmp_path / "data"
@@ -239,7 +239,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
         out.wait_for("ready:", proc)
         front_door = f"127.0.0.1:{ports[0]}"
 
-        admin = health_credentials(Layout(data).admin_tls_flags())
+        admin = Layout(data).admin_credentials()
 
         def generate() -> list[int]:
             with Client(front_door, timeout_s=120) as client:  # no token, no CA: those `up` registered

@@ -251,7 +251,7 @@ def test_a_remote_tier_needs_a_record_key_unless_insecure(tmp_path: Path, caplog
     assert isinstance(load_record_key(args(*remote, "--record-key-file", str(path))), RecordKey)
     with caplog.at_level(logging.WARNING, "kvstore"):
         assert load_record_key(args(*remote, insecure=True)) is None
-        assert load_record_key(args("--record-key-file", str(path), "--no-record-key")) is None
+        assert load_record_key(args()) is None
     assert [r.getMessage().startswith("no --record-key-file: store records are bound to their keys by checksum only")
             for r in caplog.records] == [True, True]
 
