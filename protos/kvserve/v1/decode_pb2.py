@@ -26,7 +26,7 @@ from protos.kvserve.v1 import common_pb2 as protos_dot_kvserve_dot_v1_dot_common
 from protos.kvserve.v1 import kvstore_pb2 as protos_dot_kvserve_dot_v1_dot_kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/kvserve/v1/decode.proto\x12\nkvserve.v1\x1a\x1eprotos/kvserve/v1/common.proto\x1a\x1fprotos/kvserve/v1/kvstore.proto\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.kvserve.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\'\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.CacheOptions\",\n\nTokenChunk\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xaa\x01\n\x0eGenerateResult\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.kvserve.v1.Timings\"q\n\x10GenerateResponse\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.TokenChunkH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.kvserve.v1.GenerateResultH\x00\x42\x06\n\x04kind\"Q\n\x14PrefixHashesResponse\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\r\n\x0bLoadRequest\"0\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r2Q\n\x06\x44\x65\x63ode\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x32\xd3\x01\n\rDecodeReplica\x12M\n\x0cPrefixHashes\x12\x1b.kvserve.v1.GenerateRequest\x1a .kvserve.v1.PrefixHashesResponse\x12\x39\n\x04Load\x12\x17.kvserve.v1.LoadRequest\x1a\x18.kvserve.v1.LoadResponse\x12\x38\n\x06\x45vents\x12\x19.kvserve.v1.EventsRequest\x1a\x11.kvserve.v1.Event0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/kvserve/v1/decode.proto\x12\nkvserve.v1\x1a\x1eprotos/kvserve/v1/common.proto\x1a\x1fprotos/kvserve/v1/kvstore.proto\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.kvserve.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\'\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.CacheOptions\x12\x18\n\x10resume_token_ids\x18\x05 \x03(\r\",\n\nTokenChunk\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xaa\x01\n\x0eGenerateResult\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.kvserve.v1.Timings\"q\n\x10GenerateResponse\x12\'\n\x05token\x18\x01 \x01(\x0b\x32\x16.kvserve.v1.TokenChunkH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.kvserve.v1.GenerateResultH\x00\x42\x06\n\x04kind\"Q\n\x14PrefixHashesResponse\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\r\n\x0bLoadRequest\"0\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r2Q\n\x06\x44\x65\x63ode\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x32\xd3\x01\n\rDecodeReplica\x12M\n\x0cPrefixHashes\x12\x1b.kvserve.v1.GenerateRequest\x1a .kvserve.v1.PrefixHashesResponse\x12\x39\n\x04Load\x12\x17.kvserve.v1.LoadRequest\x1a\x18.kvserve.v1.LoadResponse\x12\x38\n\x06\x45vents\x12\x19.kvserve.v1.EventsRequest\x1a\x11.kvserve.v1.Event0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvserve.v1.decode_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=112
-  _globals['_GENERATEREQUEST']._serialized_end=272
-  _globals['_TOKENCHUNK']._serialized_start=274
-  _globals['_TOKENCHUNK']._serialized_end=318
-  _globals['_GENERATERESULT']._serialized_start=321
-  _globals['_GENERATERESULT']._serialized_end=491
-  _globals['_GENERATERESPONSE']._serialized_start=493
-  _globals['_GENERATERESPONSE']._serialized_end=606
-  _globals['_PREFIXHASHESRESPONSE']._serialized_start=608
-  _globals['_PREFIXHASHESRESPONSE']._serialized_end=689
-  _globals['_LOADREQUEST']._serialized_start=691
-  _globals['_LOADREQUEST']._serialized_end=704
-  _globals['_LOADRESPONSE']._serialized_start=706
-  _globals['_LOADRESPONSE']._serialized_end=754
-  _globals['_DECODE']._serialized_start=756
-  _globals['_DECODE']._serialized_end=837
-  _globals['_DECODEREPLICA']._serialized_start=840
-  _globals['_DECODEREPLICA']._serialized_end=1051
+  _globals['_GENERATEREQUEST']._serialized_end=298
+  _globals['_TOKENCHUNK']._serialized_start=300
+  _globals['_TOKENCHUNK']._serialized_end=344
+  _globals['_GENERATERESULT']._serialized_start=347
+  _globals['_GENERATERESULT']._serialized_end=517
+  _globals['_GENERATERESPONSE']._serialized_start=519
+  _globals['_GENERATERESPONSE']._serialized_end=632
+  _globals['_PREFIXHASHESRESPONSE']._serialized_start=634
+  _globals['_PREFIXHASHESRESPONSE']._serialized_end=715
+  _globals['_LOADREQUEST']._serialized_start=717
+  _globals['_LOADREQUEST']._serialized_end=730
+  _globals['_LOADRESPONSE']._serialized_start=732
+  _globals['_LOADRESPONSE']._serialized_end=780
+  _globals['_DECODE']._serialized_start=782
+  _globals['_DECODE']._serialized_end=863
+  _globals['_DECODEREPLICA']._serialized_start=866
+  _globals['_DECODEREPLICA']._serialized_end=1077
 # @@protoc_insertion_point(module_scope)
