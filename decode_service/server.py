@@ -63,6 +63,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             options=self.scoped(options_from_proto(request.sampling, request.cache)),
             arrival=arrival,
             time_left_s=context.time_remaining(),
+            resume=tuple(request.resume_token_ids),
         )
         cancel = Cancellation()
         context.add_callback(cancel.cancel)

@@ -44,6 +44,7 @@ class GenerateJob:
     options: RequestOptions
     arrival: float  # time.perf_counter() when the request arrived
     time_left_s: float | None = None  # the client's deadline, if it set one
+    resume: tuple[int, ...] = ()  # tokens a replica that died already sent the caller (resume_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
