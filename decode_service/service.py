@@ -237,7 +237,7 @@ class DecodeService:
         try:
             if first.finish_reason is None:
                 seq = Sequence(
-                    [*prompt, first.token_id], Sampler(opts.sampling, engine.model.device, first_token=False),
+                    [*prompt, first.token_id], Sampler(opts.sampling, engine.model.device, step=1),
                     max_new_tokens=max_tokens - 1,
                     stop_token_ids=frozenset() if opts.ignore_eos else engine.model.eos_token_ids,
                     hash_root=namespace.root() if opts.prefix_cache else None, source=kv,

@@ -1,7 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a seeded generator per request."""
+"""Token sampling: greedy, temperature, top-k, top-p, with a generator per request, seeded per step."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,38 +27,37 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def later_tokens_seed(seed: int) -> int:
-    """The seed of every token after a request's first (which is drawn from ``seed`` itself)."""
-    return (seed + 1) % 2**64
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a request's draw number ``step`` (0: its first token): a pure function of both,
+    so any engine can draw step ``k`` without replaying the ``k`` draws before it."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8, person=b"kvserve-sample").digest()
+    return int.from_bytes(digest, "little")
 
 
 class Sampler:
-    """One request's sampling: its parameters and its own seeded generator, so the same seed gives the
-    same tokens whichever other requests share the batch.
+    """One request's sampling: its parameters and its own generator, so the same seed gives the same
+    tokens whichever other requests share the batch.
 
-    With a seed, the first token is drawn from ``seed`` and the later ones from ``later_tokens_seed(seed)``,
-    so a request gives the same tokens whether one engine samples them all (decode computing a prompt
-    itself) or prefill samples the first and decode the rest: decode's sampler is then made with
-    ``first_token=False``."""
+    With a seed, the draw of step ``i`` (``i`` tokens sampled before it) comes from the generator seeded
+    with ``step_seed(seed, i)``, so a request gives the same tokens whichever engine samples each step:
+    one engine sampling them all (decode computing a prompt itself), prefill the first and decode the
+    rest (``step=1``), or a replica continuing a stream another one started (``step`` = the tokens
+    already sent). Without a seed, one randomly seeded generator draws every step."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", *, first_token: bool = True
-                 ) -> None:
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", *, step: int = 0) -> None:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         self.params = params
+        self.step = step  # tokens sampled before the next one
         self.generator = torch.Generator(device=device)
-        self._later_seed: int | None = None  # reseeds the generator after the first draw
         if params.seed is None:
             self.generator.seed()
-        elif first_token:
-            self.generator.manual_seed(params.seed)
-            self._later_seed = later_tokens_seed(params.seed)
-        else:
-            self.generator.manual_seed(later_tokens_seed(params.seed))
 
-    def drew(self) -> None:
-        """A token was drawn from the generator."""
-        if self._later_seed is not None:
-            self.generator.manual_seed(self._later_seed)
-            self._later_seed = None
+    def step_generator(self) -> torch.Generator:
+        """The generator for this step's draw: with a seed, seeded from the seed and the step."""
+        if self.params.seed is not None:
+            self.generator.manual_seed(step_seed(self.params.seed, self.step))
+        return self.generator
 
     def sample(self, logits: torch.Tensor) -> int:
         """Next token id from ``logits`` [vocab]."""
@@ -89,6 +89,7 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]
             x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
         probs = torch.softmax(x, dim=-1)  # [rows, vocab]
         for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=samplers[i].generator)[0]
-            samplers[i].drew()
+            tokens[i] = torch.multinomial(probs[j], 1, generator=samplers[i].step_generator())[0]
+    for s in samplers:
+        s.step += 1
     return tokens.tolist()

@@ -93,3 +93,36 @@ def test_greedy_rows_of_a_batch_are_argmax_and_draw_nothing() -> None:
     state = greedy.generator.get_state()
     sample_batch(logits[0], [greedy] * len(MIX))
     assert torch.equal(greedy.generator.get_state(), state)
+
+
+def test_a_sampler_started_at_step_k_draws_what_one_from_step_0_draws_from_k_on() -> None:
+    logits = _logits(30, len(MIX))
+    from_start = [Sampler(p) for p in MIX]
+    want = [sample_batch(step, from_start) for step in logits]
+    for k in (1, 7, 29):
+        resumed = [Sampler(p, step=k) for p in MIX]
+        got = [sample_batch(step, resumed) for step in logits[k:]]
+        seeded = [i for i, p in enumerate(MIX) if p.seed is not None and p.temperature > 0]
+        assert [[row[i] for i in seeded] for row in got] == [[row[i] for i in seeded] for row in want[k:]]
+    assert all(s.step == 30 for s in from_start)
+
+
+def test_prefill_step_0_then_decode_from_step_1_is_one_run() -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
+    logits = _logits(12, 1)[:, 0]
+    one = Sampler(params)
+    want = [one.sample(step) for step in logits]
+    decode = Sampler(params, step=1)
+    assert [Sampler(params).sample(logits[0]), *(decode.sample(step) for step in logits[1:])] == want
+    assert len(set(want)) > 1
+
+
+def test_unseeded_sampling_stays_unseeded() -> None:
+    params = SamplingParams(temperature=1.0)
+    assert _draws(params, 40) != _draws(params, 40)
+    assert Sampler(params, step=3).generator.initial_seed() != Sampler(params, step=3).generator.initial_seed()
+
+
+def test_a_negative_step_is_refused() -> None:
+    with pytest.raises(ValueError, match="step"):
+        Sampler(SamplingParams(), step=-1)
