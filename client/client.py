@@ -11,7 +11,10 @@ This module imports no torch: a caller needs only grpcio and protobuf.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ import grpc
 
 from client import local
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from protos.retry import retry_after_s
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 TOKEN_ENV = "KVSERVE_TOKEN"
@@ -31,6 +35,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 Message = Mapping[str, str]
+BUSY_RETRIES = 4  # times a request refused by a busy server (RESOURCE_EXHAUSTED with a hint) is sent again
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +293,20 @@ def _connection(addr: str, token: str | None, tls_ca: str | os.PathLike[str] | N
     return _auth_metadata(token), _credentials(tls_ca)
 
 
+def _busy_wait(exc: grpc.RpcError, attempt: int, retries: int, deadline: float) -> float | None:
+    """How long to wait before sending again a request that failed with `exc` before any answer, or None to
+    give up: only a busy server's RESOURCE_EXHAUSTED, which carries a hint (protos.retry), is retried, at
+    most `retries` times, and never past the deadline. The wait is the hint (50 ms doubling without one)
+    stretched by up to 2x at random, so that clients refused together do not come back together."""
+    if attempt >= retries or not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    hint = retry_after_s(exc)
+    if hint is None:
+        return None
+    wait = random.uniform(1, 2) * max(hint, 0.05 * 2**attempt)
+    return wait if time.monotonic() + wait < deadline else None
+
+
 def _item(msg: decode_pb2.GenerateResponse) -> Chunk | Result:
     if msg.WhichOneof("kind") == "token":
         return Chunk(msg.token.token_id, msg.token.text)
@@ -311,9 +330,10 @@ class Client:
     """
 
     def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None,
-                 tls_ca: str | os.PathLike[str] | None = None) -> None:
+                 tls_ca: str | os.PathLike[str] | None = None, busy_retries: int = BUSY_RETRIES) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self.busy_retries = busy_retries
         self._metadata, credentials = _connection(addr, token, tls_ca)
         self._channel = (grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS) if credentials is None
                          else grpc.secure_channel(addr, credentials, options=_CHANNEL_OPTIONS))
@@ -322,23 +342,36 @@ class Client:
     def stream(self, prompt: str | None = None, **kwargs: Any) -> Generator[Chunk | Result, None, None]:
         """Yields a `Chunk` per generated token, then the final `Result`.
 
-        Closing the iterator early cancels the request on the server.
+        Closing the iterator early cancels the request on the server. A request that a busy server refuses
+        (RESOURCE_EXHAUSTED with a retry hint) is sent again after the hint, with jitter, at most
+        `busy_retries` times within `timeout_s`.
         """
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
-                                   metadata=self._metadata)
-        try:
-            for msg in call:
-                item = _item(msg)
-                if isinstance(item, Result):
-                    # Let the call finish before handing the result over: a caller that stops
-                    # at the result (as generate does) would otherwise cancel a completed request.
-                    for _ in call:
-                        pass
-                yield item
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()
+        request = build_request(prompt, **kwargs)
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
+                                       metadata=self._metadata)
+            answered = False
+            try:
+                for msg in call:
+                    item = _item(msg)
+                    if isinstance(item, Result):
+                        # Let the call finish before handing the result over: a caller that stops
+                        # at the result (as generate does) would otherwise cancel a completed request.
+                        for _ in call:
+                            pass
+                    answered = True
+                    yield item
+                return
+            except grpc.RpcError as exc:
+                wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline)
+                if wait is None:
+                    raise _error(exc) from None
+            finally:
+                call.cancel()
+            time.sleep(wait)
+            attempt += 1
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Runs one request to the end and returns its `Result`."""
@@ -366,32 +399,45 @@ class AsyncClient:
     """The asyncio twin of `Client`: `await generate(...)`, `async for item in stream(...)`."""
 
     def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 300.0, *, token: str | None = None,
-                 tls_ca: str | os.PathLike[str] | None = None) -> None:
+                 tls_ca: str | os.PathLike[str] | None = None, busy_retries: int = BUSY_RETRIES) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self.busy_retries = busy_retries
         self._metadata, credentials = _connection(addr, token, tls_ca)
         self._channel = (grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS) if credentials is None
                          else grpc.aio.secure_channel(addr, credentials, options=_CHANNEL_OPTIONS))
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
     async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Chunk | Result]:
-        """Yields a `Chunk` per generated token, then the final `Result` (as `Client.stream`).
+        """Yields a `Chunk` per generated token, then the final `Result` (as `Client.stream`, busy retries
+        included).
 
         Closing the iterator early (`aclose()`) cancels the request on the server.
         """
-        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s,
-                                   metadata=self._metadata)
-        try:
-            async for msg in call:
-                item = _item(msg)
-                if isinstance(item, Result):  # finish the call first (see Client.stream)
-                    async for _ in call:
-                        pass
-                yield item
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()
+        request = build_request(prompt, **kwargs)
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
+                                       metadata=self._metadata)
+            answered = False
+            try:
+                async for msg in call:
+                    item = _item(msg)
+                    if isinstance(item, Result):  # finish the call first (see Client.stream)
+                        async for _ in call:
+                            pass
+                    answered = True
+                    yield item
+                return
+            except grpc.RpcError as exc:
+                wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline)
+                if wait is None:
+                    raise _error(exc) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
+            attempt += 1
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Runs one request to the end and returns its `Result`."""

@@ -12,9 +12,16 @@ from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import SERVICE_NAME, PrefillServicer
-from prefill_service.service import DEFAULT_LEASE_TTL_S, PrefillService
+from prefill_service.service import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_WAITING_SEQS,
+    DEFAULT_MAX_WAITING_TOKENS,
+    PrefillService,
+)
 from protos.kvserve.v1 import prefill_pb2_grpc
+from rpc.admission import Admission
 from rpc.cli import (
+    add_admission_flags,
     add_engine_flags,
     add_model_flags,
     add_server_flags,
@@ -36,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
         description="The prefill service: computes the prompt KV the store lacks and leaves it there for decode.",
     )
     add_model_flags(ap, model_help="local Hugging Face model folder")
-    add_server_flags(ap, listen="127.0.0.1:50052", max_workers=64)
+    add_server_flags(ap, listen="127.0.0.1:50052", max_workers=128)
+    add_admission_flags(ap, seqs=DEFAULT_MAX_WAITING_SEQS, tokens=DEFAULT_MAX_WAITING_TOKENS)
     add_engine_flags(ap, budget_cpu=2048, budget_cuda=8192,
                      why="prefill runs only prompts, so a large budget computes them fastest")
     ap.add_argument("--lease-ttl-s", type=float, default=DEFAULT_LEASE_TTL_S,
@@ -52,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_engine_process(args)
     try:
         model = load_model(args.model, device=args.device, dtype=args.dtype)
-        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls)
+        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
+                        name="prefill")
         metrics = PrefillMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
@@ -60,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
-    service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s)
+    service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s,
+                             admission=Admission("prefill", args.max_waiting_seqs, args.max_waiting_tokens))
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)

@@ -52,10 +52,13 @@ class PrefillCall:
     """One PrefillStream call in flight: the first token comes first (`first`), the handle with the
     prompt's KV in the store after it (`result`)."""
 
-    def __init__(self, call: Iterator[prefill_pb2.PrefillResponse], addr: str, timeout_s: float) -> None:
+    def __init__(self, call: Iterator[prefill_pb2.PrefillResponse], addr: str, timeout_s: float | None, *,
+                 capped: bool = False) -> None:
+        """`capped`: the deadline is decode's own cap (--prefill-timeout-s), shorter than the caller's."""
         self._call = call
         self._addr = addr
         self._timeout_s = timeout_s
+        self.capped = capped
 
     @property
     def addr(self) -> str:
@@ -97,9 +100,9 @@ class PrefillCall:
         if code == grpc.StatusCode.CANCELLED:
             return PrefillCancelled()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return UpstreamError(
-                code, f"the prefill service at {self._addr} did not answer within {self._timeout_s:.1f} s"
-            )
+            within = f" within {self._timeout_s:.1f} s" if self._timeout_s is not None else ""
+            cap = " (decode's --prefill-timeout-s)" if self.capped else " (the caller's deadline)"
+            return UpstreamError(code, f"the prefill service at {self._addr} did not answer{within}{cap}")
         if code in PASSED_THROUGH:
             return UpstreamError(code, details or f"prefill failed with {code.name}")
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -108,9 +111,9 @@ class PrefillCall:
 
 
 class PrefillClient:
-    """A channel to one prefill service; every call carries a deadline of at most `timeout_s`."""
+    """A channel to one prefill service; a call carries its caller's deadline, capped at `timeout_s` if given."""
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None,
+    def __init__(self, addr: str, timeout_s: float | None = None, *, tls: TLSConfig | None = None,
                  target_name: str | None = None) -> None:
         """`target_name`: the host name to check the server's certificate against, where `addr` is an
         address resolved from it."""
@@ -128,13 +131,17 @@ class PrefillClient:
     def start(
         self, request_id: str, prompt: PromptInput, options: RequestOptions, *, time_left_s: float | None = None
     ) -> PrefillCall:
-        """Sends the Prefill call with a deadline of min(timeout_s, time_left_s) and returns it in flight."""
+        """Sends the Prefill call with a deadline of min(timeout_s, time_left_s) (either may be None: no
+        deadline) and returns it in flight."""
         sampling, cache = options_to_proto(options)
         request = prefill_pb2.PrefillRequest(
             request_id=request_id, prompt=prompt_to_proto(prompt), sampling=sampling, cache=cache
         )
-        timeout = self.timeout_s if time_left_s is None else max(0.0, min(self.timeout_s, time_left_s))
-        return PrefillCall(self._stub.PrefillStream(request, timeout=timeout), self.addr, timeout)
+        capped = self.timeout_s is not None and (time_left_s is None or self.timeout_s < time_left_s)
+        timeout = self.timeout_s if capped else time_left_s
+        if timeout is not None:
+            timeout = max(0.0, timeout)
+        return PrefillCall(self._stub.PrefillStream(request, timeout=timeout), self.addr, timeout, capped=capped)
 
 
 class PrefillReplicas:
@@ -157,7 +164,7 @@ class PrefillReplicas:
         self._resolved_at = time.monotonic()
 
     @classmethod
-    def connect(cls, addrs: str, timeout_s: float = 60.0, *, tls: TLSConfig | None = None,
+    def connect(cls, addrs: str, timeout_s: float | None = None, *, tls: TLSConfig | None = None,
                 resolve_every_s: float = 10.0) -> PrefillReplicas:
         """From a comma-separated list of HOST:PORT."""
         targets = Targets(split_targets(addrs))

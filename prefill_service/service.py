@@ -18,10 +18,14 @@ from handoff.requests import PrefillHandle, PrefillTimings, PromptInput, Request
 from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
+from rpc.admission import Admission, Ticket
 from rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from rpc.metrics import count_outcome
 
 DEFAULT_LEASE_TTL_S = 30.0
+# Prompts waiting for their first token, and their tokens (--max-waiting-seqs, --max-waiting-tokens).
+DEFAULT_MAX_WAITING_SEQS = 64
+DEFAULT_MAX_WAITING_TOKENS = 65536
 LIVENESS_POLL_S = 0.05  # how often a waiting request checks that its caller is still there
 
 
@@ -50,12 +54,16 @@ class PrefillService:
     share forward passes under the engine's token budget."""
 
     def __init__(
-        self, engine: Engine, store: KVStoreClient, metrics: PrefillMetrics, lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+        self, engine: Engine, store: KVStoreClient, metrics: PrefillMetrics, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        admission: Admission | None = None,
     ) -> None:
+        """`admission` bounds the prompts waiting for their first token (rpc.admission): past it a request is
+        RESOURCE_EXHAUSTED at once, and decode computes that prompt itself."""
         self.engine = engine
         self.store = store
         self.metrics = metrics
         self.lease_ttl_s = lease_ttl_s
+        self.admission = admission or Admission("prefill", DEFAULT_MAX_WAITING_SEQS, DEFAULT_MAX_WAITING_TOKENS)
         engine.on_step = metrics.engine.observe
 
     def start(self) -> None:
@@ -80,11 +88,21 @@ class PrefillService:
 
     def _prefill(self, job: PrefillJob) -> Iterator[PrefillHandle]:
         start = time.perf_counter()
+        engine = self.engine
+        token_ids = encode(engine.model, job.prompt)
+        max_new_tokens(engine.model, len(token_ids), job.options.max_tokens)  # refuse what decode could not finish
+        time_left = None if job.deadline is None else job.deadline - time.monotonic()
+        ticket = self.admission.admit(len(token_ids), time_left)
+        try:
+            yield from self._admitted(job, token_ids, ticket, start)
+        finally:
+            ticket.release()
+
+    def _admitted(self, job: PrefillJob, token_ids: list[int], ticket: Ticket, start: float
+                  ) -> Iterator[PrefillHandle]:
         engine, opts, bs = self.engine, job.options, self.engine.block_size
         self.metrics.waiting.inc()
         try:
-            token_ids = encode(engine.model, job.prompt)
-            max_new_tokens(engine.model, len(token_ids), opts.max_tokens)  # refuse what decode could not finish
             namespace = engine.namespace(opts.cache_salt)
             store = StoreSession(self.store, self._store_failed)
 
@@ -114,6 +132,7 @@ class PrefillService:
             self.metrics.running.inc()
             try:
                 first_token, t_first = self._first_token(seq, job)
+                ticket.computed()
                 num_cached = seq.stats.num_pool_hit_tokens + seq.stats.num_loaded_tokens
                 handle = PrefillHandle(
                     request_id=job.request_id, prompt_token_ids=tuple(token_ids), block_size=bs, block_hashes=(),

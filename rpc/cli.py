@@ -89,8 +89,9 @@ def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: in
                    "and prints LISTENING <port> (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
     if max_workers is not None:
-        p.add_argument("--max-workers", type=int, default=max_workers,
-                       help="gRPC worker threads, i.e. concurrent requests (default %(default)s)")
+        p.add_argument("--max-workers", type=positive_int, default=max_workers,
+                       help="most calls served at once (a stream counts until it ends); one more is refused at once "
+                            "with RESOURCE_EXHAUSTED. Health checks do not count (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     tls = p.add_argument_group("TLS", "mTLS between the services, required unless --insecure; `kvserve credentials "
                                       "DIR` makes the files (`kvserve up` does on its first start)")
@@ -173,6 +174,23 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
                    help="lower this service's CPU priority by this much at start (Unix nice), against other "
                         "work on the host that has no budget of its own (default 0)")
     p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
+
+
+def add_admission_flags(p: argparse.ArgumentParser, *, seqs: int, tokens: int) -> None:
+    """The bounds on waiting work (rpc.admission): past them a request is RESOURCE_EXHAUSTED at once."""
+    p.add_argument("--max-waiting-seqs", type=positive_int, default=seqs, metavar="N",
+                   help="most requests waiting for their prompt to be computed; one more is refused at once with "
+                        "RESOURCE_EXHAUSTED and a retry hint (default %(default)s)")
+    p.add_argument("--max-waiting-tokens", type=positive_int, default=tokens, metavar="N",
+                   help="most prompt tokens waiting to be computed, as --max-waiting-seqs (default %(default)s)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
 
 
 def non_negative_int(text: str) -> int:

@@ -29,7 +29,15 @@ class NotFound(ServiceError):
 
 
 class ResourceExhausted(ServiceError):
+    """Out of capacity. With `retry_after_s` the server is only busy, and says when to try again (the
+    `retry-after-ms` trailer, protos.retry); without, retrying the same request will not help (it can never
+    fit, or a per-caller cap is reached)."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class FailedPrecondition(ServiceError):

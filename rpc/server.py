@@ -19,7 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from rpc.errors import InvalidArgument, status_of
+from protos.retry import RETRY_AFTER
+from rpc.errors import InvalidArgument, ResourceExhausted, status_of
 from rpc.tls import TLSConfig, describe, server_credentials
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,18 @@ CLIENT_CHANNEL_OPTIONS = [
 ]
 
 
+# Worker threads kept for health checks (and the calls a server exempts, e.g. decode's Load) and for refusing
+# calls past the limit: those answer at once however many long calls (streams) hold the other workers.
+RESERVED_WORKERS = 8
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+BUSY_RETRY_S = 0.25  # the retry hint of a call refused because every worker is taken
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     code = status_of(exc)
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        context.set_trailing_metadata(((RETRY_AFTER, str(max(1, round(retry_after * 1000)))),))
     if code == grpc.StatusCode.INTERNAL:
         log.exception("unhandled error in RPC")
         context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
@@ -103,8 +114,69 @@ def with_status_mapping(fn: Callable[..., Any], *, streaming: bool) -> Callable[
     return wrapped
 
 
+class CallLimit:
+    """At most `limit` calls at once (a stream counts until it ends); one more is refused at once with
+    RESOURCE_EXHAUSTED and a retry hint, instead of queueing without bound for a worker thread."""
+
+    def __init__(self, limit: int, service: str) -> None:
+        if limit < 1:
+            raise ValueError(f"the call limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.service = service
+        self.active = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> Callable[[], None]:
+        """Counts a call in; returns its release (idempotent). ResourceExhausted when `limit` are in."""
+        with self._lock:
+            if self.active >= self.limit:
+                raise ResourceExhausted(
+                    f"the {self.service} service is serving its limit of {self.limit} calls at once "
+                    "(--max-workers): retry shortly", retry_after_s=BUSY_RETRY_S)
+            self.active += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self.active -= 1
+
+        return release
+
+    def wrap(self, fn: Callable[..., Any], *, streaming: bool) -> Callable[..., Any]:
+        """`fn` counted from its start to its end. A stream is released when its generator ends or the RPC
+        does, whichever is first (a generator left unfinished by a cancelled RPC may be collected late)."""
+        if streaming:
+
+            def limited_stream(request: Any, context: grpc.ServicerContext) -> Any:
+                release = self.enter()
+                context.add_callback(release)
+                try:
+                    yield from fn(request, context)
+                finally:
+                    release()
+
+            return limited_stream
+
+        def limited(request: Any, context: grpc.ServicerContext) -> Any:
+            release = self.enter()
+            try:
+                return fn(request, context)
+            finally:
+                release()
+
+        return limited
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Ends an RPC whose handler raised with the status `status_of` gives."""
+    """Ends an RPC whose handler raised with the status `status_of` gives; with `limit`, counts every call but
+    the `exempt` methods' against it."""
+
+    def __init__(self, limit: CallLimit | None = None, exempt: Iterable[str] = ()) -> None:
+        self.limit = limit
+        self.exempt = frozenset(exempt)
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
@@ -112,14 +184,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         if handler.request_deserializer is not None:
             handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
-        if handler.unary_unary:
-            return handler._replace(unary_unary=with_status_mapping(handler.unary_unary, streaming=False))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=with_status_mapping(handler.stream_unary, streaming=False))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=with_status_mapping(handler.unary_stream, streaming=True))
-        if handler.stream_stream:
-            return handler._replace(stream_stream=with_status_mapping(handler.stream_stream, streaming=True))
+        limit = None if handler_call_details.method in self.exempt else self.limit
+        for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
+            fn = getattr(handler, kind)
+            if fn:
+                streaming = kind.endswith("_stream")
+                if limit is not None:
+                    fn = limit.wrap(fn, streaming=streaming)
+                return handler._replace(**{kind: with_status_mapping(fn, streaming=streaming)})
         return handler
 
 
@@ -151,6 +223,11 @@ class Server:
     and returns the bound port (listen on port 0 in tests). With `tls` it serves TLS, and with the
     CA in it and `require_client_cert` (internal services) only to callers with a certificate from
     that CA.
+
+    At most `max_workers` calls run at once; one more is refused at once (CallLimit). Health checks and the
+    `exempt` methods (full names, "/package.Service/Method") do not count, and RESERVED_WORKERS threads
+    beyond `max_workers` serve them and the refusals: a server busy with long streams still answers its
+    health check at once.
     """
 
     def __init__(
@@ -163,16 +240,19 @@ class Server:
         interceptors: Iterable[grpc.ServerInterceptor] = (),
         tls: TLSConfig | None = None,
         require_client_cert: bool = True,
+        exempt: Iterable[str] = (),
+        name: str = "",
     ) -> None:
         self.listen = listen
         self.tls = tls
         self.require_client_cert = require_client_cert
         self.metrics_port = metrics_port
         self.registry = registry or CollectorRegistry()
+        self.limit = CallLimit(max_workers, name or "this")
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
+            futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_WORKERS),
             # `interceptors` run first (authentication), then errors map to statuses.
-            interceptors=[*interceptors, ErrorInterceptor()],
+            interceptors=[*interceptors, ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt})],
             # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
         )

@@ -1,0 +1,203 @@
+"""Overload on one server: health answers however busy it is, a call past its limits is refused at once with a
+retry hint, and the client library comes back after the hint. In-process servers; no model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import Client, ResourceExhaustedError
+from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from protos.retry import RETRY_AFTER, retry_after_s
+from rpc.admission import Admission
+from rpc.errors import ResourceExhausted
+from rpc.server import RESERVED_WORKERS, Server
+
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+class Held(decode_pb2_grpc.DecodeServicer):
+    """Streams one token, then holds the call until `release` is set; or refuses the first `refuse` calls as a
+    busy server does (RESOURCE_EXHAUSTED, with `hint_s` as its retry hint unless None)."""
+
+    def __init__(self, refuse: int = 0, hint_s: float | None = 0.05) -> None:
+        self.release = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.calls = 0
+        self.refuse, self.hint_s = refuse, hint_s
+
+    def Generate(self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext  # noqa: N802
+                 ) -> Iterator[decode_pb2.GenerateResponse]:
+        self.calls += 1
+        if self.calls <= self.refuse:
+            raise ResourceExhausted("busy", retry_after_s=self.hint_s)
+        self.started.release()
+        yield decode_pb2.GenerateResponse(token=decode_pb2.TokenChunk(token_id=1, text="x"))
+        self.release.wait(30)
+        yield decode_pb2.GenerateResponse(result=decode_pb2.GenerateResult(
+            finish_reason="length", token_ids=[1], usage=common_pb2.Usage(completion_tokens=1)))
+
+
+def serve(servicer: Held, max_workers: int) -> tuple[Server, str]:
+    server = Server("127.0.0.1:0", max_workers=max_workers, name="test")
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, DECODE)
+    return server, f"127.0.0.1:{server.start()}"
+
+
+def request() -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(prompt=common_pb2.Prompt(text="hi"))
+
+
+def test_health_and_refusals_answer_at_once_while_every_worker_holds_a_stream() -> None:
+    servicer = Held()
+    server, addr = serve(servicer, max_workers=4)
+    channel = grpc.insecure_channel(addr)
+    stub, health = decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel)
+    held = [stub.Generate(request(), timeout=30) for _ in range(4)]
+    try:
+        for call in held:
+            next(call)  # each holds a worker now
+        # More callers than the reserved workers, at once: each is refused, none waits for a stream to end.
+        extra = 4 * RESERVED_WORKERS
+
+        def refused(_: int) -> tuple[float, grpc.RpcError]:
+            t = time.perf_counter()
+            call = stub.Generate(request(), timeout=10)
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            return time.perf_counter() - t, info.value
+
+        with ThreadPoolExecutor(extra) as pool:
+            answers = list(pool.map(refused, range(extra)))
+        for took, exc in answers:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            assert "limit of 4 calls at once" in exc.details() and "--max-workers" in exc.details()
+            assert retry_after_s(exc) == pytest.approx(0.25)
+        assert max(took for took, _ in answers) < 5  # not queued behind the held streams (they hold 30 s)
+        for _ in range(20):
+            t = time.perf_counter()
+            status = health.Check(health_pb2.HealthCheckRequest(service=DECODE), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            assert time.perf_counter() - t < 1
+        servicer.release.set()
+        for call in held:
+            assert list(call)[-1].result.finish_reason == "length"
+        # Every slot is back: as many streams as the limit are served again.
+        again = [stub.Generate(request(), timeout=30) for _ in range(4)]
+        assert [list(c)[-1].result.finish_reason for c in again] == ["length"] * 4
+    finally:
+        servicer.release.set()
+        channel.close()
+        server.stop(0)
+
+
+def test_a_cancelled_stream_gives_its_slot_back() -> None:
+    servicer = Held()
+    server, addr = serve(servicer, max_workers=1)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            for _ in range(3):  # the one slot, taken and given back by cancelling, three times
+                call = stub.Generate(request(), timeout=30)
+                next(call)
+                call.cancel()
+                deadline = time.monotonic() + 5
+                while server.limit.active and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert server.limit.active == 0
+    finally:
+        servicer.release.set()
+        server.stop(0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_admission_bounds_waiting_sequences_and_tokens() -> None:
+    admission = Admission("decode", max_seqs=2, max_tokens=100)
+    big = admission.admit(500)  # alone, anything fits: it waits for nobody
+    with pytest.raises(ResourceExhausted, match="prompt tokens wait.*--max-waiting-tokens"):
+        admission.admit(1)
+    big.release()
+    a, b = admission.admit(40), admission.admit(40)
+    with pytest.raises(ResourceExhausted, match="2 requests wait.*--max-waiting-seqs") as info:
+        admission.admit(1)
+    assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+    a.computed()
+    a.release()  # after computed: nothing more
+    with pytest.raises(ResourceExhausted, match="--max-waiting-tokens"):
+        admission.admit(61)  # 40 + 61 > 100
+    c = admission.admit(60)
+    b.release()
+    c.release()
+    assert (admission.seqs, admission.tokens, admission.refused) == (0, 0, 3)
+
+
+def test_a_deadline_the_queue_cannot_meet_is_refused_at_the_measured_rate() -> None:
+    clock = Clock()
+    admission = Admission("prefill", max_seqs=100, max_tokens=10**6, clock=clock)
+    assert admission.admit(1000, time_left_s=0.001)  # no rate measured yet: nothing to judge by
+    first = admission.admit(1000)
+    clock.now = 1.0
+    first.computed()  # 1000 tokens in 1 busy second
+    assert admission.rate == pytest.approx(1000)
+    # 1000 tokens still wait ahead (the first ticket): 1 s at 1000 tokens/s.
+    with pytest.raises(ResourceExhausted, match="take about 1.0 s.*deadline") as info:
+        admission.admit(10, time_left_s=0.5)
+    assert info.value.retry_after_s == pytest.approx(1.0)
+    admission.admit(10, time_left_s=2.0).release()
+    admission.admit(10).release()  # no deadline: the bounds alone
+
+
+def test_the_client_retries_a_busy_refusal_after_its_hint() -> None:
+    servicer = Held(refuse=2, hint_s=0.05)
+    servicer.release.set()
+    server, addr = serve(servicer, max_workers=4)
+    try:
+        with Client(addr, timeout_s=10, token="", tls_ca=None) as c:
+            t = time.perf_counter()
+            assert c.generate("hi").finish_reason == "length"
+            assert 0.1 <= time.perf_counter() - t < 5  # two waits of 0.05-0.1 s and more (doubling)
+        assert servicer.calls == 3
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("hint_s", [None, 60.0])
+def test_the_client_does_not_retry_without_a_hint_or_past_its_deadline(hint_s: float | None) -> None:
+    servicer = Held(refuse=10, hint_s=hint_s)
+    server, addr = serve(servicer, max_workers=4)
+    try:
+        with Client(addr, timeout_s=5, token="", tls_ca=None) as c:
+            t = time.perf_counter()
+            with pytest.raises(ResourceExhaustedError, match="busy"):
+                c.generate("hi")
+            assert time.perf_counter() - t < 2
+        assert servicer.calls == 1
+    finally:
+        server.stop(0)
+
+
+def test_the_retry_hint_is_the_trailer_a_client_reads() -> None:
+    servicer = Held(refuse=1, hint_s=1.5)
+    server, addr = serve(servicer, max_workers=1)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            call = decode_pb2_grpc.DecodeStub(channel).Generate(request(), timeout=5)
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            assert (RETRY_AFTER, "1500") in info.value.trailing_metadata()
+            assert retry_after_s(info.value) == 1.5
+    finally:
+        server.stop(0)
