@@ -19,6 +19,9 @@ sends it there, before its store says so, so that a burst of turns of one chat s
 
 What a replica says is checked (protos.bounds) and its indexes are capped in bytes: a replica that
 lies is distrusted, its claims dropped, so that it can neither steer placement nor grow this process.
+
+Busy is not dead: a replica is left out when it says it does not serve or its connection is refused or
+reset, not when a health check times out (until DEAD_AFTER_S of them).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,6 +60,10 @@ ENTRY_BYTES = 128
 # whatever they send.
 INDEX_BYTES = 128 << 20
 DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events are followed again
+# A health check unanswered this long means a busy replica (its workers all taken), not a dead one: it keeps
+# its place until its checks have gone unanswered for DEAD_AFTER_S (a hung or stopped process).
+CHECK_TIMEOUT_S = 1.0
+DEAD_AFTER_S = 30.0
 
 
 class Upstream(ServiceError):
@@ -114,7 +122,8 @@ class Replica:
 
     def __init__(self, addr: str, tls: TLSConfig | None, metadata: Metadata, index_capacity: int,
                  poll_s: float, target_name: str | None = None, *, index_bytes: int = INDEX_BYTES,
-                 distrust_s: float = DISTRUST_S, on_lie: Callable[[str, Lie], None] | None = None) -> None:
+                 distrust_s: float = DISTRUST_S, on_lie: Callable[[str, Lie], None] | None = None,
+                 check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S) -> None:
         self.addr = addr
         options: list[tuple[str, Any]] = list(CLIENT_CHANNEL_OPTIONS)
         if tls is not None and target_name is not None:  # an address resolved from a name: check the name
@@ -133,6 +142,9 @@ class Replica:
         self.last_chosen = 0  # the router's number of the last request placed here
         self._lock = threading.Lock()
         self._poll_s = poll_s
+        self._check_timeout_s = max(check_timeout_s, poll_s)
+        self._dead_after_s = dead_after_s
+        self._silent_since: float | None = None  # when the current run of unanswered health checks began
         self._distrust_s = distrust_s
         self._on_lie = on_lie
         self._stop = threading.Event()
@@ -208,19 +220,38 @@ class Replica:
         if self._on_lie is not None:
             self._on_lie(self.addr, lie)
 
+    def _check(self) -> bool | None:
+        """True when the replica says it serves; False when it says it does not (draining, not loaded) or its
+        connection is refused or reset; None when it did not answer in time."""
+        try:
+            status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE),
+                                        timeout=self._check_timeout_s)
+        except grpc.RpcError as exc:
+            return None if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+        except ValueError:  # the channel was closed
+            return False
+        return status.status == health_pb2.HealthCheckResponse.SERVING
+
     def _poll(self) -> None:
         warned = False
         while not self._stop.is_set():
-            timeout = max(1.0, self._poll_s)
-            try:
-                status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE), timeout=timeout)
-                healthy = status.status == health_pb2.HealthCheckResponse.SERVING
-            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
-                healthy = False
+            healthy = self._check()
+            if healthy is None:  # busy, not dead: its verdict and its load stay as last known, for a while
+                now = time.monotonic()
+                if self._silent_since is None:
+                    self._silent_since = now
+                if self.healthy and now - self._silent_since >= self._dead_after_s:
+                    log.warning("decode replica %s has answered no health check for %.0f s (hung or stopped): "
+                                "taking it as dead", self.addr, now - self._silent_since)
+                    self.healthy = False
+                self._stop.wait(self._poll_s)
+                continue
+            self._silent_since = None
             if healthy:
                 try:
                     mine = self.in_flight
-                    reply = self.replica.Load(decode_pb2.LoadRequest(), timeout=timeout, metadata=self._metadata)
+                    reply = self.replica.Load(decode_pb2.LoadRequest(), timeout=self._check_timeout_s,
+                                              metadata=self._metadata)
                     self.others_load = max(0, check_load(reply) - mine)
                 except Lie as lie:
                     self.distrust(lie)
@@ -283,9 +314,11 @@ class Router:
                  tls: TLSConfig | None = None, metadata: Metadata = (), index_capacity: int = 1_000_000,
                  index_bytes: int = INDEX_BYTES, distrust_s: float = DISTRUST_S,
                  poll_s: float = 0.5, resolve_every_s: float = 10.0,
+                 check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S,
                  on_route: Callable[[str, str, int], None] | None = None) -> None:
         """`index_capacity` and `index_bytes` cap what the router keeps of each replica's blocks (entries in
-        each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard."""
+        each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard;
+        `dead_after_s`: how long a replica that answers no health check keeps its place."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
         if not targets:
@@ -301,6 +334,8 @@ class Router:
         self._distrust_s = distrust_s
         self._poll_s = poll_s
         self._resolve_every_s = resolve_every_s
+        self._check_timeout_s = check_timeout_s
+        self._dead_after_s = dead_after_s
         self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
         self._lies: Counter[tuple[str, str]] = Counter()  # (replica, reason): times it was distrusted
@@ -462,7 +497,8 @@ class Router:
         with self._lock:
             gone = [r for a, r in self.replicas.items() if a not in wanted]
             new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name,
-                              index_bytes=self._index_bytes, distrust_s=self._distrust_s, on_lie=self._lied)
+                              index_bytes=self._index_bytes, distrust_s=self._distrust_s, on_lie=self._lied,
+                              check_timeout_s=self._check_timeout_s, dead_after_s=self._dead_after_s)
                    for a, name in wanted.items() if a not in self.replicas}
             self.replicas = {a: r for a, r in {**self.replicas, **new}.items() if a in wanted}
         for r in gone:

@@ -1,0 +1,169 @@
+"""The router under load and under failure (issue 27): busy is not dead.
+
+Replicas are tests/fake_decode.py's, over real gRPC in this process."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
+
+from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from router.router import DECODE_SERVICE, Router
+from router.server import RouterMetrics, RouterServicer
+from rpc.server import Server
+from tests.fake_decode import FakeReplica, FakeServer, positional
+from tests.polling import wait_until
+
+Code = grpc.StatusCode
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+TOKEN = [("authorization", "Bearer tenant-a")]
+
+
+@dataclass
+class Routed:
+    router: Router
+    registry: CollectorRegistry
+    addr: str
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextmanager
+def routed(addrs: Sequence[str], *, start: bool = True, policy: str = "least-loaded", **kwargs: Any) -> Iterator[Routed]:
+    """A router in front of `addrs`, serving on loopback. `start`: it watches their health (every 50 ms, a
+    check unanswered after 0.2 s); without, the test says which replicas are healthy."""
+    router = Router(addrs, policy=policy, poll_s=0.05, check_timeout_s=0.2, **kwargs)
+    registry = CollectorRegistry()
+    router.on_route = RouterMetrics(registry, router).observe
+    server = Server("127.0.0.1:0", registry=registry)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, RouterServicer(router), DECODE_SERVICE)
+    port = server.start()
+    if start:
+        router.start()
+    try:
+        yield Routed(router, registry, f"127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+        router.close()
+
+
+@contextmanager
+def fakes(n: int, **kwargs: Any) -> Iterator[list[FakeServer]]:
+    with ExitStack() as stack:
+        yield [stack.enter_context(FakeServer(replica=FakeReplica(), **kwargs)) for _ in range(n)]
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    result: decode_pb2.GenerateResult | None
+    code: grpc.StatusCode
+    details: str
+    trailers: dict[str, str]
+    seconds: float
+
+
+def generate(addr: str, request: decode_pb2.GenerateRequest, timeout_s: float = 10.0) -> Answer:
+    """The whole answer a caller of the router gets, as it came."""
+    t0 = time.monotonic()
+    with grpc.insecure_channel(addr) as channel:
+        call = decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=timeout_s, metadata=TOKEN)
+        tokens, result = [], None
+        try:
+            for response in call:
+                if response.WhichOneof("kind") == "token":
+                    tokens.append(response.token.token_id)
+                else:
+                    result = response.result
+        except grpc.RpcError:
+            pass
+        return Answer(tokens, result, call.code(), call.details() or "", dict(call.trailing_metadata() or ()),
+                      time.monotonic() - t0)
+
+
+def request(max_tokens: int = 4, seed: int = 7) -> decode_pb2.GenerateRequest:
+    return decode_pb2.GenerateRequest(
+        request_id="req-1", prompt=common_pb2.Prompt(text="the quick brown fox"),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed),
+        cache=common_pb2.CacheOptions(cache_salt="s"))
+
+
+def uninterrupted(req: decode_pb2.GenerateRequest) -> list[int]:
+    return [positional(req, i) for i in range(req.sampling.max_tokens)]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- busy is not dead ------------------------------------------------------------------------------
+
+
+def test_a_replica_whose_health_times_out_keeps_its_place_until_it_is_taken_as_dead(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="router.router")
+    with fakes(1) as (busy,), routed([busy.addr], dead_after_s=2.0) as r:
+        wait_until(lambda: r.router.num_healthy == 1, message="the replica was never healthy")
+        busy.health.hung.set()  # its workers all taken: checks go unanswered
+        checks = busy.health.checks
+        wait_until(lambda: busy.health.checks >= checks + 3, message="no more health checks")  # 2 timed out
+        assert r.router.num_healthy == 1
+        answer = generate(r.addr, request())
+        assert answer.code == Code.OK and len(answer.tokens) == 4 and len(busy.servicer.requests) == 1
+
+        # Unanswered for dead_after_s: hung or stopped. Said once, and requests fail as before.
+        wait_until(lambda: r.router.num_healthy == 0, timeout_s=5, message="never taken as dead")
+        time.sleep(0.3)  # more checks go unanswered
+        dead = [m for m in caplog.messages if "answered no health check" in m]
+        assert len(dead) == 1 and busy.addr in dead[0]
+        answer = generate(r.addr, request())
+        assert answer.code == Code.UNAVAILABLE and "no healthy decode replica" in answer.details
+
+        busy.health.hung.clear()  # it answers again: back
+        wait_until(lambda: r.router.num_healthy == 1, message="never healthy again")
+
+
+def test_a_replica_that_says_not_serving_is_skipped() -> None:
+    with fakes(2) as (draining, serving), routed([draining.addr, serving.addr]) as r:
+        draining.health.set(DECODE_SERVICE, NOT_SERVING)
+        wait_until(lambda: r.router.num_healthy == 1 and r.router.replicas[serving.addr].healthy,
+                   message="the draining replica was not skipped")
+        for _ in range(4):
+            assert generate(r.addr, request()).code == Code.OK
+        assert (len(draining.servicer.requests), len(serving.servicer.requests)) == (0, 4)
+
+        serving.health.set(DECODE_SERVICE, NOT_SERVING)  # none serves: that is UNAVAILABLE, as before
+        wait_until(lambda: r.router.num_healthy == 0, message="the replica never went out")
+        answer = generate(r.addr, request())
+        assert answer.code == Code.UNAVAILABLE and "no healthy decode replica" in answer.details
+
+
+def test_a_refused_connection_is_skipped() -> None:
+    gone = f"127.0.0.1:{closed_port()}"
+    with fakes(1) as (up,):
+        with routed([gone, up.addr]) as r:  # by its health check
+            wait_until(lambda: r.router.replicas[up.addr].healthy, message="the replica was never healthy")
+            time.sleep(0.2)
+            assert not r.router.replicas[gone].healthy
+            assert generate(r.addr, request()).code == Code.OK
+        with routed([gone, up.addr], start=False) as r:  # by a call, before any health check has said so
+            for replica in r.router.replicas.values():
+                replica.healthy = True
+            r.router.replicas[up.addr].others_load = 1  # least loaded: the one that is gone goes first
+            answer = generate(r.addr, request())
+            assert answer.code == Code.OK and len(answer.tokens) == 4
+            assert not r.router.replicas[gone].healthy
+        assert len(up.servicer.requests) == 2
