@@ -7,6 +7,11 @@ Request threads call ``add`` and ``abort`` (thread-safe; they land in an inbox) 
 sequence's events. One thread runs ``step`` in a loop (``run``, or ``start`` for a thread of its
 own; ``stop`` ends it), or a test calls ``step``/``run_until_done`` itself.
 
+A sequence's KV goes to its source (the KV store) when it leaves the engine (finished, aborted with a
+save, or preempted), and, if it is in the prefix cache (``hash_root``), each block as soon as it fills,
+a step's new blocks of a sequence in one save: a stream that another replica continues finds them in
+the store.
+
 On a CPU, only the step thread runs tensor kernels on several cores; the I/O threads run theirs on
 one. With OpenMP (torch's CPU backend), every thread that runs a parallel kernel keeps a team of
 worker threads, and once a process holds more such threads than it has cores, OpenMP stops
@@ -260,6 +265,7 @@ class Engine:
         seq.stats.num_engine_computed_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
         self.scheduler.register(seq)
         if token is None:
+            self._save_filled(seq)
             return
         seq.token_ids.append(token)
         reason = None
@@ -270,16 +276,31 @@ class Engine:
         seq.events.put(TokenEvent(token, reason))
         if reason is not None:
             self._finish(seq, reason)
+        else:
+            self._save_filled(seq)
+
+    def _save_filled(self, seq: Sequence) -> None:
+        """Save the blocks of a sequence in the prefix cache that filled since its last save, so that its KV
+        is in the store before it finishes (a stream another replica continues finds it there). The
+        scheduler has hashed them (``register``): the I/O thread only reads the sequence's hashes."""
+        if seq.hash_root is None:
+            return
+        spill = self.scheduler.spill(seq, seq.num_computed_tokens // self.block_size * self.block_size)
+        if spill is not None:
+            self.connector.save(spill, ticket=self.connector.retain(spill))  # read in place: the blocks stay full
 
     def _finish(self, seq: Sequence, reason: str, error: str = "", save: bool = True) -> None:
         spill = self.scheduler.spill(seq, seq.num_computed_tokens) if save else None
-        if spill is None:
-            self.scheduler.finish(seq)
-            seq.events.put(Finished(reason, error))
-            return
-        ticket = self.connector.retain(spill)  # saved straight out of the KV cache: in use until then
+        ticket = None if spill is None else self.connector.retain(spill)  # saved straight out of the KV cache
         self.scheduler.finish(seq)
-        self.connector.save(spill, lambda: seq.events.put(Finished(reason, error)), ticket=ticket)
+
+        def finished() -> None:
+            seq.events.put(Finished(reason, error))
+
+        if spill is None:  # Finished still follows the saves of its filled blocks in flight
+            self.connector.after_saves(seq, finished)
+        else:
+            self.connector.save(spill, finished, ticket=ticket)
 
     def _loaded(self, seq: Sequence, num_tokens: int) -> None:
         self.scheduler.loaded(seq, num_tokens)

@@ -8,7 +8,7 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -22,6 +22,13 @@ log = logging.getLogger(__name__)
 
 def _nothing() -> None:
     pass
+
+
+def _wait(previous: Future[None] | None) -> None:
+    """Wait on an I/O thread for a save submitted before this work: the pool takes work in order, so that
+    one has started already, and waiting cannot starve it of a thread."""
+    if previous is not None:
+        wait([previous])
 
 
 class KVConnector:
@@ -76,24 +83,50 @@ class KVConnector:
         """Save ``spill`` to its sequence's source; ``then`` runs on the I/O thread once it is done, or instead
         of it if the engine stops first. With a ``ticket`` from ``retain``, the source reads the cache's slots
         themselves, freed once it is done; without (a preempted sequence's blocks, which go to others at once)
-        it reads a copy, and the sequence may be admitted again once it is done."""
+        it reads a copy, and the sequence may be admitted again once it is done.
+
+        A sequence's saves land in the order they were made, so the ``then`` of its last one follows them
+        all. Its full blocks count as saved from now on, so none is saved twice; a save that fails gives
+        them back to the next one."""
         blocks = spill.blocks
         kv = [self.cache.kv[b] for b in blocks] if ticket is not None else list(self.cache.kv[blocks])
         seq, source = spill.seq, spill.seq.source
         assert source is not None
+        previous = seq.last_save
+        seq.num_saved_blocks = spill.first_block + spill.num_tokens // self.block_size
 
         def work() -> Callable[[], None]:
+            _wait(previous)
+            saved = False
             try:
                 source.save(seq, spill.first_block, kv, spill.num_tokens)
-                seq.num_saved_blocks = spill.first_block + spill.num_tokens // self.block_size
+                saved = True
             except Exception:
                 log.exception("saving the KV of request %s failed", seq.request_id)
             then()
-            return functools.partial(self._saved, seq, ticket)
+            return functools.partial(self._saved, spill, ticket, saved)
 
-        self._submit(work, on_cancel=then)
+        seq.last_save = self._submit(work, on_cancel=then)
 
-    def _saved(self, seq: Sequence, ticket: int | None) -> None:
+    def after_saves(self, seq: Sequence, then: Callable[[], None]) -> None:
+        """``then`` once the saves of ``seq`` in flight have landed: at once if none is, else on an I/O
+        thread (or instead, if the engine stops first)."""
+        previous = seq.last_save
+        if previous is None or previous.done():
+            then()
+            return
+
+        def work() -> Callable[[], None]:
+            _wait(previous)
+            then()
+            return _nothing
+
+        seq.last_save = self._submit(work, on_cancel=then)
+
+    def _saved(self, spill: Spill, ticket: int | None, saved: bool) -> None:
+        seq = spill.seq
+        if not saved:
+            seq.num_saved_blocks = min(seq.num_saved_blocks, spill.first_block)
         if ticket is None:
             seq.saving = False
         elif (blocks := self._retained.pop(ticket, None)) is not None:
@@ -109,7 +142,8 @@ class KVConnector:
         """Start no more loads or saves; those not started run their ``on_cancel`` instead."""
         self.io.shutdown(wait=False, cancel_futures=True)
 
-    def _submit(self, work: Callable[[], Callable[[], None]], on_cancel: Callable[[], None] | None = None) -> None:
+    def _submit(self, work: Callable[[], Callable[[], None]], on_cancel: Callable[[], None] | None = None
+                ) -> Future[None]:
         """Run ``work`` on an I/O thread, then what it returns on the step thread; ``on_cancel`` instead if the
         engine stops before ``work`` starts."""
         self.num_in_flight += 1
@@ -124,6 +158,7 @@ class KVConnector:
         future = self.io.submit(run)
         if on_cancel is not None:
             future.add_done_callback(lambda f: on_cancel() if f.cancelled() else None)
+        return future
 
     def _done(self, then: Callable[[], None]) -> None:
         self.num_in_flight -= 1

@@ -8,6 +8,7 @@ import itertools
 import queue
 import time
 from collections import abc
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -83,8 +84,9 @@ class Sequence:
     """Token ids, of which the first ``num_computed_tokens`` have KV in the KV cache blocks of ``block_table``.
 
     ``hash_root`` seeds the prefix hashes under which full blocks are shared with other sequences
-    through the pool; None keeps them private. ``num_saved_blocks`` leading full blocks are known to be
-    in the KV source already and are not saved again.
+    through the pool, and saved to the source as they fill; None keeps them private (saved only when the
+    sequence leaves). ``num_saved_blocks`` leading full blocks are in the KV source already, or on their
+    way there, and are not saved again.
     """
 
     token_ids: list[int]
@@ -106,6 +108,7 @@ class Sequence:
     status: Status = Status.WAITING
     aborting: str | None = None  # "save" or "drop", set while LOADING
     saving: bool = False  # a preemption's save is in flight; not admitted until it lands
+    last_save: Future[None] | None = field(default=None, repr=False)  # its latest save; the next one waits for it
     events: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue, repr=False)
     stats: SequenceStats = field(default_factory=SequenceStats)
 

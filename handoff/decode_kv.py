@@ -4,9 +4,11 @@ where it goes (docs/DESIGN.md, "Request flow", steps 6 and 8).
 Loading: the prompt's full blocks from the store under the handle's keys, then, on the first
 admission only, the prompt's partial tail. A block that is missing or fails verification is a miss
 (docs/DESIGN.md, "Failure policy"): what follows it is recomputed by the engine. Saving: full blocks
-of a preempted sequence, so that it resumes from the store; and when it finishes, the blocks of
-its generated tokens, so that the next turn of a chat hits the cache on the reply too (with the
-prefix cache off, only a preempted sequence's blocks are kept, under request-private keys).
+of a preempted sequence, so that it resumes from the store; and the blocks of its generated tokens,
+each as it fills (the engine saves them then) and the rest when it finishes, so that the next turn
+of a chat hits the cache on the reply too, and a replica that continues the stream after this one
+died finds them (with the prefix cache off, only a preempted sequence's blocks are kept, under
+request-private keys).
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""A sequence in the prefix cache has its blocks saved to its source as they fill, not only when it leaves the
+engine: each block once, in order, the save on leaving holding only the rest, and its Finished after the last
+save. A sequence outside the prefix cache is saved when it leaves, as before."""
+
+from __future__ import annotations
+
+import threading
+from collections import abc
+
+import torch
+
+from engine.engine import Engine
+from engine.hashing import Namespace, prefix_hashes
+from engine.sequence import Finished, Status
+from engine.sequence import Sequence as KVSequence
+from tests.engine_fixtures import (
+    DictStore,
+    PrefixSource,
+    finish,
+    make_engine,
+    make_seq,
+    random_tokens,
+    tiny_model,
+)
+from tests.polling import wait_until
+
+BLOCK = 8
+WAIT_S = 10.0
+
+
+def _setup(source_class: type[PrefixSource] = PrefixSource) -> tuple[Engine, PrefixSource]:
+    engine = make_engine(tiny_model("llama"), BLOCK, 32)
+    return engine, source_class(DictStore(), engine.namespace())
+
+
+def _keys(engine: Engine, seq: KVSequence, num_blocks: int) -> set[bytes]:
+    return set(prefix_hashes(seq.token_ids[: num_blocks * BLOCK], BLOCK, engine.namespace().root()))
+
+
+def test_filled_blocks_are_in_the_store_while_the_sequence_runs() -> None:
+    engine, source = _setup()
+    seq = make_seq(engine.model, random_tokens(2 * BLOCK + 3, seed=61), 5 * BLOCK, source=source,
+                   hash_root=engine.namespace().root())
+    engine.add(seq)
+    while seq.num_computed_tokens < 4 * BLOCK:
+        engine.step()
+    wait_until(lambda: _keys(engine, seq, 4) <= set(source.store.blocks))  # 2 of the prompt, 2 generated
+    assert seq.status is Status.RUNNING
+    (outcome,) = finish(engine, [seq])
+    assert outcome.finished == Finished("length")
+    # 19 + 39 tokens with KV: the prompt's 2 blocks in its step, each generated block as it filled, then the
+    # partial last one on leaving; none twice.
+    assert [(s.first_block, s.num_tokens) for s in source.saves] == [
+        (0, 2 * BLOCK), (2, BLOCK), (3, BLOCK), (4, BLOCK), (5, BLOCK), (6, BLOCK), (7, 2)]
+    assert set(source.store.blocks) == _keys(engine, seq, 7)
+    assert seq.num_saved_blocks == 7
+
+
+def test_a_sequence_outside_the_prefix_cache_is_saved_when_it_leaves() -> None:
+    engine, source = _setup()
+    seq = make_seq(engine.model, random_tokens(2 * BLOCK + 3, seed=62), 3 * BLOCK, source=source)
+    engine.add(seq)
+    finish(engine, [seq])
+    assert [(s.first_block, s.num_tokens) for s in source.saves] == [(0, 2 * BLOCK + 3 + 3 * BLOCK - 1)]
+
+
+class GatedSource(PrefixSource):
+    """Saves wait for ``gate``."""
+
+    def __init__(self, store: DictStore, namespace: Namespace) -> None:
+        super().__init__(store, namespace)
+        self.gate = threading.Event()
+
+    def save(self, seq: KVSequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
+        assert self.gate.wait(WAIT_S)
+        super().save(seq, first_block, kv, num_tokens)
+
+
+def test_finished_follows_the_saves_in_flight_even_with_nothing_left_to_save() -> None:
+    engine, source = _setup(GatedSource)
+    assert isinstance(source, GatedSource)
+    seq = make_seq(engine.model, random_tokens(2 * BLOCK + 1, seed=63), 4 * BLOCK, source=source,
+                   hash_root=engine.namespace().root())
+    engine.add(seq)
+    while seq.num_computed_tokens < 3 * BLOCK:
+        engine.step()
+    assert seq.num_computed_tokens == 3 * BLOCK and seq.num_saved_blocks == 3  # all of them on their way
+    engine.abort(seq, save=True)
+    for _ in range(5):
+        engine.step()
+    assert seq.status is Status.FINISHED
+    assert engine.pool.num_used == 3  # held for the saves, which wait at the gate
+    events = []
+    while not seq.events.empty():
+        events.append(seq.events.get())
+    assert not any(isinstance(e, Finished) for e in events)
+    source.gate.set()
+    (outcome,) = finish(engine, [seq])
+    assert outcome.finished == Finished("aborted")
+    assert [(s.first_block, s.num_tokens) for s in source.saves] == [(0, 2 * BLOCK), (2, BLOCK)]
+
+
+class FailingOnce(PrefixSource):
+    """The first save fails."""
+
+    def __init__(self, store: DictStore, namespace: Namespace) -> None:
+        super().__init__(store, namespace)
+        self.failed = False
+
+    def save(self, seq: KVSequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the store fell over")
+        super().save(seq, first_block, kv, num_tokens)
+
+
+def test_blocks_whose_save_failed_go_with_the_next_save() -> None:
+    engine, source = _setup(FailingOnce)
+    seq = make_seq(engine.model, random_tokens(2 * BLOCK + 1, seed=64), 5 * BLOCK, source=source,
+                   hash_root=engine.namespace().root())
+    engine.add(seq)
+    finish(engine, [seq])
+    assert source.saves[0].first_block == 0  # the prompt's blocks, again
+    assert set(source.store.blocks) == _keys(engine, seq, seq.num_computed_tokens // BLOCK)
