@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
         description="Serves the kvserve.v1.Decode API in front of several decode replicas, sending each "
                     "request to the replica whose node already holds the most of its prompt's leading KV "
                     "blocks, balanced against load; a replica that fails before the first token is "
-                    "replaced by another.")
+                    "replaced by another, and a request every replica refuses as busy is asked again for "
+                    "a moment, then refused (RESOURCE_EXHAUSTED).")
     add_server_flags(p, listen="127.0.0.1:50050", max_workers=128)
     p.add_argument("--decode", required=True,
                    help="decode replicas: HOST:PORT, several separated by commas; a host name that resolves to "

@@ -21,17 +21,21 @@ What a replica says is checked (protos.bounds) and its indexes are capped in byt
 lies is distrusted, its claims dropped, so that it can neither steer placement nor grow this process.
 
 Busy is not dead: a replica is left out when it says it does not serve or its connection is refused or
-reset, not when a health check times out (until DEAD_AFTER_S of them).
+reset, not when a health check times out (until DEAD_AFTER_S of them), nor when it refuses a request as
+busy (the next replica is asked, then all again after a backoff).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -42,7 +46,7 @@ from protos.bounds import Lie, check_event, check_load, prompt_hashes
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
 from rpc.addresses import Targets
 from rpc.auth import ON_BEHALF_OF
-from rpc.errors import ServiceError, Unavailable
+from rpc.errors import ResourceExhausted, ServiceError, Unavailable
 from rpc.server import CLIENT_CHANNEL_OPTIONS
 from rpc.tls import TLSConfig, channel
 
@@ -64,6 +68,12 @@ DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events
 # its place until its checks have gone unanswered for DEAD_AFTER_S (a hung or stopped process).
 CHECK_TIMEOUT_S = 1.0
 DEAD_AFTER_S = 30.0
+# A RESOURCE_EXHAUSTED with this trailing metadata comes from a replica that is only busy: it says when to ask
+# again, in milliseconds. One without it will be refused there again (the request can never fit, a cap).
+RETRY_AFTER = "retry-after-ms"
+BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refuse, before it is refused
+BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
+MAX_BACKOFF_S = 2.0  # the longest wait between two rounds, whatever a replica hints
 
 
 class Upstream(ServiceError):
@@ -72,6 +82,27 @@ class Upstream(ServiceError):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class Overloaded(ResourceExhausted):
+    """Every replica refused a request as busy, round after round: the caller is told to retry after
+    `retry_after_ms` (RETRY_AFTER, in its trailing metadata)."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+        self.retry_after_s = retry_after_ms / 1000
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What has become of one request so far."""
+
+    down: list[str] = field(default_factory=list)  # replicas that failed it (marked down)
+    busy: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused as busy this round
+    full: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused for good (no hint)
+    hint_ms: int = 0  # the longest RETRY_AFTER among this round's refusals
+    rounds: int = 0  # rounds in which every replica refused it
 
 
 class BlockIndex:
@@ -315,10 +346,12 @@ class Router:
                  index_bytes: int = INDEX_BYTES, distrust_s: float = DISTRUST_S,
                  poll_s: float = 0.5, resolve_every_s: float = 10.0,
                  check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S,
+                 busy_rounds: int = BUSY_ROUNDS,
                  on_route: Callable[[str, str, int], None] | None = None) -> None:
         """`index_capacity` and `index_bytes` cap what the router keeps of each replica's blocks (entries in
         each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard;
-        `dead_after_s`: how long a replica that answers no health check keeps its place."""
+        `dead_after_s`: how long a replica that answers no health check keeps its place; `busy_rounds`: see
+        `generate`."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
         if not targets:
@@ -336,6 +369,10 @@ class Router:
         self._resolve_every_s = resolve_every_s
         self._check_timeout_s = check_timeout_s
         self._dead_after_s = dead_after_s
+        self.busy_rounds = busy_rounds
+        self._random = random.Random()  # the backoffs' jitter
+        self._refusals: Counter[str] = Counter()  # replica: requests it refused as busy
+        self._overloaded = 0  # requests refused as busy, every replica having refused them
         self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
         self._lies: Counter[tuple[str, str]] = Counter()  # (replica, reason): times it was distrusted
@@ -382,6 +419,20 @@ class Router:
     def _lied(self, addr: str, lie: Lie) -> None:
         with self._lock:
             self._lies[addr, lie.reason] += 1
+
+    def refusals(self) -> dict[str, int]:
+        """Replica: how many requests it refused as busy (RESOURCE_EXHAUSTED before its first response)."""
+        with self._lock:
+            return dict(self._refusals)
+
+    @property
+    def overloaded(self) -> int:
+        """Requests refused as busy (RESOURCE_EXHAUSTED) after every replica refused them."""
+        return self._overloaded
+
+    def _count(self, counter: Counter[str], key: str) -> None:
+        with self._lock:
+            counter[key] += 1
 
     # -- placing a request ---------------------------------------------------------------------
 
@@ -433,50 +484,93 @@ class Router:
     def generate(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
                  time_left: Callable[[], float | None],
                  on_call: Callable[[Any], None]) -> Iterator[decode_pb2.GenerateResponse]:
-        """Streams the answer from the chosen replica. A replica that fails before its first response
-        (it died, it is draining) is marked down and the request sent to the next; after the first
-        response its status is the caller's. `on_call` receives each upstream call (to cancel it)."""
+        """Streams the answer from the chosen replica. Before its first response: one that fails (UNAVAILABLE:
+        it died, it is draining) is marked down and another tried; one that refuses the request as busy
+        (RESOURCE_EXHAUSTED) is passed over for the next, and once every replica has refused it they are asked
+        again after a backoff, `busy_rounds` times in all, within the caller's deadline; then `Overloaded`.
+        After the first response the replica's status is the caller's. `on_call` receives each upstream call
+        (to cancel it)."""
         hashes = (self.prefix_hashes(request, metadata, _bounded(time_left(), 5.0))
                   if self.policy == "prefix" else [])
-        tried: list[str] = []
+        p = _Progress()
         while True:
-            chosen = self.choose(hashes, tried)
-            if chosen is None:
-                why = f" ({', '.join(tried)} failed)" if tried else ""
-                raise Unavailable(f"no healthy decode replica among {', '.join(self.targets)}{why}; "
-                                  "check `kvserve health` on each")
-            replica, held = chosen
+            replica, held = self._place(hashes, p, time_left)
             call = replica.decode.Generate(request, metadata=metadata, timeout=time_left())
             on_call(call)
             replica.started()
+            answered = False
             try:
-                try:
-                    first = next(call)
-                except StopIteration:
-                    raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {replica.addr} ended "
-                                   "without an answer") from None
-                except grpc.RpcError as exc:
-                    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-                    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-                    if code != grpc.StatusCode.UNAVAILABLE:
-                        raise Upstream(code, details or code.name) from exc
-                    log.warning("decode replica %s failed before the first token (%s): trying another",
-                                replica.addr, details)
-                    replica.mark_down()
-                    tried.append(replica.addr)
-                    continue
-                replica.learned(hashes)  # it will hold them: the next turn should find them here
-                if self.on_route is not None:
-                    self.on_route(replica.addr, self.policy, held)
-                yield first
-                try:
-                    yield from call
-                except grpc.RpcError as exc:
-                    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-                    raise Upstream(code, exc.details() if isinstance(exc, grpc.Call) else str(exc)) from exc
+                for response in call:
+                    if not answered:
+                        answered = True
+                        replica.learned(hashes)  # it will hold them: the next turn should find them here
+                        if self.on_route is not None:
+                            self.on_route(replica.addr, self.policy, held)
+                    yield response
+                if not answered:
+                    raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {replica.addr} ended without an answer")
                 return
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+                details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or code.name
+                if not answered and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._count(self._refusals, replica.addr)
+                    hint_ms = _retry_after_ms(exc)
+                    if hint_ms is None:
+                        p.full[replica.addr] = details
+                    else:
+                        p.busy[replica.addr] = details
+                        p.hint_ms = max(p.hint_ms, hint_ms)
+                    continue
+                if answered or code != grpc.StatusCode.UNAVAILABLE:
+                    raise Upstream(code, details) from exc
+                log.warning("decode replica %s failed before the first token (%s): trying another",
+                            replica.addr, details)
+                replica.mark_down()
+                p.down.append(replica.addr)
             finally:
                 replica.ended()
+
+    def _place(self, hashes: Sequence[BlockHash], p: _Progress,
+               time_left: Callable[[], float | None]) -> tuple[Replica, int]:
+        """The replica to send the request to next and the leading blocks it holds: the best healthy one that
+        has not failed the request, refused it for good, or refused it as busy in this round. Once every
+        healthy replica has refused it, those that were busy are asked again after a backoff; `Overloaded`
+        after `busy_rounds` rounds, or sooner when the backoff would outlast the caller's deadline.
+        RESOURCE_EXHAUSTED without a retry hint when none was busy, only refusing; `Unavailable` when no
+        replica is healthy."""
+        while True:
+            chosen = self.choose(hashes, [*p.down, *p.full, *p.busy])
+            if chosen is not None:
+                return chosen
+            if not p.busy and p.full:
+                raise Upstream(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the decode replicas refused it ({_refusals(p.full)})")
+            if not p.busy:
+                why = f" ({', '.join(p.down)} failed)" if p.down else ""
+                raise Unavailable(f"no healthy decode replica among {', '.join(self.targets)}{why}; "
+                                  "check `kvserve health` on each")
+            p.rounds += 1
+            wait = self._backoff(p)
+            left = time_left()
+            if p.rounds >= self.busy_rounds or (left is not None and wait >= left):
+                with self._lock:
+                    self._overloaded += 1
+                retry_ms = p.hint_ms or math.ceil(1000 * self._ceiling(p.rounds + 1))
+                raise Overloaded(f"every decode replica is busy ({_refusals({**p.busy, **p.full})}), asked "
+                                 f"{p.rounds} times; retry after {retry_ms} ms", retry_ms)
+            time.sleep(wait)
+            p.busy.clear()
+            p.hint_ms = 0
+
+    def _backoff(self, p: _Progress) -> float:
+        """Seconds to wait before asking the busy replicas again: full jitter under a ceiling doubling from
+        BACKOFF_S, and at least the longest wait a replica hinted (capped), so that refused callers neither
+        come back all at once nor before they were asked to."""
+        return min(MAX_BACKOFF_S, p.hint_ms / 1000 + self._random.uniform(0, self._ceiling(p.rounds)))
+
+    @staticmethod
+    def _ceiling(rounds: int) -> float:
+        return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (rounds - 1))
 
     # -- replicas ------------------------------------------------------------------------------
 
@@ -512,6 +606,22 @@ class Router:
     def _keep_resolving(self) -> None:
         while not self._stop.wait(self._resolve_every_s):
             self._resolve()
+
+
+def _retry_after_ms(exc: grpc.RpcError) -> int | None:
+    """A refusal's RETRY_AFTER hint; None for none (or one that is not a number)."""
+    trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+    for key, value in trailing or ():
+        if key == RETRY_AFTER:
+            try:
+                return max(0, int(value))
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _refusals(messages: dict[str, str]) -> str:
+    return "; ".join(f"{addr}: {message}" for addr, message in messages.items())
 
 
 def _bounded(time_left: float | None, most: float) -> float:

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
-from router.router import Router
+from router.router import RETRY_AFTER, Overloaded, Router
 
 FORWARDED_METADATA = ("authorization",)
 HELD_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -32,14 +32,16 @@ class RouterMetrics:
               "since they lied", registry=registry).set_function(lambda: router.num_distrusted)
         Gauge(p + "index_bytes", "Bytes the router's indexes of the replicas' blocks hold",
               registry=registry).set_function(lambda: router.index_bytes)
-        registry.register(_Lies(router))
+        registry.register(_Counts(router))
 
     def observe(self, replica: str, policy: str, held: int) -> None:
         self.routed.labels(replica=replica, policy=policy).inc()
         self.held_blocks.observe(held)
 
 
-class _Lies(Collector):
+class _Counts(Collector):
+    """What the router counts itself, read at each scrape."""
+
     def __init__(self, router: Router) -> None:
         self.router = router
 
@@ -49,6 +51,13 @@ class _Lies(Collector):
         for (replica, reason), n in sorted(self.router.lies().items()):
             lies.add_metric([replica, reason], n)
         yield lies
+        refused = CounterMetricFamily("kvserve_router_refused", "Requests a decode replica refused as busy "
+                                      "(RESOURCE_EXHAUSTED before its first response), by replica", labels=["replica"])
+        for replica, n in sorted(self.router.refusals().items()):
+            refused.add_metric([replica], n)
+        yield refused
+        yield CounterMetricFamily("kvserve_router_overloaded", "Requests refused as busy (RESOURCE_EXHAUSTED, with "
+                                  "retry-after-ms) after every replica refused them", value=self.router.overloaded)
 
 
 class RouterServicer(decode_pb2_grpc.DecodeServicer):
@@ -61,6 +70,11 @@ class RouterServicer(decode_pb2_grpc.DecodeServicer):
         metadata = [(k, v) for k, v in context.invocation_metadata() if k in FORWARDED_METADATA]
 
         def on_call(call: Any) -> None:
-            context.add_callback(call.cancel)  # the caller went away: so does the replica's work
+            if not context.add_callback(call.cancel):  # the caller went away: so does the replica's work
+                call.cancel()  # it went before this call began (while the router waited out a busy round)
 
-        yield from self.router.generate(request, metadata, context.time_remaining, on_call)
+        try:
+            yield from self.router.generate(request, metadata, context.time_remaining, on_call)
+        except Overloaded as exc:
+            context.set_trailing_metadata([(RETRY_AFTER, str(exc.retry_after_ms))])
+            raise

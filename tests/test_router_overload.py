@@ -1,4 +1,5 @@
-"""The router under load and under failure (issue 27): busy is not dead.
+"""The router under load and under failure (issue 27): busy is not dead, and a request every replica refuses
+as busy is refused so (RESOURCE_EXHAUSTED, retry-after-ms) within its deadline.
 
 Replicas are tests/fake_decode.py's, over real gRPC in this process."""
 
@@ -167,3 +168,57 @@ def test_a_refused_connection_is_skipped() -> None:
             assert answer.code == Code.OK and len(answer.tokens) == 4
             assert not r.router.replicas[gone].healthy
         assert len(up.servicer.requests) == 2
+
+
+# --- all busy -----------------------------------------------------------------------------------------
+
+
+def test_when_every_replica_is_busy_the_caller_is_told_when_to_retry() -> None:
+    with fakes(2) as replicas, routed([f.addr for f in replicas]) as r:
+        wait_until(lambda: r.router.num_healthy == 2, message="the replicas were never healthy")
+        for f in replicas:
+            f.servicer.refuse, f.servicer.retry_after_ms = Code.RESOURCE_EXHAUSTED, 100
+        answer = generate(r.addr, request(), timeout_s=10)
+        assert answer.code == Code.RESOURCE_EXHAUSTED
+        assert answer.trailers.get("retry-after-ms") == "100"
+        assert "busy: 80 sequences waiting" in answer.details and "asked 3 times" in answer.details
+        assert answer.seconds < 1.5  # two waits of 100-200 ms between three rounds, not the 10 s deadline
+        assert [len(f.servicer.requests) for f in replicas] == [3, 3]
+        assert r.router.num_healthy == 2  # busy, not dead
+        assert r.metric("kvserve_router_overloaded_total") == 1
+        assert all(r.metric("kvserve_router_refused_total", replica=f.addr) == 3 for f in replicas)
+
+
+def test_a_refusal_without_a_hint_is_not_asked_again() -> None:
+    """No retry-after-ms: the request will not fit there (protos.retry); the caller gets it at once, with no hint."""
+    with fakes(2) as replicas, routed([f.addr for f in replicas]) as r:
+        wait_until(lambda: r.router.num_healthy == 2, message="the replicas were never healthy")
+        for f in replicas:
+            f.servicer.refuse = Code.RESOURCE_EXHAUSTED
+        answer = generate(r.addr, request())
+        assert answer.code == Code.RESOURCE_EXHAUSTED and "retry-after-ms" not in answer.trailers
+        assert [len(f.servicer.requests) for f in replicas] == [1, 1]
+        assert r.metric("kvserve_router_overloaded_total") == 0
+
+
+def test_one_busy_and_one_free_the_free_one_serves_at_once() -> None:
+    with fakes(2) as (busy, free), routed([busy.addr, free.addr], start=False, policy="round-robin") as r:
+        for replica in r.router.replicas.values():
+            replica.healthy = True
+        busy.servicer.refuse, busy.servicer.retry_after_ms = Code.RESOURCE_EXHAUSTED, 1000
+        answers = [generate(r.addr, request()) for _ in range(4)]
+        assert all(a.code == Code.OK and len(a.tokens) == 4 for a in answers)
+        assert sum(a.seconds for a in answers) < 1.0  # no backoff: the next replica is asked at once
+        assert len(free.servicer.requests) == 4 and len(busy.servicer.requests) >= 2  # asked first, in turn
+        assert r.metric("kvserve_router_overloaded_total") == 0
+
+
+def test_the_callers_deadline_bounds_the_retries() -> None:
+    with fakes(2) as replicas, routed([f.addr for f in replicas]) as r:
+        wait_until(lambda: r.router.num_healthy == 2, message="the replicas were never healthy")
+        for f in replicas:
+            f.servicer.refuse, f.servicer.retry_after_ms = Code.RESOURCE_EXHAUSTED, 1500
+        answer = generate(r.addr, request(), timeout_s=1.0)  # less than the wait they ask for
+        assert answer.code == Code.RESOURCE_EXHAUSTED and answer.trailers.get("retry-after-ms") == "1500"
+        assert answer.seconds < 0.5
+        assert [len(f.servicer.requests) for f in replicas] == [1, 1]
