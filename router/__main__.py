@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protos.kvserve.v1 import decode_pb2_grpc
-from router.router import DECODE_SERVICE, INDEX_BYTES, POLICIES, Router
+from router.router import DECODE_SERVICE, INDEX_BYTES, MAX_MIGRATIONS, POLICIES, Router
 from router.server import RouterMetrics, RouterServicer
 from rpc.addresses import split_targets
 from rpc.cli import (
@@ -32,8 +32,9 @@ def parser() -> argparse.ArgumentParser:
         description="Serves the kvserve.v1.Decode API in front of several decode replicas, sending each "
                     "request to the replica whose node already holds the most of its prompt's leading KV "
                     "blocks, balanced against load; a replica that fails before the first token is "
-                    "replaced by another, and a request every replica refuses as busy is asked again for "
-                    "a moment, then refused (RESOURCE_EXHAUSTED).")
+                    "replaced by another, a stream whose replica dies goes on from another, and a request "
+                    "every replica refuses as busy is asked again for a moment, then refused "
+                    "(RESOURCE_EXHAUSTED).")
     add_server_flags(p, listen="127.0.0.1:50050", max_workers=128)
     p.add_argument("--decode", required=True,
                    help="decode replicas: HOST:PORT, several separated by commas; a host name that resolves to "
@@ -54,6 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--index-mib", type=int, default=INDEX_BYTES >> 20, metavar="MIB",
                    help="most memory the router keeps of each replica's block hashes, in MiB (its store's and its "
                         "pool's, half each; the oldest are forgotten first) (default %(default)s)")
+    p.add_argument("--max-migrations", type=int, default=MAX_MIGRATIONS, metavar="N",
+                   help="times one request's stream may move to another replica when its replica dies mid-stream "
+                        "(the new one resumes after the tokens already sent; 0: the caller gets the failure) "
+                        "(default %(default)s)")
     p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
                    help="read the service token from FILE instead (`kvserve credentials` writes auth/router.token)")
     return p
@@ -80,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = service_token(args)
         if args.index_mib < 1:
             raise ValueError(f"--index-mib must be at least 1, not {args.index_mib}")
+        if args.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be at least 0, not {args.max_migrations}")
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
@@ -88,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         router = Router(split_targets(args.decode), policy=args.policy,
                         load_weight=args.load_weight, tls=tls, index_bytes=args.index_mib << 20,
+                        max_migrations=args.max_migrations,
                         metadata=[("authorization", f"Bearer {token}")] if token else [])
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)

@@ -22,7 +22,8 @@ lies is distrusted, its claims dropped, so that it can neither steer placement n
 
 Busy is not dead: a replica is left out when it says it does not serve or its connection is refused or
 reset, not when a health check times out (until DEAD_AFTER_S of them), nor when it refuses a request as
-busy (the next replica is asked, then all again after a backoff).
+busy (the next replica is asked, then all again after a backoff). A stream whose replica dies after its
+first token goes on from another replica, which resumes after the tokens the caller has.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import math
 import random
 import threading
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +76,7 @@ RETRY_AFTER = "retry-after-ms"
 BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refuse, before it is refused
 BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
 MAX_BACKOFF_S = 2.0  # the longest wait between two rounds, whatever a replica hints
+MAX_MIGRATIONS = 3  # times one request's stream is moved to another replica after its replica died
 
 
 class Upstream(ServiceError):
@@ -98,11 +101,14 @@ class Overloaded(ResourceExhausted):
 class _Progress:
     """What has become of one request so far."""
 
+    sent: array[int] = field(default_factory=lambda: array("I"))  # token ids passed on to the caller, 4 bytes each
     down: list[str] = field(default_factory=list)  # replicas that failed it (marked down)
     busy: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused as busy this round
     full: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused for good (no hint)
     hint_ms: int = 0  # the longest RETRY_AFTER among this round's refusals
     rounds: int = 0  # rounds in which every replica refused it
+    moves: int = 0  # times its stream was moved to another replica
+    moving: bool = False  # moved, and no replica has answered since
 
 
 class BlockIndex:
@@ -346,12 +352,12 @@ class Router:
                  index_bytes: int = INDEX_BYTES, distrust_s: float = DISTRUST_S,
                  poll_s: float = 0.5, resolve_every_s: float = 10.0,
                  check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S,
-                 busy_rounds: int = BUSY_ROUNDS,
+                 busy_rounds: int = BUSY_ROUNDS, max_migrations: int = MAX_MIGRATIONS,
                  on_route: Callable[[str, str, int], None] | None = None) -> None:
         """`index_capacity` and `index_bytes` cap what the router keeps of each replica's blocks (entries in
         each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard;
-        `dead_after_s`: how long a replica that answers no health check keeps its place; `busy_rounds`: see
-        `generate`."""
+        `dead_after_s`: how long a replica that answers no health check keeps its place; `busy_rounds` and
+        `max_migrations`: see `generate`."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
         if not targets:
@@ -370,8 +376,10 @@ class Router:
         self._check_timeout_s = check_timeout_s
         self._dead_after_s = dead_after_s
         self.busy_rounds = busy_rounds
+        self.max_migrations = max_migrations
         self._random = random.Random()  # the backoffs' jitter
         self._refusals: Counter[str] = Counter()  # replica: requests it refused as busy
+        self._migrations: Counter[str] = Counter()  # outcome: streams moved (resumed), or not (limit, failed)
         self._overloaded = 0  # requests refused as busy, every replica having refused them
         self.on_route = on_route  # (replica, policy, leading blocks it held) of each request placed
         self.replicas: dict[str, Replica] = {}
@@ -424,6 +432,13 @@ class Router:
         """Replica: how many requests it refused as busy (RESOURCE_EXHAUSTED before its first response)."""
         with self._lock:
             return dict(self._refusals)
+
+    def migrations(self) -> dict[str, int]:
+        """How many streams whose replica died were moved, by outcome: `resumed` (another replica took the
+        stream up), `limit` (moved --max-migrations times already: the caller got the failure), `failed` (no
+        replica took it up: the caller got why)."""
+        with self._lock:
+            return dict(self._migrations)
 
     @property
     def overloaded(self) -> int:
@@ -484,21 +499,39 @@ class Router:
     def generate(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
                  time_left: Callable[[], float | None],
                  on_call: Callable[[Any], None]) -> Iterator[decode_pb2.GenerateResponse]:
-        """Streams the answer from the chosen replica. Before its first response: one that fails (UNAVAILABLE:
-        it died, it is draining) is marked down and another tried; one that refuses the request as busy
-        (RESOURCE_EXHAUSTED) is passed over for the next, and once every replica has refused it they are asked
-        again after a backoff, `busy_rounds` times in all, within the caller's deadline; then `Overloaded`.
-        After the first response the replica's status is the caller's. `on_call` receives each upstream call
-        (to cancel it)."""
+        """Streams the answer from the chosen replica, as one stream whatever befalls the replicas.
+
+        Before a replica's first response: one that fails (UNAVAILABLE: it died, it is draining) is marked
+        down and another tried; one that refuses the request as busy (RESOURCE_EXHAUSTED) is passed over for
+        the next, and once every replica has refused it they are asked again after a backoff, `busy_rounds`
+        times in all, within the caller's deadline; then `Overloaded`. After its first response: a stream that
+        fails with UNAVAILABLE or ends without a result moves to another replica, which resumes after the
+        tokens the caller has (resume_token_ids), at most `max_migrations` times a request. Any other status
+        is the caller's, as the replica gave it. `on_call` receives each upstream call (to cancel it)."""
         hashes = (self.prefix_hashes(request, metadata, _bounded(time_left(), 5.0))
                   if self.policy == "prefix" else [])
-        p = _Progress()
+        progress = _Progress()
+        try:
+            yield from self._stream(request, hashes, metadata, time_left, on_call, progress)
+        except ServiceError:
+            if progress.moving:
+                self._count(self._migrations, "failed")
+            raise
+
+    def _stream(self, request: decode_pb2.GenerateRequest, hashes: Sequence[BlockHash], metadata: Metadata,
+                time_left: Callable[[], float | None], on_call: Callable[[Any], None],
+                p: _Progress) -> Iterator[decode_pb2.GenerateResponse]:
         while True:
             replica, held = self._place(hashes, p, time_left)
-            call = replica.decode.Generate(request, metadata=metadata, timeout=time_left())
+            upstream = request
+            if p.sent:  # a moved stream: the replica continues after what the caller has
+                upstream = decode_pb2.GenerateRequest()
+                upstream.CopyFrom(request)
+                upstream.resume_token_ids.extend(p.sent)
+            call = replica.decode.Generate(upstream, metadata=metadata, timeout=time_left())
             on_call(call)
             replica.started()
-            answered = False
+            answered = finished = False
             try:
                 for response in call:
                     if not answered:
@@ -506,10 +539,19 @@ class Router:
                         replica.learned(hashes)  # it will hold them: the next turn should find them here
                         if self.on_route is not None:
                             self.on_route(replica.addr, self.policy, held)
+                        if p.moving:
+                            self._count(self._migrations, "resumed")
+                            p.moving = False
+                    if response.WhichOneof("kind") == "token":
+                        p.sent.append(response.token.token_id)
+                    else:
+                        finished = True
                     yield response
+                if finished:
+                    return
                 if not answered:
                     raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {replica.addr} ended without an answer")
-                return
+                failure = "its stream ended without a result"
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
                 details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or code.name
@@ -522,14 +564,33 @@ class Router:
                         p.busy[replica.addr] = details
                         p.hint_ms = max(p.hint_ms, hint_ms)
                     continue
-                if answered or code != grpc.StatusCode.UNAVAILABLE:
+                if finished or code != grpc.StatusCode.UNAVAILABLE:
                     raise Upstream(code, details) from exc
-                log.warning("decode replica %s failed before the first token (%s): trying another",
-                            replica.addr, details)
-                replica.mark_down()
-                p.down.append(replica.addr)
+                if not answered:
+                    log.warning("decode replica %s failed before the first token (%s): trying another",
+                                replica.addr, details)
+                    replica.mark_down()
+                    p.down.append(replica.addr)
+                    continue
+                failure = details
             finally:
                 replica.ended()
+            self._move(replica, p, failure)
+
+    def _move(self, replica: Replica, p: _Progress, failure: str) -> None:
+        """The stream from `replica` broke after tokens reached the caller: it goes to another replica, unless
+        it has moved `max_migrations` times already."""
+        replica.mark_down()
+        p.down.append(replica.addr)
+        if p.moves >= self.max_migrations:
+            self._count(self._migrations, "limit")
+            raise Upstream(grpc.StatusCode.UNAVAILABLE, f"decode replica {replica.addr} failed after {len(p.sent)} "
+                           f"tokens ({failure}); this stream moved {p.moves} times already, the most "
+                           "--max-migrations allows")
+        p.moves += 1
+        p.moving = True
+        log.warning("decode replica %s failed after %d tokens (%s): moving the stream to another replica "
+                    "(migration %d of at most %d)", replica.addr, len(p.sent), failure, p.moves, self.max_migrations)
 
     def _place(self, hashes: Sequence[BlockHash], p: _Progress,
                time_left: Callable[[], float | None]) -> tuple[Replica, int]:

@@ -58,6 +58,13 @@ class _Counts(Collector):
         yield refused
         yield CounterMetricFamily("kvserve_router_overloaded", "Requests refused as busy (RESOURCE_EXHAUSTED, with "
                                   "retry-after-ms) after every replica refused them", value=self.router.overloaded)
+        migrations = CounterMetricFamily("kvserve_router_migrations", "Streams moved to another replica after "
+                                         "theirs died, by outcome: resumed (another replica took it up), limit "
+                                         "(moved --max-migrations times already), failed (no replica took it up)",
+                                         labels=["outcome"])
+        for outcome, n in sorted(self.router.migrations().items()):
+            migrations.add_metric([outcome], n)
+        yield migrations
 
 
 class RouterServicer(decode_pb2_grpc.DecodeServicer):

@@ -1,12 +1,17 @@
-"""The router under load and under failure (issue 27): busy is not dead, and a request every replica refuses
-as busy is refused so (RESOURCE_EXHAUSTED, retry-after-ms) within its deadline.
+"""The router under load and under failure (issue 27): busy is not dead, a request every replica refuses as
+busy is refused so (RESOURCE_EXHAUSTED, retry-after-ms) within its deadline, and a stream whose replica dies
+goes on from another replica, resumed after the tokens the caller has.
 
-Replicas are tests/fake_decode.py's, over real gRPC in this process."""
+Replicas are tests/fake_decode.py's, over real gRPC in this process (one in a process of its own, killed)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -222,3 +227,102 @@ def test_the_callers_deadline_bounds_the_retries() -> None:
         assert answer.code == Code.RESOURCE_EXHAUSTED and answer.trailers.get("retry-after-ms") == "1500"
         assert answer.seconds < 0.5
         assert [len(f.servicer.requests) for f in replicas] == [1, 1]
+
+
+# --- a stream whose replica died ----------------------------------------------------------------------
+
+
+def test_a_stream_whose_replica_dies_goes_on_from_another() -> None:
+    req = request(max_tokens=10)
+    with fakes(2, tokens=positional, delay_s=0.02) as (dying, other), \
+            routed([dying.addr, other.addr], start=False) as r:
+        for replica in r.router.replicas.values():
+            replica.healthy = True
+        r.router.replicas[other.addr].others_load = 1  # the dying one goes first
+        dying.servicer.die_after = 3
+        answer = generate(r.addr, req, timeout_s=10)
+        assert not r.router.replicas[dying.addr].healthy
+        assert r.router.migrations() == {"resumed": 1}
+        assert r.metric("kvserve_router_migrations_total", outcome="resumed") == 1
+    want = uninterrupted(req)
+    assert answer.code == Code.OK
+    assert answer.tokens == want  # one stream, as if nothing had happened
+    assert answer.result is not None and list(answer.result.token_ids) == want
+    assert answer.result.text == "".join(map(chr, want)) and answer.result.usage.completion_tokens == 10
+
+    (moved,) = other.servicer.requests
+    assert list(moved.resume_token_ids) == want[:3]
+    moved.ClearField("resume_token_ids")
+    assert moved == req  # prompt, sampling and its seed, max_tokens, cache, request_id
+    assert other.servicer.metadata[0]["authorization"] == "Bearer tenant-a"
+    first_left, moved_left = dying.servicer.time_left[0], other.servicer.time_left[0]
+    assert first_left is not None and moved_left is not None
+    assert moved_left < first_left - 0.05 and first_left <= 10  # what was left of the caller's deadline
+
+
+def test_a_stream_moves_at_most_max_migrations_times() -> None:
+    req = request(max_tokens=10)
+    with fakes(3, tokens=positional) as replicas, routed([f.addr for f in replicas], start=False,
+                                                         max_migrations=1) as r:
+        for i, f in enumerate(replicas):
+            r.router.replicas[f.addr].healthy = True
+            r.router.replicas[f.addr].others_load = i  # in order
+            f.servicer.die_after = 2
+        answer = generate(r.addr, req)
+        assert answer.code == Code.UNAVAILABLE and "--max-migrations" in answer.details
+        assert answer.tokens == uninterrupted(req)[:4] and answer.result is None
+        assert [len(f.servicer.requests) for f in replicas] == [1, 1, 0]
+        assert r.router.migrations() == {"resumed": 1, "limit": 1}
+        assert r.metric("kvserve_router_migrations_total", outcome="limit") == 1
+
+
+def test_a_stream_with_no_replica_left_to_move_to_fails_unavailable() -> None:
+    req = request(max_tokens=10)
+    with fakes(1, tokens=positional) as (dying,), routed([dying.addr], start=False) as r:
+        r.router.replicas[dying.addr].healthy = True
+        dying.servicer.die_after = 2
+        answer = generate(r.addr, req)
+        assert answer.code == Code.UNAVAILABLE and answer.tokens == uninterrupted(req)[:2]
+        assert r.router.migrations() == {"failed": 1}
+
+
+CHILD = """
+import sys, time
+from tests.fake_decode import FakeReplica, FakeServer, positional
+fake = FakeServer(delay_s=0.05, replica=FakeReplica(), tokens=positional).__enter__()
+print(fake.addr, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stream_whose_replica_is_killed_goes_on_from_another() -> None:
+    """A process killed mid-stream: its connection resets (UNAVAILABLE), and the stream goes on."""
+    req = request(max_tokens=40)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert child.stdout is not None
+        killed = child.stdout.readline().strip()
+        with fakes(1, tokens=positional) as (other,), routed([killed, other.addr], start=False) as r:
+            for replica in r.router.replicas.values():
+                replica.healthy = True
+            r.router.replicas[other.addr].others_load = 1
+            with grpc.insecure_channel(r.addr) as channel:
+                call = decode_pb2_grpc.DecodeStub(channel).Generate(req, timeout=10, metadata=TOKEN)
+                tokens, result = [], None
+                for response in call:
+                    if response.WhichOneof("kind") == "token":
+                        tokens.append(response.token.token_id)
+                        if len(tokens) == 3:
+                            os.kill(child.pid, signal.SIGKILL)
+                    else:
+                        result = response.result
+            assert r.router.migrations() == {"resumed": 1}
+        want = uninterrupted(req)
+        assert tokens == want and result is not None and list(result.token_ids) == want
+        (moved,) = other.servicer.requests
+        k = len(moved.resume_token_ids)
+        assert 3 <= k < 40 and list(moved.resume_token_ids) == want[:k]
+    finally:
+        child.kill()
+        child.wait()
