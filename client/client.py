@@ -35,7 +35,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 Message = Mapping[str, str]
-BUSY_RETRIES = 4  # times a request refused by a busy server (RESOURCE_EXHAUSTED with a hint) is sent again
+BUSY_RETRIES = 8  # times a request refused by a busy server (RESOURCE_EXHAUSTED with a hint) is sent again
 
 
 @dataclass(frozen=True, slots=True)
