@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
 import threading
 import time
@@ -46,6 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.block_hash import BlockHash
 from protos.bounds import Lie, check_event, check_load, prompt_hashes
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from protos.retry import retry_after_s
 from rpc.addresses import Targets
 from rpc.auth import ON_BEHALF_OF
 from rpc.errors import ResourceExhausted, ServiceError, Unavailable
@@ -70,9 +70,7 @@ DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events
 # its place until its checks have gone unanswered for DEAD_AFTER_S (a hung or stopped process).
 CHECK_TIMEOUT_S = 1.0
 DEAD_AFTER_S = 30.0
-# A RESOURCE_EXHAUSTED with this trailing metadata comes from a replica that is only busy: it says when to ask
-# again, in milliseconds. One without it will be refused there again (the request can never fit, a cap).
-RETRY_AFTER = "retry-after-ms"
+# A replica refusing a request with a retry hint (protos.retry) is only busy; without, it will refuse it again.
 BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refuse, before it is refused
 BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
 MAX_BACKOFF_S = 2.0  # the longest wait between two rounds, whatever a replica hints
@@ -87,16 +85,6 @@ class Upstream(ServiceError):
         self.code = code
 
 
-class Overloaded(ResourceExhausted):
-    """Every replica refused a request as busy, round after round: the caller is told to retry after
-    `retry_after_ms` (RETRY_AFTER, in its trailing metadata)."""
-
-    def __init__(self, message: str, retry_after_ms: int) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
-        self.retry_after_s = retry_after_ms / 1000
-
-
 @dataclass(slots=True)
 class _Progress:
     """What has become of one request so far."""
@@ -105,7 +93,7 @@ class _Progress:
     down: list[str] = field(default_factory=list)  # replicas that failed it (marked down)
     busy: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused as busy this round
     full: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused for good (no hint)
-    hint_ms: int = 0  # the longest RETRY_AFTER among this round's refusals
+    hint_s: float = 0.0  # the longest retry hint among this round's refusals
     rounds: int = 0  # rounds in which every replica refused it
     moves: int = 0  # times its stream was moved to another replica
     moving: bool = False  # moved, and no replica has answered since
@@ -504,10 +492,11 @@ class Router:
         Before a replica's first response: one that fails (UNAVAILABLE: it died, it is draining) is marked
         down and another tried; one that refuses the request as busy (RESOURCE_EXHAUSTED) is passed over for
         the next, and once every replica has refused it they are asked again after a backoff, `busy_rounds`
-        times in all, within the caller's deadline; then `Overloaded`. After its first response: a stream that
-        fails with UNAVAILABLE or ends without a result moves to another replica, which resumes after the
-        tokens the caller has (resume_token_ids), at most `max_migrations` times a request. Any other status
-        is the caller's, as the replica gave it. `on_call` receives each upstream call (to cancel it)."""
+        times in all, within the caller's deadline; then ResourceExhausted with a retry hint (`_place`).
+        After its first response: a stream that fails with UNAVAILABLE or ends without a result moves to
+        another replica, which resumes after the tokens the caller has (resume_token_ids), at most
+        `max_migrations` times a request. Any other status is the caller's, as the replica gave it.
+        `on_call` receives each upstream call (to cancel it)."""
         hashes = (self.prefix_hashes(request, metadata, _bounded(time_left(), 5.0))
                   if self.policy == "prefix" else [])
         progress = _Progress()
@@ -557,12 +546,12 @@ class Router:
                 details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or code.name
                 if not answered and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._count(self._refusals, replica.addr)
-                    hint_ms = _retry_after_ms(exc)
-                    if hint_ms is None:
+                    hint_s = retry_after_s(exc)
+                    if hint_s is None:
                         p.full[replica.addr] = details
                     else:
                         p.busy[replica.addr] = details
-                        p.hint_ms = max(p.hint_ms, hint_ms)
+                        p.hint_s = max(p.hint_s, hint_s)
                     continue
                 if finished or code != grpc.StatusCode.UNAVAILABLE:
                     raise Upstream(code, details) from exc
@@ -596,16 +585,15 @@ class Router:
                time_left: Callable[[], float | None]) -> tuple[Replica, int]:
         """The replica to send the request to next and the leading blocks it holds: the best healthy one that
         has not failed the request, refused it for good, or refused it as busy in this round. Once every
-        healthy replica has refused it, those that were busy are asked again after a backoff; `Overloaded`
-        after `busy_rounds` rounds, or sooner when the backoff would outlast the caller's deadline.
-        RESOURCE_EXHAUSTED without a retry hint when none was busy, only refusing; `Unavailable` when no
-        replica is healthy."""
+        healthy replica has refused it, those that were busy are asked again after a backoff; ResourceExhausted
+        with a retry hint after `busy_rounds` rounds, or sooner when the backoff would outlast the caller's
+        deadline, and without one when none was busy, only refusing; Unavailable when no replica is healthy."""
         while True:
             chosen = self.choose(hashes, [*p.down, *p.full, *p.busy])
             if chosen is not None:
                 return chosen
             if not p.busy and p.full:
-                raise Upstream(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the decode replicas refused it ({_refusals(p.full)})")
+                raise ResourceExhausted(f"the decode replicas refused it ({_refusals(p.full)})")
             if not p.busy:
                 why = f" ({', '.join(p.down)} failed)" if p.down else ""
                 raise Unavailable(f"no healthy decode replica among {', '.join(self.targets)}{why}; "
@@ -616,18 +604,18 @@ class Router:
             if p.rounds >= self.busy_rounds or (left is not None and wait >= left):
                 with self._lock:
                     self._overloaded += 1
-                retry_ms = p.hint_ms or math.ceil(1000 * self._ceiling(p.rounds + 1))
-                raise Overloaded(f"every decode replica is busy ({_refusals({**p.busy, **p.full})}), asked "
-                                 f"{p.rounds} times; retry after {retry_ms} ms", retry_ms)
+                retry_s = p.hint_s or self._ceiling(p.rounds + 1)
+                raise ResourceExhausted(f"every decode replica is busy ({_refusals({**p.busy, **p.full})}), asked "
+                                        f"{p.rounds} times; retry after {retry_s * 1000:.0f} ms", retry_after_s=retry_s)
             time.sleep(wait)
             p.busy.clear()
-            p.hint_ms = 0
+            p.hint_s = 0.0
 
     def _backoff(self, p: _Progress) -> float:
         """Seconds to wait before asking the busy replicas again: full jitter under a ceiling doubling from
         BACKOFF_S, and at least the longest wait a replica hinted (capped), so that refused callers neither
         come back all at once nor before they were asked to."""
-        return min(MAX_BACKOFF_S, p.hint_ms / 1000 + self._random.uniform(0, self._ceiling(p.rounds)))
+        return min(MAX_BACKOFF_S, p.hint_s + self._random.uniform(0, self._ceiling(p.rounds)))
 
     @staticmethod
     def _ceiling(rounds: int) -> float:
@@ -667,18 +655,6 @@ class Router:
     def _keep_resolving(self) -> None:
         while not self._stop.wait(self._resolve_every_s):
             self._resolve()
-
-
-def _retry_after_ms(exc: grpc.RpcError) -> int | None:
-    """A refusal's RETRY_AFTER hint; None for none (or one that is not a number)."""
-    trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
-    for key, value in trailing or ():
-        if key == RETRY_AFTER:
-            try:
-                return max(0, int(value))
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 def _refusals(messages: dict[str, str]) -> str:

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
-from router.router import RETRY_AFTER, Overloaded, Router
+from router.router import Router
 
 FORWARDED_METADATA = ("authorization",)
 HELD_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -80,8 +80,4 @@ class RouterServicer(decode_pb2_grpc.DecodeServicer):
             if not context.add_callback(call.cancel):  # the caller went away: so does the replica's work
                 call.cancel()  # it went before this call began (while the router waited out a busy round)
 
-        try:
-            yield from self.router.generate(request, metadata, context.time_remaining, on_call)
-        except Overloaded as exc:
-            context.set_trailing_metadata([(RETRY_AFTER, str(exc.retry_after_ms))])
-            raise
+        yield from self.router.generate(request, metadata, context.time_remaining, on_call)
