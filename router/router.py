@@ -443,8 +443,8 @@ class Router:
                       timeout_s: float) -> list[BlockHash]:
         """The prompt's block hashes from a healthy replica, asked with the router's own service token and,
         in `ON_BEHALF_OF`, the caller's (so that they are its tenant's); [] when none answers (the request
-        is then placed by load alone). A status about the request itself (a bad prompt) is the caller's,
-        raised as it came; a refused token is placed by load too (the Generate call then says why, or the
+        is then placed by load alone, as when they are busy). A status about the request itself (a bad
+        prompt) is the caller's, raised as it came; a refused token is placed by load too (the Generate call then says why, or the
         router's token is wrong: logged)."""
         asked = [*self._metadata, *((ON_BEHALF_OF, v) for k, v in metadata if k == "authorization")]
         for replica in [r for r in self._healthy(self._hash_turn) if r.trusted][:2]:
@@ -461,6 +461,9 @@ class Router:
                                 "--token-file must be a token from the replicas' --service-tokens",
                                 replica.addr, code.name, details)
                     return []
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy (its calls at their limit): not the caller's
+                    log.debug("prefix hashes from %s refused as busy (%s): asking another", replica.addr, details)
+                    continue
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.UNIMPLEMENTED):
                     raise Upstream(code, details) from exc

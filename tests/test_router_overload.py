@@ -218,6 +218,19 @@ def test_one_busy_and_one_free_the_free_one_serves_at_once() -> None:
         assert r.metric("kvserve_router_overloaded_total") == 0
 
 
+def test_busy_replicas_refusing_a_prompts_hashes_place_it_by_load() -> None:
+    """Under --policy prefix the router first asks a replica for the prompt's hashes; a busy one refuses that
+    call too (its calls at their limit), which is no answer for the caller: the request is placed by load."""
+    with fakes(2) as replicas, routed([f.addr for f in replicas], policy="prefix") as r:
+        wait_until(lambda: r.router.num_healthy == 2, message="the replicas were never healthy")
+        for f in replicas:
+            assert f.replica is not None
+            f.replica.refuse = Code.RESOURCE_EXHAUSTED
+        answer = generate(r.addr, request())
+        assert answer.code == Code.OK and len(answer.tokens) == 4
+        assert sum(len(f.replica.prefix_metadata) for f in replicas if f.replica) == 2  # both asked
+
+
 def test_the_callers_deadline_bounds_the_retries() -> None:
     with fakes(2) as replicas, routed([f.addr for f in replicas]) as r:
         wait_until(lambda: r.router.num_healthy == 2, message="the replicas were never healthy")
