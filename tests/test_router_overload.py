@@ -1,6 +1,6 @@
 """The router under load and under failure (issue 27): busy is not dead, a request every replica refuses as
-busy is refused so (RESOURCE_EXHAUSTED, retry-after-ms) within its deadline, and a stream whose replica dies
-goes on from another replica, resumed after the tokens the caller has.
+busy ends RESOURCE_EXHAUSTED with retry-after-ms (never UNAVAILABLE) within its deadline, and a stream whose
+replica dies goes on from another replica, resumed after the tokens the caller has.
 
 Replicas are tests/fake_decode.py's, over real gRPC in this process (one in a process of its own, killed)."""
 
