@@ -2,8 +2,9 @@
 
 Prefill computes the prompt and samples the first token, which is sent at once; decode then
 fetches the prompt's KV from the store (recomputing what is missing), generates in the shared
-decode loop, and finally stores the KV blocks of the generated tokens so that the next turn of a
-chat hits the cache on the reply as well as on the prompt.
+decode loop, and stores the KV blocks of the generated tokens as they fill, so that the next turn
+of a chat hits the cache on the reply as well as on the prompt, and a replica that continues the
+stream after this one died (``GenerateJob.resume``) finds them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from handoff.requests import PrefillHandle, PromptInput, RequestOptions, encode
 from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas
-from rpc.errors import FailedPrecondition, ServiceError, Unavailable
+from rpc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from rpc.metrics import outcome_of
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class GenerateOutcome:
 
 @dataclass(frozen=True, slots=True)
 class LocalPrompt:
-    """A prompt this decode service computes itself, and its leading blocks that its pool or the store hold."""
+    """A prompt this decode service computes itself (a resumed stream's tokens after it), and the leading
+    blocks of them that its pool or the store hold."""
 
     token_ids: tuple[int, ...]
     num_cached_blocks: int
@@ -144,6 +146,9 @@ class DecodeService:
     ) -> Iterator[TokenOutput | GenerateOutcome]:
         if self._stopping:
             raise Unavailable("the decode service is shutting down")
+        if job.resume:
+            yield from self._generate_resumed(job, cancel, state)
+            return
         local = self._local_prompt(job) if self.local_prefill_tokens else None
         if local is None:
             try:
@@ -161,37 +166,84 @@ class DecodeService:
             self.metrics.prefills.labels(path=DISAGGREGATED).inc()
             yield from self._generate_disaggregated(job, call, handle, cancel, state)
 
-    def _local_prompt(self, job: GenerateJob, always: bool = False) -> LocalPrompt | None:
+    def _generate_resumed(
+        self, job: GenerateJob, cancel: Cancellation, state: RequestState
+    ) -> Iterator[TokenOutput | GenerateOutcome]:
+        """A stream that another replica started and died in, continued as it would have: its prompt and
+        resumed tokens computed in this engine (never by prefill, which would sample a first token), the
+        next draw at the step after them, their text replayed but not streamed again."""
+        engine, opts = self.engine, job.options
+        prompt = encode(engine.model, job.prompt)
+        max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
+        self._check_resume(job.resume, max_tokens, opts.max_tokens)
+        generation = self._generation(tuple(prompt), max_tokens, opts)
+        try:
+            generation.replay(job.resume)
+        except ValueError as exc:
+            raise InvalidArgument(f"resume_token_ids: {exc}") from exc
+        if generation.finished:  # the replica died before it sent the result: only that is left
+            now = time.perf_counter()
+            state.result_sent = True
+            yield self._outcome(job, generation, tuple(prompt), 0, now, now, LOCAL)
+            return
+        local = self._local_prompt(job, always=True, prompt=prompt)
+        assert local is not None
+        self.metrics.prefills.labels(path=LOCAL).inc()
+        yield from self._generate_local(job, local, cancel, state, generation)
+
+    def _check_resume(self, resume: tuple[int, ...], max_tokens: int, requested: int) -> None:
+        if len(resume) > max_tokens:
+            default = "" if requested else ", the service's default"
+            raise InvalidArgument(f"resume_token_ids has {len(resume)} tokens, more than max_tokens "
+                                  f"({max_tokens}{default})")
+        vocab = self.engine.model.vocab_size  # a property that walks the model: once, not per token
+        bad = next((i for i, t in enumerate(resume) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"resume_token_ids[{bad}] = {resume[bad]} is outside the model's vocabulary "
+                                  f"[0, {vocab})")
+
+    def _local_prompt(self, job: GenerateJob, always: bool = False, prompt: list[int] | None = None
+                      ) -> LocalPrompt | None:
         """The prompt for this engine to compute, when the part of it that neither this engine's pool nor
         the store holds (their leading blocks, the pool's first) is at most --local-prefill-tokens, or
-        ``always``; None otherwise. The store's blocks are leased until the engine has loaded them."""
+        ``always``; None otherwise. The store's blocks are leased until the engine has loaded them. A
+        resumed stream's tokens are computed after the prompt, their blocks found like the prompt's (the
+        replica that generated them saved them as they filled). ``prompt``: job's prompt, encoded and
+        checked already."""
         engine, opts, bs = self.engine, job.options, self.engine.block_size
-        prompt = encode(engine.model, job.prompt)
-        max_new_tokens(engine.model, len(prompt), opts.max_tokens)  # refused here, before anything is computed
+        if prompt is None:
+            prompt = encode(engine.model, job.prompt)
+            max_new_tokens(engine.model, len(prompt), opts.max_tokens)  # refused here, before anything is computed
+        token_ids = [*prompt, *job.resume]
         namespace = engine.namespace(opts.cache_salt)
         store = StoreSession(self.store, self._store_failed)
         num_cached, lease = 0, ""
-        if opts.prefix_cache:  # never the last prompt token: its logits give the first token
-            reusable = prefix_hashes(prompt[: (len(prompt) - 1) // bs * bs], bs, namespace.root())
+        if opts.prefix_cache:  # never the last token: its logits give the next one
+            reusable = prefix_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs, namespace.root())
             num_cached = engine.pool_hits(reusable)
             in_store, lease = store.lookup(reusable[num_cached:], LEASE_TTL_S)
             num_cached += in_store
-        if not always and len(prompt) - num_cached * bs > self.local_prefill_tokens:
+        if not always and len(token_ids) - num_cached * bs > self.local_prefill_tokens:
             store.release(lease)
             return None
-        kv = DecodeKV(store, namespace, len(prompt), opts.prefix_cache, lease_id=lease)
+        kv = DecodeKV(store, namespace, len(token_ids), opts.prefix_cache, lease_id=lease)
         return LocalPrompt(tuple(prompt), num_cached, kv)
 
     def _generate_local(
-        self, job: GenerateJob, local: LocalPrompt, cancel: Cancellation, state: RequestState
+        self, job: GenerateJob, local: LocalPrompt, cancel: Cancellation, state: RequestState,
+        generation: Generation | None = None,
     ) -> Iterator[TokenOutput | GenerateOutcome]:
         """The prompt computed in this engine's batched step, in chunks under its token budget beside the
-        streams it runs, then generated on: no hand-off. Its blocks go to the store when it finishes."""
-        engine, opts, prompt = self.engine, job.options, local.token_ids
+        streams it runs, then generated on: no hand-off. Its blocks go to the store as they fill (prefix
+        cache on) and when it finishes.
+        ``generation``: a resumed stream's, its tokens replayed."""
+        engine, opts, prompt, resumed = self.engine, job.options, local.token_ids, len(job.resume)
         max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
-        generation = self._generation(prompt, max_tokens, opts)
+        if generation is None:
+            generation = self._generation(prompt, max_tokens, opts)
         seq = Sequence(
-            list(prompt), Sampler(opts.sampling, engine.model.device), max_new_tokens=max_tokens,
+            [*prompt, *job.resume], Sampler(opts.sampling, engine.model.device, step=resumed),
+            max_new_tokens=max_tokens - resumed,
             stop_token_ids=frozenset() if opts.ignore_eos else engine.model.eos_token_ids,
             hash_root=local.kv.namespace.root() if opts.prefix_cache else None, source=local.kv,
             num_saved_blocks=local.num_cached_blocks, request_id=job.request_id,
@@ -202,14 +254,15 @@ class DecodeService:
                 if not t_first:
                     t_first = time.perf_counter()
                     num_cached = seq.stats.num_pool_hit_tokens + seq.stats.num_loaded_tokens
-                    self._count_prompt(t_first - job.arrival, len(prompt), num_cached)
+                    # a resumed stream's tokens count as prompt here: this engine computed them as one
+                    self._count_prompt(t_first - job.arrival, seq.num_prompt_tokens, num_cached)
                 yield out
         finally:
             local.kv.release_lease()
         self._count_kv(local.kv)
         if generation.finished:
             state.result_sent = True
-            yield self._outcome(job, generation, prompt, num_cached, t_first, t_first, LOCAL)
+            yield self._outcome(job, generation, prompt, min(num_cached, len(prompt)), t_first, t_first, LOCAL)
 
     def _generate_disaggregated(
         self, job: GenerateJob, call: PrefillCall, handle: PrefillHandle, cancel: Cancellation, state: RequestState
@@ -268,7 +321,7 @@ class DecodeService:
     def _outcome(self, job: GenerateJob, generation: Generation, prompt: tuple[int, ...], num_cached: int,
                  t_prefilled: float, t_first: float, path: str) -> GenerateOutcome:
         done = time.perf_counter()
-        self.metrics.generated_tokens.inc(len(generation.token_ids))
+        self.metrics.generated_tokens.inc(len(generation.token_ids) - len(job.resume))  # the rest were elsewhere
         self.metrics.e2e.observe(done - job.arrival)
         return GenerateOutcome(
             finish_reason=generation.finish_reason or "",

@@ -1,7 +1,8 @@
 """When a generation ends, and which text it has produced: max_tokens, EOS, stop strings.
 
 `Generation.accept(token)` is called once per sampled token (the first from prefill, the rest
-from the decode loop) and says what to stream for it and whether the request is finished. Text
+from the decode loop) and says what to stream for it and whether the request is finished;
+`Generation.replay(tokens)` takes the tokens of a stream that another replica started. Text
 that might be the start of a stop string is held back until it is known not to be one, so a
 streaming client never sees text that the final result does not contain.
 """
@@ -72,6 +73,16 @@ class Generation:
             self.text += new_text
             return TokenOutput(token_id, new_text)
         return self._check_stop(token_id, new_text)
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Accept tokens that were already streamed (by a replica that then died) and stream nothing: the
+        text held back for a stop string and the detokenizer are then as they were after them, so the next
+        token releases what it released there. ValueError if one comes after the generation's end."""
+        for i, token_id in enumerate(token_ids):
+            if self.finished:
+                raise ValueError(f"token {i} of {len(token_ids)} comes after the end of the generation "
+                                 f"(token {i - 1} ends it: {self.finish_reason})")
+            self.accept(token_id)
 
     def _check_stop(self, token_id: int, new_text: str) -> TokenOutput:
         search_from = max(0, len(self._pending) - max(len(s) for s in self.stop) + 1)

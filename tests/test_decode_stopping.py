@@ -94,3 +94,35 @@ def test_stop_string_in_the_first_token(tokenizer: Any) -> None:
     g = gen(tokenizer, stop=("!",))
     outs = feed(g, ids("!x"))
     assert outs == [TokenOutput(ord("!"), "", "stop")] and g.text == ""
+
+
+@pytest.mark.parametrize(("text", "stop", "max_tokens"), [
+    ("ab\ncd\n\nignored", ("\n\n", "END"), 20),  # ends on a stop string; '\n' held back on the way
+    ("xé€😀ENDy", ("END",), 20),  # characters split over tokens, then a stop string
+    ("aENb", ("END",), 3),  # ends at max_tokens with 'EN' held back
+    ("hello", (), 5),
+])
+def test_a_replayed_generation_goes_on_as_the_uninterrupted_one(
+    tokenizer: Any, text: str, stop: tuple[str, ...], max_tokens: int
+) -> None:
+    whole = gen(tokenizer, max_tokens, stop)
+    want = feed(whole, ids(text))
+    assert whole.finished
+    for k in range(1, len(want)):
+        g = gen(tokenizer, max_tokens, stop)
+        g.replay(ids(text)[:k])
+        assert not g.finished
+        assert feed(g, ids(text)[k:]) == want[k:]  # the same texts, held back or released at the same tokens
+        assert (g.token_ids, g.text, g.finish_reason) == (whole.token_ids, whole.text, whole.finish_reason)
+
+
+def test_a_replay_may_end_the_generation_but_not_go_past_its_end(tokenizer: Any) -> None:
+    g = gen(tokenizer, stop=("!",))
+    g.replay([*ids("hi"), EOS])
+    assert (g.finish_reason, g.text, g.token_ids) == ("eos", "hi", [*ids("hi"), EOS])
+    g = gen(tokenizer, stop=("!",))
+    g.replay(ids("hi!"))
+    assert (g.finish_reason, g.text) == ("stop", "hi")
+    g = gen(tokenizer, max_tokens=2)
+    with pytest.raises(ValueError, match="token 2 of 3 comes after the end of the generation"):
+        g.replay(ids("hi!"))
