@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
                     "replaced by another, a stream whose replica dies goes on from another, and a request "
                     "every replica refuses as busy is asked again for a moment, then refused "
                     "(RESOURCE_EXHAUSTED).")
-    add_server_flags(p, listen="127.0.0.1:50050", max_workers=128)
+    add_server_flags(p, listen="127.0.0.1:50050", max_workers=512)  # streams: each holds one
     p.add_argument("--decode", required=True,
                    help="decode replicas: HOST:PORT, several separated by commas; a host name that resolves to "
                         "several addresses (a Kubernetes headless Service) is that many replicas, resolved "
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"router: {exc}", file=sys.stderr)
         return 2
     server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
-                    require_client_cert=False)  # the front door, as decode's
+                    require_client_cert=False, name="router")  # the front door, as decode's
     try:
         router = Router(split_targets(args.decode), policy=args.policy,
                         load_weight=args.load_weight, tls=tls, index_bytes=args.index_mib << 20,

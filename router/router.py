@@ -556,7 +556,9 @@ class Router:
                         p.busy[replica.addr] = details
                         p.hint_s = max(p.hint_s, hint_s)
                     continue
-                if finished or code != grpc.StatusCode.UNAVAILABLE:
+                if finished:  # the caller has its whole answer: how the call ended after it changes nothing
+                    return
+                if code != grpc.StatusCode.UNAVAILABLE:
                     raise Upstream(code, details) from exc
                 if not answered:
                     log.warning("decode replica %s failed before the first token (%s): trying another",
