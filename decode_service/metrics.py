@@ -25,6 +25,13 @@ class DecodeMetrics:
                                 registry=registry)
         for path in ("local", "disaggregated"):  # both on the page from the start, at 0
             self.prefills.labels(path=path)
+        self.prefill_fallbacks = Counter(
+            p + "prefill_fallbacks", "Requests whose prompt this service computed because prefill could not: "
+            "unavailable (no replica answers), overloaded (RESOURCE_EXHAUSTED) or failed (an internal error, or "
+            "no answer within --prefill-timeout-s)", ["reason"], registry=registry,
+        )
+        for reason in ("unavailable", "overloaded", "failed"):
+            self.prefill_fallbacks.labels(reason=reason)
         self.recomputed_tokens = Counter(
             p + "recomputed_tokens", "Prompt tokens decode recomputed because their KV was missing or bad",
             registry=registry,

@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
+
 from decode_service.cancellation import Cancellation
 from decode_service.metrics import DecodeMetrics
 from decode_service.stopping import Generation, TokenOutput
@@ -27,7 +29,7 @@ from handoff.decode_kv import DecodeKV
 from handoff.requests import PrefillHandle, PromptInput, RequestOptions, encode
 from handoff.session import StoreSession
 from kvstore import KVStoreClient
-from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas
+from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas, UpstreamError
 from rpc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from rpc.metrics import outcome_of
 
@@ -36,6 +38,13 @@ log = logging.getLogger(__name__)
 LOCAL, DISAGGREGATED = "local", "disaggregated"  # where a request's prompt was computed
 DEFAULT_LOCAL_PREFILL_TOKENS = 512  # see --local-prefill-tokens and BENCHMARKS.md, "Local prefill"
 LEASE_TTL_S = 30.0  # pins the store's blocks of a prompt computed here until the engine has loaded them
+FALLBACKS = {  # prefill's statuses after which this engine computes the prompt, by the reason counted
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.INTERNAL: "failed",
+    grpc.StatusCode.UNKNOWN: "failed",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "failed",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +165,12 @@ class DecodeService:
             except PrefillCancelled:
                 state.outcome = "cancelled"
                 return
-            except Unavailable as exc:  # no prefill replica answers: this engine computes the prompt
-                log.warning("prefill unavailable for %s (%s): computing its prompt here", job.request_id, exc)
+            except (Unavailable, UpstreamError) as exc:  # prefill could not: this engine computes the prompt
+                reason = self._fallback_reason(job, exc)
+                if reason is None:
+                    raise
+                self.metrics.prefill_fallbacks.labels(reason=reason).inc()
+                log.warning("prefill %s for %s (%s): computing its prompt here", reason, job.request_id, exc)
                 local = self._local_prompt(job, always=True)
         if local is not None:
             self.metrics.prefills.labels(path=LOCAL).inc()
@@ -165,6 +178,16 @@ class DecodeService:
         else:
             self.metrics.prefills.labels(path=DISAGGREGATED).inc()
             yield from self._generate_disaggregated(job, call, handle, cancel, state)
+
+    @staticmethod
+    def _fallback_reason(job: GenerateJob, exc: ServiceError) -> str | None:
+        """Why this engine computes the prompt after prefill's ``exc`` (the labels of
+        kvserve_decode_prefill_fallbacks_total), or None when ``exc`` goes to the caller: a status about the
+        request itself (INVALID_ARGUMENT, OUT_OF_RANGE), or any once the caller's deadline has passed (a
+        DEADLINE_EXCEEDED before it is decode's own cap on prefill)."""
+        if job.time_left_s is not None and time.perf_counter() - job.arrival >= job.time_left_s:
+            return None
+        return FALLBACKS.get(exc.code)
 
     def _generate_resumed(
         self, job: GenerateJob, cancel: Cancellation, state: RequestState

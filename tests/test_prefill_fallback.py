@@ -1,0 +1,132 @@
+"""Decode computes a prompt itself when prefill cannot: overloaded (RESOURCE_EXHAUSTED), failing (INTERNAL,
+UNKNOWN) or not answering within decode's cap on it; each counted by reason. A status about the request
+itself, and anything once the caller's deadline has passed, goes to the caller. Prefill here is a fake
+servicer in a real gRPC server on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from client import Client
+from client.client import InvalidArgumentError, OutOfRangeError
+from decode_service.cancellation import Cancellation
+from decode_service.service import GenerateJob
+from engine.sampling import SamplingParams
+from handoff.requests import PromptInput, RequestOptions
+from prefill_service.client import PrefillClient, UpstreamError
+from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.polling import wait_until
+from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
+
+ARCH = "llama"
+CAP_S = 1.0  # decode's --prefill-timeout-s
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    """Answers every call with ``status`` (None: no answer until the caller goes away)."""
+
+    def __init__(self) -> None:
+        self.status: grpc.StatusCode | None = grpc.StatusCode.RESOURCE_EXHAUSTED
+        self.calls = 0
+
+    def PrefillStream(self, request: prefill_pb2.PrefillRequest,  # noqa: N802 - gRPC method name
+                      context: grpc.ServicerContext) -> Iterator[prefill_pb2.PrefillResponse]:
+        self.calls += 1
+        if self.status is None:
+            gone = threading.Event()
+            context.add_callback(gone.set)
+            gone.wait(30)
+            return
+        context.abort(self.status, f"fake prefill: {self.status.name}")
+        yield from ()
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[tuple[str, FakePrefill]]:
+    servicer = FakePrefill()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0).wait()
+
+
+@pytest.fixture(scope="module")
+def stack(prefill: tuple[str, FakePrefill]) -> Iterator[LocalStack]:
+    addr, _ = prefill
+    s = LocalStack(ARCH, wrap_prefill_client=lambda _: PrefillClient(addr, timeout_s=CAP_S))
+    yield s
+    s.close()
+
+
+def fallbacks(stack: LocalStack) -> dict[str, float | None]:
+    get = stack.decode_server.registry.get_sample_value
+    return {r: get("kvserve_decode_prefill_fallbacks_total", {"reason": r})
+            for r in ("unavailable", "overloaded", "failed")}
+
+
+def settled(stack: LocalStack) -> None:
+    """Waits until decode has no request left in hand."""
+    wait_until(lambda: stack.decode_metric("kvserve_decode_waiting_requests") == 0
+               and stack.decode_metric("kvserve_decode_running_requests") == 0)
+
+
+@pytest.mark.parametrize(("status", "reason"), [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
+    (grpc.StatusCode.INTERNAL, "failed"),
+    (grpc.StatusCode.UNKNOWN, "failed"),
+    (None, "failed"),  # no answer within decode's cap
+])
+def test_a_prefill_that_cannot_leaves_decode_to_compute_the_prompt(
+    stack: LocalStack, prefill: tuple[str, FakePrefill], caplog: pytest.LogCaptureFixture,
+    status: grpc.StatusCode | None, reason: str,
+) -> None:
+    _, servicer = prefill
+    servicer.status = status
+    ids = tokens(3 * BLOCK_SIZE + 5, seed=91)
+    want, logits = oracle(ARCH, ids, 12)
+    before = fallbacks(stack)
+    assert None not in before.values()  # every reason on the page from the start
+    calls = servicer.calls
+    with Client(stack.addr, timeout_s=60) as c:
+        r = c.generate(token_ids=ids, max_tokens=12, ignore_eos=True)
+    assert_greedy_matches(r.token_ids, want, logits)
+    assert r.timings.prefill_path == "local" and servicer.calls == calls + 1  # asked once, not again
+    after = fallbacks(stack)
+    assert {k: after[k] - before[k] for k in after} == {  # type: ignore[operator]
+        k: float(k == reason) for k in after}
+    assert f"prefill {reason} for " in caplog.text and "computing its prompt here" in caplog.text
+
+
+def test_a_status_about_the_request_goes_to_the_caller(stack: LocalStack, prefill: tuple[str, FakePrefill]) -> None:
+    _, servicer = prefill
+    before = fallbacks(stack)
+    for status, error in ((grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError),
+                          (grpc.StatusCode.OUT_OF_RANGE, OutOfRangeError)):
+        servicer.status = status
+        with Client(stack.addr, timeout_s=30) as c, pytest.raises(error, match=f"fake prefill: {status.name}"):
+            c.generate(token_ids=tokens(20, seed=92), max_tokens=4)
+    settled(stack)
+    assert fallbacks(stack) == before
+
+
+def test_nothing_falls_back_once_the_callers_deadline_has_passed(
+    stack: LocalStack, prefill: tuple[str, FakePrefill]
+) -> None:
+    _, servicer = prefill
+    servicer.status = grpc.StatusCode.INTERNAL
+    before = fallbacks(stack)
+    local = stack.decode_metric("kvserve_decode_prefills_total", path="local")
+    job = GenerateJob("late", PromptInput(token_ids=tuple(tokens(20, seed=93))), RequestOptions(SamplingParams()),
+                      arrival=time.perf_counter() - 10, time_left_s=5.0)  # the caller gave up 5 s ago
+    with pytest.raises(UpstreamError, match="fake prefill: INTERNAL"):
+        list(stack.decode.generate(job, Cancellation()))
+    assert fallbacks(stack) == before
+    assert stack.decode_metric("kvserve_decode_prefills_total", path="local") == local
