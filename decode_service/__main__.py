@@ -8,18 +8,25 @@ import sys
 from collections.abc import Sequence
 
 from decode_service.metrics import DecodeMetrics
+from decode_service.replica import LOAD_METHOD, DecodeReplicaServicer, PoolEvents
 from decode_service.replica import SERVICE_NAME as REPLICA_SERVICE_NAME
-from decode_service.replica import DecodeReplicaServicer, PoolEvents
 from decode_service.server import SERVICE_NAME, DecodeServicer
-from decode_service.service import DEFAULT_LOCAL_PREFILL_TOKENS, DecodeService
+from decode_service.service import (
+    DEFAULT_LOCAL_PREFILL_TOKENS,
+    DEFAULT_MAX_WAITING_SEQS,
+    DEFAULT_MAX_WAITING_TOKENS,
+    DecodeService,
+)
 from engine.engine import Engine
 from engine.model import load_model
 from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillReplicas
 from protos.kvserve.v1 import decode_pb2_grpc
+from rpc.admission import Admission
 from rpc.auth import AuthConfigError, add_auth_flags, auth_from_args
 from rpc.cli import (
+    add_admission_flags,
     add_engine_flags,
     add_model_flags,
     add_server_flags,
@@ -46,15 +53,17 @@ def parser() -> argparse.ArgumentParser:
                          "service's store): each request goes to the one with the fewest requests in flight "
                          "from here, one that is unavailable is skipped for 2 s and the request asked "
                          "elsewhere (default %(default)s)")
-    add_server_flags(ap, listen="127.0.0.1:50051", max_workers=64)
+    add_server_flags(ap, listen="127.0.0.1:50051", max_workers=256)
+    add_admission_flags(ap, seqs=DEFAULT_MAX_WAITING_SEQS, tokens=DEFAULT_MAX_WAITING_TOKENS)
     add_engine_flags(ap, budget_cpu=64, budget_cuda=512,
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
     ap.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
                     help="compute a prompt here, in this service's batched step, when the part of it that neither "
                          "this service's KV pool nor the store holds is at most N tokens (a chat's next turn), "
                          "instead of handing it to prefill; 0 sends every prompt to prefill (default %(default)s)")
-    ap.add_argument("--prefill-timeout-s", type=float, default=60.0,
-                    help="deadline of the Prefill call (default %(default)s)")
+    ap.add_argument("--prefill-timeout-s", type=float, default=None,
+                    help="a cap on the Prefill call's deadline, past which decode computes the prompt itself "
+                         "(default: none, the call has the caller's deadline)")
     add_auth_flags(ap)
     return ap
 
@@ -80,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = load_model(args.model, device=args.device, dtype=args.dtype)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         interceptors=auth.interceptors() if auth else (),
-                        tls=tls, require_client_cert=False)  # the front door: tenants show tokens, not certificates
+                        tls=tls, require_client_cert=False,  # the front door: tenants show tokens, not certificates
+                        exempt=[LOAD_METHOD], name="decode")  # a router's poll answers however busy decode is
         metrics = DecodeMetrics(server.registry)
         if args.local_prefill_tokens < 0:
             raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
@@ -97,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"decode: --prefill: {exc}", file=sys.stderr)
         return 2
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
-    service = DecodeService(engine, store, prefill, metrics, args.local_prefill_tokens)
+    service = DecodeService(engine, store, prefill, metrics, args.local_prefill_tokens,
+                            Admission("decode", args.max_waiting_seqs, args.max_waiting_tokens))
     front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
     server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,

@@ -37,6 +37,7 @@ from rpc.errors import Unavailable
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].full_name
+LOAD_METHOD = f"/{SERVICE_NAME}/Load"
 EVENTS_BEHIND = 1024  # events an Events stream may fall behind before it is ended (its router follows again)
 _POLL_S = 0.5  # how often a waiting Events stream checks that its caller is still there
 Event = kvstore_pb2.Event

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -30,6 +30,7 @@ from handoff.requests import PrefillHandle, PromptInput, RequestOptions, encode
 from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas, UpstreamError
+from rpc.admission import Admission
 from rpc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from rpc.metrics import outcome_of
 
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 LOCAL, DISAGGREGATED = "local", "disaggregated"  # where a request's prompt was computed
 DEFAULT_LOCAL_PREFILL_TOKENS = 512  # see --local-prefill-tokens and BENCHMARKS.md, "Local prefill"
 LEASE_TTL_S = 30.0  # pins the store's blocks of a prompt computed here until the engine has loaded them
+# Requests waiting for their first token, and their prompt tokens (--max-waiting-seqs, --max-waiting-tokens).
+DEFAULT_MAX_WAITING_SEQS = 128
+DEFAULT_MAX_WAITING_TOKENS = 65536
 FALLBACKS = {  # prefill's statuses after which this engine computes the prompt, by the reason counted
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
@@ -108,10 +112,12 @@ class RequestState:
 
 class DecodeService:
     """``local_prefill_tokens``: a prompt whose uncached part is at most this many tokens is computed in this
-    engine rather than by the prefill service (0: every prompt goes to prefill)."""
+    engine rather than by the prefill service (0: every prompt goes to prefill). ``admission`` bounds the
+    requests waiting for their first token (rpc.admission): one past it is RESOURCE_EXHAUSTED before
+    anything is computed."""
 
     def __init__(self, engine: Engine, store: KVStoreClient, prefill: PrefillReplicas, metrics: DecodeMetrics,
-                 local_prefill_tokens: int = 0) -> None:
+                 local_prefill_tokens: int = 0, admission: Admission | None = None) -> None:
         if local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
         self.local_prefill_tokens = local_prefill_tokens
@@ -119,6 +125,7 @@ class DecodeService:
         self.store = store
         self.prefill = prefill
         self.metrics = metrics
+        self.admission = admission or Admission("decode", DEFAULT_MAX_WAITING_SEQS, DEFAULT_MAX_WAITING_TOKENS)
         self._stopping = False
         engine.on_step = metrics.engine.observe
 
@@ -138,14 +145,24 @@ class DecodeService:
         `cancel` fires (the client went away): the work it caused stops."""
         m = self.metrics
         state = RequestState()
+        ticket = None
         m.waiting.inc()
         try:
-            yield from self._generate(job, cancel, state)
+            # Tokenized once, here: admission counts the tokens, and prefill or this engine take the ids.
+            ids = tuple(encode(self.engine.model, job.prompt))
+            job = replace(job, prompt=PromptInput(token_ids=ids))
+            ticket = self.admission.admit(len(ids) + len(job.resume), job.time_left_s)
+            for item in self._generate(job, cancel, state):
+                if isinstance(item, TokenOutput):
+                    ticket.computed()
+                yield item
         except BaseException as exc:
             if not (state.result_sent and isinstance(exc, GeneratorExit)):
                 state.outcome = outcome_of(exc)
             raise
         finally:
+            if ticket is not None:
+                ticket.release()
             if not state.in_engine:
                 m.waiting.dec()
             m.requests.labels(outcome=state.outcome).inc()

@@ -258,7 +258,9 @@ class StoreServer:
         self.registry = CollectorRegistry()
         self.registry.register(StoreCollector(self.store))
         # An internal server: with a CA, only callers with a certificate from it.
-        self.rpc = Server(listen, metrics_port=metrics_port, registry=self.registry, tls=tls, name="kvstore")
+        # Every prefill and decode stream of the node calls it; a call past the limit would be a miss, recomputed.
+        self.rpc = Server(listen, max_workers=256, metrics_port=metrics_port, registry=self.registry, tls=tls,
+                          name="kvstore")
         servicer = KVStoreServicer(self.store)
         self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
         if self.store.shm_tier is not None:

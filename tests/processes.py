@@ -1,11 +1,19 @@
 """Processes and ports on this machine, as tests of real processes see them: free loopback ports, a
-process's children, whether it is alive, the shared-memory arenas it maps, and the `kvserve` command."""
+process's children, whether it is alive, its memory, the shared-memory arenas it maps, a health probe, and the
+`kvserve` command."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 KVSERVE = str(Path(sys.executable).with_name("kvserve"))
 
@@ -39,3 +47,68 @@ def memfd_inodes(pid: int | str = "self") -> set[str]:
     """The shared-memory arenas (kvstore/arena.py) process `pid` maps, by inode."""
     return {line.split()[4] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
             if "/memfd:kvserve-arena" in line}
+
+
+@dataclass
+class HealthProbe:
+    """Asks a service's health every `every_s`, with a 1 s deadline, while a load runs: each answer's time,
+    and every probe that failed or said anything but SERVING. With `command`, runs `kvserve health ADDR` as
+    a process each time instead, as the Kubernetes and compose probes do (its deadline: `timeout_s`)."""
+
+    addr: str
+    every_s: float = 0.25
+    command: bool = False
+    timeout_s: float = 1.0
+    times: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def _check(self, stub: health_pb2_grpc.HealthStub) -> str | None:
+        """None when SERVING, otherwise what went wrong."""
+        if self.command:
+            try:
+                done = subprocess.run([KVSERVE, "health", self.addr], capture_output=True, text=True,
+                                      timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                return f"`kvserve health` took more than {self.timeout_s} s"
+            return None if done.returncode == 0 else (done.stderr or done.stdout).strip()
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s).status
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        return None if status == health_pb2.HealthCheckResponse.SERVING else \
+            health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self.addr) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not self._stop.wait(self.every_s):
+                t = time.perf_counter()
+                failure = self._check(stub)
+                self.times.append(time.perf_counter() - t)
+                if failure is not None:
+                    self.failures.append(failure)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        ordered = sorted(self.times) or [0.0]
+        kind = "`kvserve health` probes" if self.command else "health probes"
+        return (f"{len(self.times)} {kind}, {len(self.failures)} failed, p50 {ordered[len(ordered) // 2]:.3f} s, "
+                f"max {ordered[-1]:.3f} s")
+
+
+def rss_anon(pid: int) -> int:
+    """Anonymous resident memory: what the process allocated. File pages it maps (the disk tier's LMDB
+    file, read through mmap) are the kernel's page cache, and grow with what the disk tier holds."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssAnon for {pid}")

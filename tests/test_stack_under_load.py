@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from client import Client
 from kvstore import KVStoreClient, StoreStats
 from tests.polling import wait_until
+from tests.processes import HealthProbe, rss_anon
 from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
 
 pytestmark = pytest.mark.slow
@@ -42,34 +42,26 @@ def stack() -> Iterator[ProcessStack]:
     s.stop()
 
 
-def conversation(c: Client, client_id: int, round_id: int) -> list[int]:
+def conversation(c: Client, client_id: int, round_id: int, ttfts: list[float]) -> list[int]:
     """TURNS turns; each prompt is the whole conversation so far plus a new question. Returns the whole
-    conversation, ending with the last answer."""
+    conversation, ending with the last answer; each turn's time to first token goes to `ttfts`."""
     history = list(SYSTEM)
     for turn in range(TURNS):
         history += tokens(BLOCK_SIZE // 2 + (client_id + turn) % BLOCK_SIZE, seed=(round_id * 1000 + client_id) * 10 + turn)
         r = c.generate(token_ids=history, max_tokens=NEW_TOKENS, ignore_eos=True)
         assert r.finish_reason == "length" and len(r.token_ids) == NEW_TOKENS
+        ttfts.append(r.timings.ttft_s)
         history += r.token_ids
     return history
 
 
-def run_round(addr: str, round_id: int) -> list[list[int]]:
+def run_round(addr: str, round_id: int, ttfts: list[float]) -> list[list[int]]:
     def one(client_id: int) -> list[int]:
         with Client(addr, timeout_s=300) as c:
-            return conversation(c, client_id, round_id)
+            return conversation(c, client_id, round_id, ttfts)
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         return list(pool.map(one, range(CLIENTS)))  # re-raises the first failure
-
-
-def rss(pid: int) -> int:
-    """Anonymous resident memory: what the process allocated. File pages it maps (the disk tier's LMDB
-    file, read through mmap) are the kernel's page cache, and grow with what the disk tier holds."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no RssAnon for {pid}")
 
 
 class TierWatch:
@@ -103,22 +95,29 @@ class TierWatch:
 
 def test_many_clients_many_turns(stack: ProcessStack) -> None:
     procs = {"store": stack.store, "prefill": stack.prefill[ARCH], "decode": stack.decode[ARCH]}
-    with TierWatch(stack.store.addr) as watch:
-        run_round(stack.decode[ARCH].addr, 0)  # warm-up: pools, allocator arenas, thread stacks
-        base = {name: rss(p.process.pid) for name, p in procs.items()}
-        deadline, round_id = time.monotonic() + DURATION_S, 1
+    ttfts: list[float] = []
+    with TierWatch(stack.store.addr) as watch, HealthProbe(stack.decode[ARCH].addr) as probe:
+        run_round(stack.decode[ARCH].addr, 0, [])  # warm-up: pools, allocator arenas, thread stacks
+        base = {name: rss_anon(p.process.pid) for name, p in procs.items()}
+        start = time.monotonic()
+        deadline, round_id = start + DURATION_S, 1
         while True:
-            finals = run_round(stack.decode[ARCH].addr, round_id)
+            finals = run_round(stack.decode[ARCH].addr, round_id, ttfts)
             round_id += 1
             if time.monotonic() >= deadline:
                 break
-    after = {name: rss(p.process.pid) for name, p in procs.items()}
-    # The figures RELIABILITY.md quotes (pytest -s shows them).
+        took = time.monotonic() - start
+    after = {name: rss_anon(p.process.pid) for name, p in procs.items()}
+    ttfts.sort()
+    # The figures RELIABILITY.md and BENCHMARKS.md quote (pytest -s shows them).
     print(f"\nload: {round_id} rounds of {CLIENTS} clients x {TURNS} turns, {round_id * CLIENTS * TURNS} requests; "
+          f"after warm-up TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[len(ttfts) * 99 // 100]:.2f} s, "
+          f"{len(ttfts) * NEW_TOKENS / took:.1f} tokens/s; {probe.summary()}; "
           f"tiers at most {', '.join(f'{k} {v:.0%}' for k, v in watch.fullest.items())} full over "
           f"{watch.samples} samples; anonymous RSS after warm-up (MiB): "
           + ", ".join(f"{n} {base[n] / 2**20:.0f} -> {after[n] / 2**20:.0f}" for n in procs))
 
+    assert not probe.failures and max(probe.times) < 1.0, probe.summary()
     assert watch.samples > 0 and not watch.over, f"tiers over capacity: {watch.over[:5]}"
     grown = {name: after[name] - base[name] for name in procs if after[name] - base[name] > RSS_SLACK_BYTES}
     assert not grown, f"resident memory grew after warm-up (bytes): {grown}"
