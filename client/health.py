@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
                "take only callers with one from their CA). Without them, a server of a `kvserve up` on this "
                "host is asked with the admin certificate that `up` made.",
     )
-    p.add_argument("addr", metavar="ADDR", help="HOST:PORT of a kvstore, prefill, decode or router server")
+    p.add_argument("addr", metavar="ADDR", help="HOST:PORT (or unix:PATH) of a kvstore, prefill, decode or router "
+                                                "server, or of its --health-listen")
     p.add_argument("--service", default="",
                    help="a service name, e.g. kvserve.v1.Decode (default: the whole server)")
     p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",

@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model = load_model(args.model, device=args.device, dtype=args.dtype)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
+                        health_listen=args.health_listen,
                         interceptors=auth.interceptors() if auth else (),
                         tls=tls, require_client_cert=False,  # the front door: tenants show tokens, not certificates
                         exempt=[LOAD_METHOD], name="decode")  # a router's poll answers however busy decode is

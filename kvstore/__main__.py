@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             max_pinned_bytes_per_caller=args.max_pinned_bytes_per_caller, remote=remote_config(args),
             record_key=key,
         )
-        server = StoreServer(config, args.listen, metrics_port=args.metrics_port, tls=tls)
+        server = StoreServer(config, args.listen, metrics_port=args.metrics_port, tls=tls,
+                             health_listen=args.health_listen)
     except ValueError as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return 2

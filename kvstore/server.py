@@ -249,7 +249,7 @@ class StoreServer:
     """A BlockStore behind gRPC (with health, reflection, metrics) and a lease sweeper."""
 
     def __init__(self, config: StoreConfig, listen: str = "127.0.0.1:0", *, metrics_port: int | None = None,
-                 tls: TLSConfig | None = None) -> None:
+                 tls: TLSConfig | None = None, health_listen: str | None = None) -> None:
         self.config = config
         tiers = build_tiers(config)
         self.store = BlockStore(tiers, max_block_bytes=config.max_block_bytes, max_lease_ttl_s=config.max_lease_ttl_s,
@@ -260,7 +260,7 @@ class StoreServer:
         # An internal server: with a CA, only callers with a certificate from it.
         # Every prefill and decode stream of the node calls it; a call past the limit would be a miss, recomputed.
         self.rpc = Server(listen, max_workers=256, metrics_port=metrics_port, registry=self.registry, tls=tls,
-                          name="kvstore")
+                          name="kvstore", health_listen=health_listen)
         servicer = KVStoreServicer(self.store)
         self.rpc.add(pb_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)
         if self.store.shm_tier is not None:

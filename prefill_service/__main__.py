@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_engine_process(args)
     try:
         model = load_model(args.model, device=args.device, dtype=args.dtype)
-        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
+        server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
+                        health_listen=args.health_listen, tls=tls,
                         name="prefill")
         metrics = PrefillMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
-    server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port, tls=tls,
+    server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
+                        health_listen=args.health_listen, tls=tls,
                     require_client_cert=False, name="router")  # the front door, as decode's
     try:
         router = Router(split_targets(args.decode), policy=args.policy,

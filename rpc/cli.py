@@ -88,6 +88,10 @@ def add_server_flags(p: argparse.ArgumentParser, *, listen: str, max_workers: in
     p.add_argument("--listen", default=listen, help="HOST:PORT to serve on; port 0 picks one "
                    "and prints LISTENING <port> (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
+    p.add_argument("--health-listen", default=None, metavar="ADDR",
+                   help="also answer health checks (only those) on this address, HOST:PORT or unix:PATH, with the same "
+                        "TLS as --listen but on a gRPC server of their own, so that a probe never waits behind the "
+                        "service's calls; the deployments' probes ask there (default: off)")
     if max_workers is not None:
         p.add_argument("--max-workers", type=positive_int, default=max_workers,
                        help="most calls served at once (a stream counts until it ends); one more is refused at once "

@@ -29,6 +29,24 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def free_port_run(n: int) -> int:
+    """The first of n consecutive loopback ports free now (`kvserve up --metrics-base-port` takes 3)."""
+    while True:
+        base = free_ports(1)[0]
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 def children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(p) for p in path.read_text().split()] if path.exists() else []
@@ -51,14 +69,14 @@ def memfd_inodes(pid: int | str = "self") -> set[str]:
 
 @dataclass
 class HealthProbe:
-    """Asks a service's health every `every_s`, with a 1 s deadline, while a load runs: each answer's time,
-    and every probe that failed or said anything but SERVING. With `command`, runs `kvserve health ADDR` as
-    a process each time instead, as the Kubernetes and compose probes do (its deadline: `timeout_s`)."""
+    """Asks a service's health every `every_s`, with a `timeout_s` deadline, while a load runs: each answer's
+    time, and every probe that failed or said anything but SERVING. With `command`, runs `kvserve health ADDR`
+    as a process each time instead, as the Kubernetes and compose probes do."""
 
     addr: str
     every_s: float = 0.25
     command: bool = False
-    timeout_s: float = 1.0
+    timeout_s: float = 5.0  # the deployment's probes' (docs/OPERATIONS.md, "Probes")
     times: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)

@@ -3,10 +3,12 @@ retry hint, and the client library comes back after the hint. In-process servers
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +20,7 @@ from protos.retry import RETRY_AFTER, retry_after_s
 from rpc.admission import Admission
 from rpc.errors import ResourceExhausted
 from rpc.server import RESERVED_WORKERS, Server
+from tests.processes import KVSERVE
 
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -54,9 +57,18 @@ def request() -> decode_pb2.GenerateRequest:
     return decode_pb2.GenerateRequest(prompt=common_pb2.Prompt(text="hi"))
 
 
-def test_health_and_refusals_answer_at_once_while_every_worker_holds_a_stream() -> None:
+def serving(addr: str) -> bool:
+    with grpc.insecure_channel(addr) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    return bool(status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_health_and_refusals_answer_at_once_while_every_worker_holds_a_stream(tmp_path: Path) -> None:
     servicer = Held()
-    server, addr = serve(servicer, max_workers=4)
+    socket = f"unix:{tmp_path}/health.sock"
+    server = Server("127.0.0.1:0", max_workers=4, name="test", health_listen=socket)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, DECODE)
+    addr = f"127.0.0.1:{server.start()}"
     channel = grpc.insecure_channel(addr)
     stub, health = decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel)
     held = [stub.Generate(request(), timeout=30) for _ in range(4)]
@@ -66,31 +78,33 @@ def test_health_and_refusals_answer_at_once_while_every_worker_holds_a_stream() 
         # More callers than the reserved workers, at once: each is refused, none waits for a stream to end.
         extra = 4 * RESERVED_WORKERS
 
-        def refused(_: int) -> tuple[float, grpc.RpcError]:
-            t = time.perf_counter()
-            call = stub.Generate(request(), timeout=10)
+        def refused(_: int) -> grpc.RpcError:
+            call = stub.Generate(request(), timeout=10)  # the held streams hold 30 s: queued, this would expire
             with pytest.raises(grpc.RpcError) as info:
                 next(call)
-            return time.perf_counter() - t, info.value
+            return info.value
 
         with ThreadPoolExecutor(extra) as pool:
             answers = list(pool.map(refused, range(extra)))
-        for took, exc in answers:
+        for exc in answers:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
             assert "limit of 4 calls at once" in exc.details() and "--max-workers" in exc.details()
             assert retry_after_s(exc) == pytest.approx(0.25)
-        assert max(took for took, _ in answers) < 5  # not queued behind the held streams (they hold 30 s)
         for _ in range(20):
-            t = time.perf_counter()
             status = health.Check(health_pb2.HealthCheckRequest(service=DECODE), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.SERVING
-            assert time.perf_counter() - t < 1
+        # The health socket (--health-listen) answers too, to gRPC and to the probes' command, in plaintext.
+        assert serving(socket)
+        probe = subprocess.run([KVSERVE, "health", socket], capture_output=True, text=True, timeout=60)
+        assert (probe.returncode, probe.stdout.strip()) == (0, f"{socket}: SERVING"), probe.stderr
         servicer.release.set()
         for call in held:
             assert list(call)[-1].result.finish_reason == "length"
         # Every slot is back: as many streams as the limit are served again.
         again = [stub.Generate(request(), timeout=30) for _ in range(4)]
         assert [list(c)[-1].result.finish_reason for c in again] == ["length"] * 4
+        server.drain()  # stopping: both say so
+        assert not serving(addr) and not serving(socket)
     finally:
         servicer.release.set()
         channel.close()
@@ -168,7 +182,7 @@ def test_the_client_retries_a_busy_refusal_after_its_hint() -> None:
         with Client(addr, timeout_s=10, token="", tls_ca=None) as c:
             t = time.perf_counter()
             assert c.generate("hi").finish_reason == "length"
-            assert 0.1 <= time.perf_counter() - t < 5  # two waits of 0.05-0.1 s and more (doubling)
+            assert time.perf_counter() - t >= 0.1  # it waited at least the hint (0.05 s) twice
         assert servicer.calls == 3
     finally:
         server.stop(0)
@@ -179,12 +193,10 @@ def test_the_client_does_not_retry_without_a_hint_or_past_its_deadline(hint_s: f
     servicer = Held(refuse=10, hint_s=hint_s)
     server, addr = serve(servicer, max_workers=4)
     try:
-        with Client(addr, timeout_s=5, token="", tls_ca=None) as c:
-            t = time.perf_counter()
-            with pytest.raises(ResourceExhaustedError, match="busy"):
-                c.generate("hi")
-            assert time.perf_counter() - t < 2
-        assert servicer.calls == 1
+        with Client(addr, timeout_s=5, token="", tls_ca=None) as c, \
+                pytest.raises(ResourceExhaustedError, match="busy"):
+            c.generate("hi")
+        assert servicer.calls == 1  # no hint, or a hint past the deadline: not sent again
     finally:
         server.stop(0)
 

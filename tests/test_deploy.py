@@ -54,6 +54,7 @@ SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__main__"
             "decode": "decode_service.__main__", "router": "router.__main__"}
 SHARED_VARS = {"KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA", "KVSERVE_AUTH_TOKENS", "KVSERVE_TOKEN"}
 PORTS = {"kvstore": 50053, "prefill": 50052, "decode": 50051, "router": 50050}
+HEALTH_PORTS = {name: port + 10 for name, port in PORTS.items()}  # --health-listen, on 127.0.0.1: the probes ask there
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
 # What each service reads of `kvserve credentials DIR`, and nothing else: its own certificate and key, the CA,
 # and its secrets. Compose copies these into each service's own volume; each Kubernetes pod mounts these keys
@@ -222,7 +223,8 @@ def test_the_compose_services_are_wired_through_their_variables() -> None:
     for name, port in PORTS.items():
         spec = services[name]
         assert args[name].listen == f"0.0.0.0:{port}"
-        assert spec["healthcheck"]["test"] == ["CMD", "kvserve", "health", f"127.0.0.1:{port}"]
+        assert args[name].health_listen == f"127.0.0.1:{HEALTH_PORTS[name]}"
+        assert spec["healthcheck"]["test"] == ["CMD", "kvserve", "health", args[name].health_listen]
         assert all(k.startswith(env_prefix(name)) or k in SHARED_VARS for k in spec["environment"])  # no strays
         assert not args[name].insecure  # TLS unless docker-compose.insecure.yml says otherwise
         assert spec["depends_on"]["credentials"] == {"condition": "service_completed_successfully"}
@@ -514,12 +516,14 @@ def test_each_kubernetes_service_serves_and_is_probed_on_its_port(overlay: tuple
         assert {"configMapRef": {"name": next(o for o in objects if o["kind"] == "ConfigMap")["metadata"]["name"]}} \
             in container["envFrom"]
         assert config[f"{env_prefix(service)}LISTEN"] == f"0.0.0.0:{PORTS[service]}"
+        health = config[f"{env_prefix(service)}HEALTH_LISTEN"]
+        assert health == f"127.0.0.1:{HEALTH_PORTS[service]}"
         # `kvserve health`, which presents the pod's own certificate (KVSERVE_TLS_*): the native gRPC probe
         # speaks plaintext only. It takes about a second to start.
         probes = [p for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in container]
         assert {"readinessProbe", "livenessProbe"} <= set(probes)
         for probe in probes:
-            assert container[probe]["exec"] == {"command": ["kvserve", "health", f"127.0.0.1:{PORTS[service]}"]}
+            assert container[probe]["exec"] == {"command": ["kvserve", "health", health]}
             assert container[probe]["timeoutSeconds"] >= 5
         assert all("hostPort" not in p for p in container["ports"])  # reached through Services only
         assert template["metadata"]["annotations"]["prometheus.io/scheme"] == "https"

@@ -133,3 +133,26 @@ def test_the_kvserve_command_exits_with_the_status(store: StoreServer) -> None:
     done = subprocess.run([*command, "health", store.address], capture_output=True, text=True, cwd=REPO,
                           timeout=60)
     assert (done.returncode, done.stdout) == (1, f"{store.address}: NOT_SERVING\n")
+
+
+def test_the_health_listener_is_as_secure_as_the_port_and_drains_with_it(
+        tmp_path: Path, certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--health-listen: the probes' own address answers health only, with the main port's TLS (an mTLS store:
+    a certificate from the CA), and says NOT_SERVING once the server drains."""
+    for var in (ENV_CA, ENV_CERT, ENV_KEY):
+        monkeypatch.delenv(var, raising=False)
+    health_addr = f"127.0.0.1:{_free_port()}"
+    tls = TLSConfig.load(certs / "kvstore.pem", certs / "kvstore-key.pem", certs / "ca.pem")
+    server = StoreServer(StoreConfig(shm=False), tls=tls, health_listen=health_addr)
+    server.start()
+    try:
+        client = ["--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "client.pem"),
+                  "--tls-key", str(certs / "client-key.pem")]
+        assert kvserve(["health", health_addr, *client]) == 0
+        assert kvserve(["health", health_addr, "--service", SERVICE_NAME, *client]) == 0
+        assert kvserve(["health", health_addr]) == 2  # plaintext: refused, as on the main port
+        assert kvserve(["health", health_addr, "--tls-ca", str(certs / "ca.pem")]) == 2  # no certificate
+        server.rpc.drain()
+        assert kvserve(["health", health_addr, *client]) == 1
+    finally:
+        server.stop(grace_s=0.5)

@@ -117,7 +117,7 @@ def test_many_clients_many_turns(stack: ProcessStack) -> None:
           f"{watch.samples} samples; anonymous RSS after warm-up (MiB): "
           + ", ".join(f"{n} {base[n] / 2**20:.0f} -> {after[n] / 2**20:.0f}" for n in procs))
 
-    assert not probe.failures and max(probe.times) < 1.0, probe.summary()
+    assert not probe.failures, probe.summary()
     assert watch.samples > 0 and not watch.over, f"tiers over capacity: {watch.over[:5]}"
     grown = {name: after[name] - base[name] for name in procs if after[name] - base[name] > RSS_SLACK_BYTES}
     assert not grown, f"resident memory grew after warm-up (bytes): {grown}"
