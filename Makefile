@@ -40,9 +40,10 @@ test: lint typecheck
 test-quick: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
 
-# The load test for two minutes instead of one round (tests/test_stack_under_load.py).
+# The load test for two minutes instead of one round, and the overload and failure tests (RELIABILITY.md,
+# "Under load", "Overload"); -s prints the figures BENCHMARKS.md quotes.
 test-load: $(STAMP)
-	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q tests/test_stack_under_load.py
+	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q -s tests/test_stack_under_load.py tests/test_overload.py
 
 protos: $(STAMP)
 	$(PY) protos/build.py
