@@ -34,10 +34,12 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     def __init__(self) -> None:
         self.status: grpc.StatusCode | None = grpc.StatusCode.RESOURCE_EXHAUSTED
         self.calls = 0
+        self.time_left: list[float | None] = []  # each call's deadline as it arrived
 
     def PrefillStream(self, request: prefill_pb2.PrefillRequest,  # noqa: N802 - gRPC method name
                       context: grpc.ServicerContext) -> Iterator[prefill_pb2.PrefillResponse]:
         self.calls += 1
+        self.time_left.append(context.time_remaining())
         if self.status is None:
             gone = threading.Event()
             context.add_callback(gone.set)
@@ -130,3 +132,27 @@ def test_nothing_falls_back_once_the_callers_deadline_has_passed(
         list(stack.decode.generate(job, Cancellation()))
     assert fallbacks(stack) == before
     assert stack.decode_metric("kvserve_decode_prefills_total", path="local") == local
+
+
+@pytest.mark.parametrize(("cap_s", "caller_s", "want_s"), [(None, None, None), (None, 600.0, 600.0),
+                                                          (5.0, 600.0, 5.0), (5.0, None, 5.0), (600.0, 5.0, 5.0)])
+def test_the_prefill_call_has_the_callers_deadline_and_a_cap_only_when_given(
+        prefill: tuple[str, FakePrefill], cap_s: float | None, caller_s: float | None, want_s: float | None) -> None:
+    """A request queued behind others fails at its caller's deadline, never at a timer of decode's own:
+    without --prefill-timeout-s the call to prefill has exactly the caller's deadline (none: none)."""
+    addr, servicer = prefill
+    servicer.status, servicer.time_left = grpc.StatusCode.RESOURCE_EXHAUSTED, []
+    client = PrefillClient(addr, timeout_s=cap_s)
+    try:
+        call = client.start("r", PromptInput(token_ids=(1, 2, 3)), RequestOptions(SamplingParams()),
+                            time_left_s=caller_s)
+        with pytest.raises(UpstreamError):
+            call.first()
+        assert call.capped == (cap_s is not None and (caller_s is None or cap_s < caller_s))
+    finally:
+        client.close()
+    [got] = servicer.time_left
+    if want_s is None:
+        assert got is None or got > 10**9  # gRPC's "no deadline"
+    else:
+        assert got is not None and want_s - 5 < got <= want_s
