@@ -216,6 +216,20 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry, tls:
     return server
 
 
+class CheckOnly(health_pb2_grpc.HealthServicer):
+    """Health's Check, as `servicer` answers it, and no Watch: a few callers holding Watch streams would take
+    every worker of a health-only server."""
+
+    def __init__(self, servicer: health.HealthServicer) -> None:
+        self.servicer = servicer
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
+        return self.servicer.Check(request, context)
+
+    def Watch(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "this address answers Check only; Watch on the service's port")
+
+
 class Server:
     """A gRPC server with health, reflection, error mapping and optional Prometheus metrics.
 
@@ -266,7 +280,7 @@ class Server:
         if health_listen is not None:
             self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=RESERVED_WORKERS),
                                               options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            health_pb2_grpc.add_HealthServicer_to_server(CheckOnly(self._health), self._health_server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self._reflected = list(self._service_names)
         self.port = 0

@@ -11,7 +11,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import local
 from client.cli import main as kvserve
@@ -152,6 +154,12 @@ def test_the_health_listener_is_as_secure_as_the_port_and_drains_with_it(
         assert kvserve(["health", health_addr, "--service", SERVICE_NAME, *client]) == 0
         assert kvserve(["health", health_addr]) == 2  # plaintext: refused, as on the main port
         assert kvserve(["health", health_addr, "--tls-ca", str(certs / "ca.pem")]) == 2  # no certificate
+        # Watch, which holds a worker for as long as the caller likes, is not served there.
+        channel = grpc.secure_channel(health_addr, grpc.ssl_channel_credentials(
+            (certs / "ca.pem").read_bytes(), (certs / "client-key.pem").read_bytes(), (certs / "client.pem").read_bytes()))
+        with channel, pytest.raises(grpc.RpcError) as info:
+            next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         server.rpc.drain()
         assert kvserve(["health", health_addr, *client]) == 1
     finally:
