@@ -45,6 +45,41 @@ def prompt(i: int) -> list[int]:
     return [*SYSTEM, *tokens(BLOCK_SIZE // 2, seed=10_000 + i)]
 
 
+class RequestProbe:
+    """One more client, on a connection of its own, sending a request every `every_s` while a storm runs: how
+    soon its requests are answered or refused, free of the storm's own connections (their streams' tokens
+    queue ahead of a refusal on them) and of its client's event loop."""
+
+    def __init__(self, addr: str, every_s: float = 0.1) -> None:
+        self.addr, self.every_s = addr, every_s
+        self.outcomes: list[tuple[str, float]] = []  # (status, seconds to the first token or the refusal)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with Client(self.addr, timeout_s=150, token="", busy_retries=0) as c:
+            i = 0
+            while not self._stop.wait(self.every_s):
+                t = time.perf_counter()
+                try:
+                    next(iter(c.stream(token_ids=prompt(50_000 + i), max_tokens=NEW_TOKENS, ignore_eos=True)))
+                    self.outcomes.append(("OK", time.perf_counter() - t))
+                except KVServeError as exc:
+                    self.outcomes.append((exc.code.name, time.perf_counter() - t))
+                i += 1
+
+    def refused(self) -> list[float]:
+        return sorted(t for status, t in self.outcomes if status == "RESOURCE_EXHAUSTED")
+
+    def __enter__(self) -> RequestProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass(frozen=True)
 class Outcome:
     index: int
@@ -128,7 +163,8 @@ def test_a_storm_of_streams_is_served_or_refused_at_once_and_health_answers(depl
     before = rss_anon(decode.process.pid)
     with HealthProbe(decode.addr, timeout_s=PROBE_TIMEOUT_S) as probe, \
             HealthProbe(socket, timeout_s=PROBE_TIMEOUT_S) as own, \
-            HealthProbe(socket, every_s=2, command=True, timeout_s=PROBE_TIMEOUT_S) as cli:
+            HealthProbe(socket, every_s=2, command=True, timeout_s=PROBE_TIMEOUT_S) as cli, \
+            RequestProbe(decode.addr) as one:
         t = time.perf_counter()
         outcomes = asyncio.run(storm(decode.addr, STREAMS, 150, ramp_s=1.0))
         took = time.perf_counter() - t
@@ -139,10 +175,13 @@ def test_a_storm_of_streams_is_served_or_refused_at_once_and_health_answers(depl
     print(f"\n{STREAMS} streams in {took:.1f} s: {dict(counts)}; refusals p50 "
           f"{refused[len(refused) // 2] if refused else 0:.3f} s, max {refused[-1] if refused else 0:.3f} s; completed p50 {done[len(done) // 2] if done else 0:.1f} s, max "
           f"{done[-1] if done else 0:.1f} s; on the port {probe.summary()}; on --health-listen {own.summary()}, "
-          f"{cli.summary()}; decode RssAnon {before >> 20} -> {after >> 20} MiB")
+          f"{cli.summary()}; decode RssAnon {before >> 20} -> {after >> 20} MiB; a probe on its own connection: "
+          f"{Counter(status for status, _ in one.outcomes)}, refused within p50 "
+          f"{(one.refused() or [0.0])[len(one.refused()) // 2]:.3f} s, max {(one.refused() or [0.0])[-1]:.3f} s")
 
     others = [o for o in outcomes if o.status not in ("OK", "RESOURCE_EXHAUSTED")]
     assert not others, others[:3]
+    assert {status for status, _ in one.outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}, one.outcomes
     assert counts["OK"] > 0
     assert not probe.failures and not own.failures and not cli.failures, (probe.summary(), own.summary(), cli.summary())
     assert after - before < 96 << 20, f"decode's memory grew by {(after - before) >> 20} MiB"
