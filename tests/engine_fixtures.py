@@ -228,3 +228,15 @@ class PrefixSource:
         save_blocks(self.store, keys, self.namespace, kv, num_tokens)
         with self._lock:  # a copy: the KV cache's slots are valid only during the call
             self.saves.append(Save(seq.seq_id, first_block, torch.stack(list(kv)), num_tokens))
+
+
+class GatedSource(PrefixSource):
+    """A PrefixSource whose saves wait for ``gate``: the engine goes on while a save is in flight."""
+
+    def __init__(self, store: DictStore, namespace: Namespace) -> None:
+        super().__init__(store, namespace)
+        self.gate = threading.Event()
+
+    def save(self, seq: KVSequence, first_block: int, kv: Sequence[torch.Tensor], num_tokens: int) -> None:
+        assert self.gate.wait(30.0), "the test never opened the gate"
+        super().save(seq, first_block, kv, num_tokens)

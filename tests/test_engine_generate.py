@@ -4,20 +4,17 @@ stops the sequence (length, stop token), a client aborts it, or the engine shuts
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import abc
 
 import pytest
 import torch
 
 from engine.engine import Engine
-from engine.hashing import Namespace
 from engine.sequence import Event, Finished, Sequence, TokenEvent
-from engine.sequence import Sequence as KVSequence
 from tests.engine_fixtures import (
     ARCHS,
     DictStore,
+    GatedSource,
     PrefixSource,
     assert_greedy_matches,
     assert_matches_oracle,
@@ -150,19 +147,6 @@ def test_near_tie_helper() -> None:
         assert_greedy_matches([0], [1], [clear])
     with pytest.raises(AssertionError):
         assert_greedy_matches([1], [1, 2], [clear, clear])
-
-
-class GatedSource(PrefixSource):
-    """A PrefixSource whose saves wait for ``gate``: the KV of a finished sequence is read out of the
-    pool while the engine goes on."""
-
-    def __init__(self, store: DictStore, namespace: Namespace) -> None:
-        super().__init__(store, namespace)
-        self.gate = threading.Event()
-
-    def save(self, seq: KVSequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
-        assert self.gate.wait(WAIT_S)
-        super().save(seq, first_block, kv, num_tokens)
 
 
 def test_a_finished_sequence_is_saved_straight_from_its_pool_slots_which_stay_in_use_until_then() -> None:

@@ -4,7 +4,6 @@ save. A sequence outside the prefix cache is saved when it leaves, as before."""
 
 from __future__ import annotations
 
-import threading
 from collections import abc
 
 import torch
@@ -15,6 +14,7 @@ from engine.sequence import Finished, Status
 from engine.sequence import Sequence as KVSequence
 from tests.engine_fixtures import (
     DictStore,
+    GatedSource,
     PrefixSource,
     finish,
     make_engine,
@@ -25,7 +25,6 @@ from tests.engine_fixtures import (
 from tests.polling import wait_until
 
 BLOCK = 8
-WAIT_S = 10.0
 
 
 def _setup(source_class: type[PrefixSource] = PrefixSource) -> tuple[Engine, PrefixSource]:
@@ -62,18 +61,6 @@ def test_a_sequence_outside_the_prefix_cache_is_saved_when_it_leaves() -> None:
     engine.add(seq)
     finish(engine, [seq])
     assert [(s.first_block, s.num_tokens) for s in source.saves] == [(0, 2 * BLOCK + 3 + 3 * BLOCK - 1)]
-
-
-class GatedSource(PrefixSource):
-    """Saves wait for ``gate``."""
-
-    def __init__(self, store: DictStore, namespace: Namespace) -> None:
-        super().__init__(store, namespace)
-        self.gate = threading.Event()
-
-    def save(self, seq: KVSequence, first_block: int, kv: abc.Sequence[torch.Tensor], num_tokens: int) -> None:
-        assert self.gate.wait(WAIT_S)
-        super().save(seq, first_block, kv, num_tokens)
 
 
 def test_finished_follows_the_saves_in_flight_even_with_nothing_left_to_save() -> None:
