@@ -337,8 +337,8 @@ def serve(
     """
     # What start-up built (the model, the tokenizer, the tables) stays as long as the process: out of the
     # collector's sight. A full collection scanned it all, and held the GIL 0.4-0.5 s at a time under 600
-    # streams, which a health check waited out; after this, no collection took 0.1 s.
-    gc.collect()
+    # streams, which a health check waited out; after this, no collection took 0.1 s. (No gc.collect()
+    # first: it takes 0.25 s at every start, for start-up garbage in cycles that would only be kept.)
     gc.freeze()
     try:
         port = server.start()
