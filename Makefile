@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy rpc engine kvstore handoff prefill_service decode_service router client stack bench
+	$(VENV)/bin/mypy rpc engine kvstore handoff prefill_service decode_service router http_api client stack bench
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q
