@@ -53,6 +53,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
             from bench.handoff import main as command_main
         case ["bench", "store", *rest]:
             from bench.store import main as command_main
+        case ["bench", "serve", *rest]:
+            from bench.serve import main as command_main
         case ["kvstore", *rest]:
             from kvstore.__main__ import main as command_main
         case ["prefill", *rest]:
@@ -61,6 +63,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
             from decode_service.__main__ import main as command_main
         case ["router", *rest]:
             from router.__main__ import main as command_main
+        case ["http", *rest]:
+            from http_api.__main__ import main as command_main
         case ["certs", *rest]:
             from rpc.certs import main as command_main
         case ["token", *rest]:
@@ -140,12 +144,13 @@ def parser() -> argparse.ArgumentParser:
                     "writes every figure with --json PATH and a PNG with --plot PATH. hash and prefill run in "
                     "this process. See `kvserve bench NAME --help`.")
     bench.add_argument("name", choices=["multi-turn", "shared-prefix", "decode", "handoff", "store", "hash", "prefill",
-                                        "e2e"])
+                                        "serve", "e2e"])
 
     up = sub.add_parser(
-        "up", help="start the store, prefill and decode services locally",
-        description="Starts the KV store, prefill and decode services as local processes, waits until "
-                    "each is healthy and prints the front-door address. Ctrl-C or SIGTERM stops all three "
+        "up", help="start the store, prefill and decode services and the HTTP API locally",
+        description="Starts the KV store, prefill and decode services and OpenAI's HTTP API in front of decode "
+                    "as local processes, waits until each is healthy and prints the front doors' addresses (gRPC "
+                    "and HTTP). Ctrl-C or SIGTERM stops them all "
                     "(the store flushes its memory tiers to disk, so the next `up` is warm). If one of them "
                     "exits, `up` prints how it ended with its last log lines, removes a dead store's shared "
                     "memory, and starts it again on the same port after 0.5 s, doubling up to 30 s while it "
@@ -161,6 +166,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1",
                     help="interface the three services listen on (default %(default)s; 0.0.0.0 for all)")
     up.add_argument("--decode-port", type=int, default=50051, help="front door (default %(default)s)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="OpenAI's HTTP API, in front of decode (default %(default)s; `kvserve http --help`)")
+    up.add_argument("--no-http", action="store_true", help="do not serve the HTTP API")
     up.add_argument("--prefill-port", type=int, default=50052, help="(default %(default)s)")
     up.add_argument("--store-port", type=int, default=50053, help="(default %(default)s)")
     up.add_argument("--metrics-base-port", type=int, default=None,
@@ -241,7 +249,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill_port=args.prefill_port, store_port=args.store_port,
         metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
         disk_capacity=args.disk_capacity, block_size=args.block_size,
-        insecure=args.insecure,
+        insecure=args.insecure, http_port=None if args.no_http else args.http_port,
     )
     if args.auth_tokens is not None:
         print(f"kvserve up: --auth-tokens is gone: up keeps its tenants in {args.data_dir / 'auth' / 'tokens'} "
@@ -284,13 +292,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=lambda: stop_signal != 0)
     try:
         base = config.metrics_base_port
+        scheme = "http" if layout is None else "https"
         for i, s in enumerate(stack.services):
-            scheme = "http" if layout is None else "https"
-            metrics = "" if base is None else f", metrics: {scheme}://{s.host}:{base + 2 - i}/metrics"
+            metrics = ("" if base is None or s.health_url else
+                       f", metrics: {scheme}://{s.host}:{base + 2 - i}/metrics")
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
         how = ("plaintext, no auth (--insecure)" if layout is None else
                f"TLS, admin token in {layout.admin_token}; local clients find both")
         print(f"ready: front door at {stack.addr}, {how}  (Ctrl-C to stop)", flush=True)
+        if config.http_port is not None:
+            trust = "" if layout is None else f"; HTTPS: trust {layout.ca}, and send the token as the API key"
+            print(f"OpenAI API at {stack.service('http').url}/v1 for model {model_dir.name!r}{trust}", flush=True)
         while not stop_signal:
             time.sleep(SUPERVISE_INTERVAL_S)
             supervisor.poll()  # does nothing once a signal has come

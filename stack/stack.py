@@ -9,10 +9,12 @@ import select
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,10 +56,17 @@ class Service:
     started_at: float = field(default_factory=time.time)  # Unix time
     log_file: IO[str] | None = field(default=None, repr=False)  # its stderr, and its stdout once drained
     credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)  # to ask its health over TLS
+    health_url: str | None = None  # an HTTP service (http_api): its health is a GET of this path, not gRPC's
+    ca: str | None = None  # the CA its HTTPS certificate is checked against
 
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """An HTTP service's base URL (https when it serves TLS)."""
+        return f"{'http' if self.ca is None else 'https'}://{self.addr}"
 
 
 _TAIL_BYTES = 64 << 10
@@ -177,20 +186,21 @@ def _drain(stream: IO[str], sink: IO[str] | None) -> None:
 
 def start_service(
     name: str, module: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S,
-    host: str = "127.0.0.1",
+    host: str = "127.0.0.1", health_url: str | None = None,
 ) -> Service:
     """Starts `python -m module args...`, waits for its LISTENING line and for health SERVING.
 
     The process ends when the one that started it dies (Linux). `host` is where to reach it."""
-    return wait_started(spawn_service(name, module, args, log_path, host), timeout_s)
+    return wait_started(spawn_service(name, module, args, log_path, host, health_url=health_url), timeout_s)
 
 
 def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | None = None,
-                  host: str = "127.0.0.1", port: int = 0) -> Service:
+                  host: str = "127.0.0.1", port: int = 0, health_url: str | None = None) -> Service:
     """Starts `python -m module args...` and returns at once: `wait_started` waits for it to serve.
 
     Call it from the main thread: a service started by another thread is stopped when that thread ends
-    (see `_child_env`). `port` is the one it is expected to listen on (0: not known yet)."""
+    (see `_child_env`). `port` is the one it is expected to listen on (0: not known yet). `health_url`: the
+    service is an HTTP one, healthy once a GET of that path answers 200 (over HTTPS with its --tls-cert)."""
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - owned by the drain thread
     offset = log.seek(0, os.SEEK_END) if log is not None else 0
     try:
@@ -205,6 +215,9 @@ def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | 
         if log is not None:
             log.close()
         raise
+    if health_url is not None:
+        return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log, health_url=health_url,
+                       ca=flag_value(args, "--tls-ca") if flag_value(args, "--tls-cert") else None)
     return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log,
                    credentials=health_credentials(args))
 
@@ -239,7 +252,10 @@ def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S) -> Servic
         threading.Thread(target=_drain, args=(proc.stdout, service.log_file), daemon=True).start()
         draining = True
         try:
-            wait_healthy(service.addr, deadline - time.monotonic(), proc, service.credentials)
+            if service.health_url is not None:
+                wait_http_healthy(service.url + service.health_url, deadline - time.monotonic(), proc, service.ca)
+            else:
+                wait_healthy(service.addr, deadline - time.monotonic(), proc, service.credentials)
         except StackError:
             if proc.poll() is None:
                 raise
@@ -295,6 +311,26 @@ def wait_healthy(addr: str, timeout_s: float, process: subprocess.Popen[str] | N
             time.sleep(0.1)
 
 
+def wait_http_healthy(url: str, timeout_s: float, process: subprocess.Popen[str] | None = None,
+                      ca: str | None = None) -> None:
+    """Waits for a GET of `url` to answer 200 (checking HTTPS against the CA file `ca`); StackError past
+    timeout_s, or as soon as `process` exits."""
+    deadline = time.monotonic() + max(timeout_s, 1.0)
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    while True:
+        if process is not None and process.poll() is not None:
+            raise StackError(f"{url}: the server {describe_exit(process.returncode)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0, context=context) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:  # refused, 503 (HTTPError), TLS
+            pass
+        if time.monotonic() > deadline:
+            raise StackError(f"{url} is not healthy after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def stop_service(service: Service, timeout_s: float = 30.0) -> int:
     """SIGTERM, then SIGKILL if it has not exited within timeout_s; returns its exit code."""
     if service.process.poll() is None:
@@ -338,6 +374,7 @@ class ServiceSpec:
     args: tuple[str, ...]
     log_path: Path | None
     host: str  # where to reach it
+    health_url: str | None = None  # an HTTP service's health path (spawn_service)
 
     @property
     def port(self) -> int:
@@ -356,7 +393,7 @@ class ServiceSpec:
         for i, arg in enumerate(args[:-1]):
             if arg == "--listen":
                 args[i + 1] = f"{args[i + 1].rpartition(':')[0]}:{port}"
-        return ServiceSpec(self.name, self.module, tuple(args), self.log_path, self.host)
+        return ServiceSpec(self.name, self.module, tuple(args), self.log_path, self.host, self.health_url)
 
 
 @dataclass
@@ -383,10 +420,13 @@ class StackConfig:
     insecure: bool = False
     # The cores prefill and decode split between them (`thread_budgets`); None: those this process may use.
     cores: int | None = None
+    # The OpenAI-compatible HTTP API (http_api) on this port in front of decode (0: any); None: not served.
+    http_port: int | None = None
 
 
 class Stack:
-    """The store, prefill and decode services as local processes, started in order."""
+    """The store, prefill and decode services as local processes, started in order; with `http_port`, the
+    OpenAI-compatible HTTP API in front of decode too."""
 
     def __init__(self, config: StackConfig, log_dir: Path | None = None) -> None:
         self.config = config
@@ -467,6 +507,17 @@ class Stack:
             *self._metrics(0), *self._threads("decode"), *self._secure("decode"), *c.extra_decode_args,
         ), self._log("decode"), connect_host(c.host))
 
+    def http_spec(self, decode_addr: str) -> ServiceSpec:
+        """The HTTP API in front of decode, serving the model under its folder's name, with a certificate of its
+        own (it holds no model, no token: each caller's token goes on to decode)."""
+        c = self.config
+        layout = self.layout
+        secure = ["--insecure"] if layout is None else layout.tls_flags("http")
+        return ServiceSpec("http", "http_api", (
+            "--listen", f"{c.host}:{c.http_port}", "--upstream", decode_addr, "--model-name", c.model_dir.name,
+            *secure,
+        ), self._log("http"), connect_host(c.host), health_url="/health")
+
     def _common(self, store_addr: str) -> tuple[str, ...]:
         c = self.config
         return "--model", str(c.model_dir), "--kvstore", store_addr, "--block-size", str(c.block_size)
@@ -484,7 +535,7 @@ class Stack:
             what = "does not exist" if not c.model_dir.exists() else "has no config.json"
             raise StackError(f"model folder {c.model_dir} {what}: give a Hugging Face model folder "
                              f"(`kvserve model init DIR` builds a tiny one)")
-        ports = {"decode": c.decode_port, "prefill": c.prefill_port, "store": c.store_port}
+        ports = {"decode": c.decode_port, "prefill": c.prefill_port, "store": c.store_port, "HTTP": c.http_port or 0}
         if c.metrics_base_port is not None:
             ports |= {f"{name} metrics": c.metrics_base_port + i
                       for i, name in enumerate(("decode", "prefill", "store"))}
@@ -503,7 +554,9 @@ class Stack:
                     raise StackError(f"the credentials in {self.layout.root} cannot be used: {exc}") from None
             store = self.add(self.store_spec())
             prefill = self.add(self.prefill_spec(store.addr))
-            self.add(self.decode_spec(store.addr, prefill.addr))
+            decode = self.add(self.decode_spec(store.addr, prefill.addr))
+            if self.config.http_port is not None:
+                self.add(self.http_spec(decode.addr))
         except BaseException:
             self.stop()
             raise
@@ -511,7 +564,8 @@ class Stack:
 
     def add(self, spec: ServiceSpec) -> Service:
         """Starts one more service and waits until it serves; `stop` stops it before those added earlier."""
-        service = start_service(spec.name, spec.module, spec.args, spec.log_path, host=spec.host)
+        service = start_service(spec.name, spec.module, spec.args, spec.log_path, host=spec.host,
+                                health_url=spec.health_url)
         self.services.append(service)
         self.specs[spec.name] = spec.on_port(service.port)
         return service
@@ -524,7 +578,8 @@ class Stack:
         i = next(i for i, s in enumerate(self.services) if s.name == name)
         if self.services[i].process.poll() is None:
             raise StackError(f"{name} (pid {self.services[i].process.pid}) is still running")
-        service = spawn_service(name, spec.module, spec.args, spec.log_path, spec.host, port=spec.port)
+        service = spawn_service(name, spec.module, spec.args, spec.log_path, spec.host, port=spec.port,
+                                health_url=spec.health_url)
         self.services[i] = service
         return service
 
@@ -536,7 +591,7 @@ class Stack:
         return self.service("decode").addr
 
     def stop(self) -> None:
-        """Stops decode, then prefill, then the store (which flushes its memory tiers to disk)."""
+        """Stops the HTTP API, decode, then prefill, then the store (which flushes its memory tiers to disk)."""
         for service in reversed(self.services):
             stop_service(service)
         self.services.clear()

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("protos", "rpc", "engine", "kvstore", "handoff", "prefill_service", "decode_service", "router", "client",
-          "stack", "bench")
+          "http_api", "stack", "bench")
 MAY_IMPORT: dict[str, set[str]] = {
     "protos": set(),
     "rpc": {"protos"},
@@ -31,6 +31,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "decode_service": {"protos", "rpc", "engine", "kvstore", "handoff", "prefill_service"},
     "router": {"protos", "rpc"},  # it holds no model
     "client": {"protos"},  # the library: Client, the metrics page reader (the rest of client/ are entry points)
+    "http_api": {"protos", "rpc", "client"},  # OpenAI's HTTP API in front of the gRPC one: no model either
     "stack": {"rpc", "client"},  # it starts the services as `python -m` processes, with credentials it makes
     "bench": set(LAYERS[:-1]),
 }
@@ -39,7 +40,7 @@ ENTRY_POINTS = {"client.cli", "client.demo", "client.health", "client.pytest_plu
 # The only modules of these packages that other packages import (the store's public package holds KVStoreClient).
 PUBLIC = {"kvstore": {"kvstore"}, "prefill_service": {"prefill_service.client"}}
 STARTERS = {"stack", "bench"}  # they start the store, so they may reach into it
-NEVER = {package: {"torch", "transformers"} for package in ("rpc", "router", "client", "stack")} | {"engine": {"grpc"}}
+NEVER = {package: {"torch", "transformers"} for package in ("rpc", "router", "client", "http_api", "stack")} | {"engine": {"grpc"}}
 TORCH_IN_KVSTORE = {"kvstore.device_tier"}
 
 

@@ -1,0 +1,100 @@
+"""`python -m http_api` / `kvserve http`: the OpenAI-compatible HTTP API in front of a gRPC front door."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import socket
+import sys
+from collections.abc import Sequence
+
+import grpc
+import uvicorn
+
+from http_api.app import Front
+from rpc.cli import (
+    configure_logging,
+    env_epilog,
+    exit_with_parent,
+    parse_args,
+    parse_size,
+    positive_int,
+    tls_from_args,
+)
+from rpc.server import CLIENT_CHANNEL_OPTIONS, listen_host
+
+GRACE_S = 5  # on SIGTERM, streams in flight get this long to finish
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvserve http", epilog=env_epilog("http"),
+        description="Serves OpenAI's HTTP API (POST /v1/chat/completions and /v1/completions, streaming or not; "
+                    "GET /v1/models, /health, /metrics) in front of kvserve's gRPC front door: decode, or the "
+                    "router when there are several nodes. Each caller's `Authorization: Bearer <token>` goes to "
+                    "the front door, which checks it as it checks gRPC callers.")
+    p.add_argument("--listen", default="127.0.0.1:8000",
+                   help="HOST:PORT to serve on; port 0 picks one and prints LISTENING <port> (default %(default)s)")
+    p.add_argument("--upstream", default="127.0.0.1:50051",
+                   help="the gRPC front door: decode, or the router (default %(default)s)")
+    p.add_argument("--model-name", required=True,
+                   help="the model's name: what clients send as `model`, and what GET /v1/models lists")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="most seconds one request may take (the gRPC call's deadline; a client's "
+                        "X-Stainless-Timeout shortens it); past it, 504 (default %(default)s)")
+    p.add_argument("--max-body-bytes", type=parse_size, default=4 << 20, metavar="BYTES",
+                   help="largest request body; a larger one is 413 (default 4MiB)")
+    p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
+                   help="most generations answered at once; one more is 429 at once, with a retry hint "
+                        "(default %(default)s)")
+    p.add_argument("--log-level", default="INFO")
+    tls = p.add_argument_group("TLS", "HTTPS, required unless --insecure; `kvserve credentials DIR` makes the files")
+    tls.add_argument("--tls-cert", default=None, metavar="PEM", help="the certificate this server serves HTTPS with")
+    tls.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    tls.add_argument("--tls-ca", default=None, metavar="PEM",
+                     help="the CA the front door's gRPC certificate is checked against")
+    tls.add_argument("--insecure", action="store_true",
+                     help="plain HTTP, and plaintext gRPC to the front door: bearer tokens cross the network in "
+                          "the clear. Only for a port nobody else can reach; logged as a warning")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_parent()
+    args = parse_args(parser(), argv, "http")
+    configure_logging("http", args.log_level)
+    tls = tls_from_args(args, "http")
+    if args.timeout_s <= 0:
+        print(f"http: --timeout-s must be more than 0, not {args.timeout_s}", file=sys.stderr)
+        return 2
+    host, _, port = args.listen.rpartition(":")
+    try:
+        sock = socket.create_server((listen_host(args.listen) or "0.0.0.0", int(port)))
+    except (OSError, ValueError) as exc:
+        print(f"http: cannot listen on {args.listen}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
+    credentials = None if tls is None else grpc.ssl_channel_credentials(root_certificates=tls.ca)
+    front = Front(args.upstream, args.model_name, credentials=credentials, timeout_s=args.timeout_s,
+                  max_body_bytes=args.max_body_bytes, max_requests=args.max_connections,
+                  channel_options=CLIENT_CHANNEL_OPTIONS)
+    bound = sock.getsockname()[1]
+    scheme = "http" if tls is None else "https"
+
+    def ready() -> None:
+        print(f"LISTENING {bound}", flush=True)
+        print(f"serving OpenAI's API on {scheme}://{host or '0.0.0.0'}:{bound}/v1 for model {args.model_name!r}, "
+              f"in front of {args.upstream}", file=sys.stderr, flush=True)
+
+    cert, key, _ = tls.paths if tls is not None else (None, None, None)
+    config = uvicorn.Config(
+        front.app(ready), log_config=None, access_log=False, ssl_certfile=cert, ssl_keyfile=key,
+        # A backstop past --max-connections, which the app answers with 429: health checks and metrics still fit.
+        limit_concurrency=args.max_connections + 64, timeout_graceful_shutdown=GRACE_S, server_header=False)
+    gc.freeze()  # as every service: no collection scans what start-up made (rpc.cli.serve)
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
