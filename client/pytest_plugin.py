@@ -2,7 +2,7 @@
 
 Installed with kvserve (entry point `pytest11`), it gives three fixtures:
 
-- `kvserve_stack` (session): the KV store, prefill and decode services as processes on free
+- `kvserve_stack` (session): the KV store, prefill and decode services and the HTTP API as processes on free
   loopback ports, serving a tiny random-weight model built for the session, or the model folder
   named by `--kvserve-model DIR`, `$KVSERVE_TEST_MODEL` or the `kvserve_model` ini option (first
   given wins); a `KVServeStack` with their addresses, pids and logs. The stack is secure, as `kvserve
@@ -10,6 +10,10 @@ Installed with kvserve (entry point `pytest11`), it gives three fixtures:
   and the CA), mTLS at the store (`KVServeStack.admin_tls`: the admin's certificate).
 - `kvserve_client`: a `client.Client` connected to the stack's front door (decode).
 - `kvserve_store`: a `kvstore.KVStoreClient` connected to its KV store.
+- `kvserve_http_url`: the base URL of the stack's OpenAI-compatible HTTP API (`https://127.0.0.1:PORT/v1`),
+  for a test's own OpenAI client: `KVServeStack.openai_kwargs` has its API key (the admin's token) and the
+  CA to verify it with, e.g. `openai.OpenAI(base_url=kvserve_http_url, api_key=stack.openai_kwargs["api_key"],
+  http_client=openai.DefaultHttpx2Client(verify=stack.openai_kwargs["ca"]))`.
 
 Nothing starts unless a test asks for one of them, and importing this module imports neither grpc
 nor torch (the tiny model is built by a subprocess). At the end of the session every service is
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from stack.stack import Stack
 
 MODEL_ENV = "KVSERVE_TEST_MODEL"
-SERVICES = ("kvstore", "prefill", "decode")
+SERVICES = ("kvstore", "prefill", "decode", "http")
 TINY_MODEL_ARGS = ("--arch", "llama", "--layers", "2", "--hidden", "64", "--seed", "0")
 HOST_CAPACITY, DISK_CAPACITY = "256MiB", "1GiB"
 LOG_SECTION_BYTES = 16 * 1024  # per service and failed test: the end of what it logged
@@ -52,11 +56,12 @@ class KVServeStack:
     """The services `kvserve_stack` started; they live until the end of the test session."""
 
     addr: str  # the decode service, the front door: what `Client` connects to
+    http_url: str  # OpenAI's HTTP API in front of it: https://HOST:PORT/v1
     prefill_addr: str
     store_addr: str
     model_dir: Path
     data_dir: Path  # the store's disk tier and the logs
-    logs: dict[str, Path]  # "kvstore", "prefill", "decode" -> that service's log file
+    logs: dict[str, Path]  # "kvstore", "prefill", "decode", "http" -> that service's log file
     pids: dict[str, int]
     shm_dir: Path | None  # the store's shared-memory dir (its arena's socket); None when kept in process memory
     credentials: Path  # the folder of its CA, certificates and tokens (client/local.py)
@@ -67,6 +72,15 @@ class KVServeStack:
         from client.local import Layout
 
         return Layout(self.credentials).client_kwargs()
+
+    @property
+    def openai_kwargs(self) -> dict[str, str]:
+        """What an OpenAI client of `http_url` needs: "api_key" (the admin's token) and "ca" (the CA file its
+        HTTPS certificate is checked against)."""
+        from client.local import Layout
+
+        layout = Layout(self.credentials)
+        return {"api_key": layout.admin_token.read_text(encoding="utf-8").strip(), "ca": str(layout.ca)}
 
     @property
     def admin_tls(self) -> Any:
@@ -106,7 +120,7 @@ def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     data_dir, log_dir = root / "data", root / "data" / "logs"
     stack = Stack(StackConfig(
         model_dir, data_dir, decode_port=0, prefill_port=0, store_port=0,
-        host_capacity=HOST_CAPACITY, disk_capacity=DISK_CAPACITY,
+        host_capacity=HOST_CAPACITY, disk_capacity=DISK_CAPACITY, http_port=0,
     ), log_dir=log_dir)
     logs = {name: log_dir / f"{name}.log" for name in SERVICES}
     request.config.stash[_LOGS] = logs
@@ -117,6 +131,7 @@ def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         shm_dir = _shm_dir(stack.service("kvstore").addr, _admin_tls(stack.layout.root))
         yield KVServeStack(
             addr=stack.service("decode").addr,
+            http_url=stack.service("http").url + "/v1",
             prefill_addr=stack.service("prefill").addr,
             store_addr=stack.service("kvstore").addr,
             model_dir=model_dir,
@@ -137,6 +152,12 @@ def kvserve_client(kvserve_stack: KVServeStack) -> Iterator[Client]:
 
     with Client(kvserve_stack.addr, **kvserve_stack.client_kwargs) as client:
         yield client
+
+
+@pytest.fixture()
+def kvserve_http_url(kvserve_stack: KVServeStack) -> str:
+    """The base URL of the stack's OpenAI-compatible HTTP API (`KVServeStack.openai_kwargs` to call it)."""
+    return kvserve_stack.http_url
 
 
 @pytest.fixture()

@@ -25,7 +25,7 @@ from tests.processes import KVSERVE, alive, children, free_ports, memfd_inodes
 def up_argv(tmp: Path, model: Path, ports: list[int], *extra: str) -> list[str]:
     decode, prefill, store = ports
     return [KVSERVE, "up", "--data-dir", str(tmp / "data"), "--model", str(model), "--decode-port", str(decode),
-            "--prefill-port", str(prefill), "--store-port", str(store), *extra]
+            "--prefill-port", str(prefill), "--store-port", str(store), "--no-http", *extra]
 
 
 def run_up(argv: list[str]) -> subprocess.CompletedProcess[str]:

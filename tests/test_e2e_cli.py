@@ -1,6 +1,6 @@
 """`kvserve up` as a user runs it from a fresh shell: the stack comes up, secure as by default, `kvserve
 generate --json` and `kvserve stats --json` answer with no credentials given (they find those `up` made),
-and SIGTERM stops all three services (a stream in flight ends with UNAVAILABLE or completes; no process
+OpenAI's SDK is served over HTTPS as README.md shows, and SIGTERM stops every service (a stream in flight ends with UNAVAILABLE or completes; no process
 is left behind)."""
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def kvserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 class Up:
     def __init__(self, tmp: Path) -> None:
-        self.decode, self.prefill, self.store = free_ports(3)
+        self.decode, self.prefill, self.store, self.http = free_ports(4)
         self.cwd = tmp
         self.proc = subprocess.Popen(
             [KVSERVE, "up", "--data-dir", str(tmp / "data"), "--decode-port", str(self.decode),
-             "--prefill-port", str(self.prefill), "--store-port", str(self.store),
+             "--prefill-port", str(self.prefill), "--store-port", str(self.store), "--http-port", str(self.http),
              "--model", str(model_dir("llama")), "--block-size", str(BLOCK_SIZE)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -74,7 +74,7 @@ def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
     addr = f"127.0.0.1:{up.decode}"
     assert f"ready: front door at {addr}, TLS, admin token in " in up.output()
     services = children(up.proc.pid)
-    assert len(services) == 3
+    assert len(services) == 4
 
     ids = tokens(3 * BLOCK_SIZE + 4, seed=500)
     argv = ["generate", "--json", "--token-ids", ",".join(map(str, ids)), "--max-tokens", "8", "--ignore-eos",
@@ -122,3 +122,35 @@ def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
     assert "stopped" in up.output()
     wait_until(lambda: not any(alive(pid) for pid in services), timeout_s=10, interval_s=0.1,
                message=lambda: f"orphans: {[pid for pid in services if alive(pid)]}")
+
+
+def test_up_serves_the_openai_api_as_the_readme_shows_and_restarts_it_when_killed(up: Up) -> None:
+    """The README's `openai` example against this `up`: HTTPS trusting data/credentials' CA, the admin
+    token as the API key. A killed HTTP front is started again by `up`, on its port."""
+    import openai
+
+    from client.local import Layout
+    from stack.supervisor import read_status
+
+    layout = Layout(up.cwd / "data")
+    url = f"https://127.0.0.1:{up.http}/v1"
+    assert f"OpenAI API at {url} for model 'model-llama'; HTTPS: trust {layout.ca}" in up.output()
+
+    def ask() -> str:
+        client = openai.OpenAI(base_url=url, api_key=layout.admin_token.read_text().strip(), max_retries=0,
+                               http_client=openai.DefaultHttpx2Client(verify=str(layout.ca)))
+        reply = client.chat.completions.create(model="model-llama", max_tokens=5, temperature=0,
+                                               messages=[{"role": "user", "content": "Hello"}])
+        return reply.choices[0].message.content or ""
+
+    first = ask()
+    status = read_status(up.cwd / "data")
+    assert status is not None and status.services["http"].pid is not None
+    os.kill(status.services["http"].pid, signal.SIGKILL)
+
+    def served_again() -> bool:
+        now = read_status(up.cwd / "data")
+        return now is not None and now.services["http"].state == "running" and now.services["http"].restarts == 1
+
+    wait_until(served_again, timeout_s=60, interval_s=0.2, message=up.output)
+    assert ask() == first

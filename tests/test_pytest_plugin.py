@@ -37,6 +37,18 @@ def test_the_store_keeps_blocks_in_shared_memory(kvserve_stack, kvserve_store):
     Path("stack.json").write_text(json.dumps({"pids": kvserve_stack.pids, "shm_dir": str(kvserve_stack.shm_dir)}))
 
 
+def test_an_openai_client_of_the_http_url(kvserve_stack, kvserve_http_url):
+    import openai
+
+    kw = kvserve_stack.openai_kwargs
+    client = openai.OpenAI(base_url=kvserve_http_url, api_key=kw["api_key"], max_retries=0,
+                           http_client=openai.DefaultHttpx2Client(verify=kw["ca"]))
+    [model] = client.models.list()
+    reply = client.completions.create(model=model.id, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+
+
 def test_fails_after_prefill_stopped(kvserve_stack):
     os.kill(kvserve_stack.pids["prefill"], signal.SIGTERM)
     deadline = time.monotonic() + 30
@@ -99,18 +111,18 @@ def test_a_session_gets_a_real_stack_and_leaves_nothing_behind(
     monkeypatch.delenv(MODEL_ENV, raising=False)  # the tiny model, built for the session
     pytester.makepyfile(test_readme=readme_example(), test_stack=STACK_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=400)
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=3, failed=1)
 
     out = result.stdout.str()
     failure = out.split("test_fails_after_prefill_stopped", 1)[1]
-    for name in ("kvstore", "prefill", "decode"):
+    for name in ("kvstore", "prefill", "decode", "http"):
         assert out.count(f" kvserve {name} log ") == 1, name  # in the failed test's report only
     prefill = failure.split(" kvserve prefill log ", 1)[1].split(" kvserve decode log ", 1)[0]
     assert "(what it logged during this test)" in prefill and "signal 15: stopping" in prefill
     assert "(nothing logged during this test; its end)" in failure.split(" kvserve decode log ", 1)[1]
 
     started = json.loads((pytester.path / "stack.json").read_text())
-    assert sorted(started["pids"]) == ["decode", "kvstore", "prefill"]
+    assert sorted(started["pids"]) == ["decode", "http", "kvstore", "prefill"]
     assert [name for name, pid in started["pids"].items() if alive(pid)] == []
     assert not os.path.exists(started["shm_dir"])
     assert not list(Path(started["shm_dir"]).parent.glob(f"kvserve-{started['pids']['kvstore']}-*"))

@@ -56,7 +56,7 @@ def _start_up(tmp: Path, *extra: str) -> Iterator[Up]:
     data_dir = tmp / "data"
     argv = [KVSERVE, "up", "--data-dir", str(data_dir), "--model", str(model_dir("llama")),
             "--decode-port", str(ports[0]), "--prefill-port", str(ports[1]), "--store-port", str(ports[2]),
-            "--metrics-base-port", str(ports[3]), *extra]
+            "--metrics-base-port", str(ports[3]), "--no-http", *extra]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     seen = []
