@@ -26,7 +26,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSError, read_certificate, read_private_key
 
-DEFAULT_NAMES = ("kvstore", "prefill", "decode", "router")
+DEFAULT_NAMES = ("kvstore", "prefill", "decode", "router", "http")  # http: the OpenAI-compatible front (HTTPS)
 # The master client certificate: the store and prefill accept it like a service's, so it reads and writes every
 # tenant's blocks. `kvserve credentials` keeps it in a folder of its own (client/local.py).
 ADMIN = "admin"
@@ -257,8 +257,9 @@ def _report(certs: Certs, as_json: bool) -> None:
     for name in written:
         if name in DEFAULT_NAMES:
             print(f"  kvserve {name} {' '.join(flags(directory, name))} ...")
-    print("The store and prefill then accept only callers with a certificate from this CA; the front door "
-          f"(decode) serves TLS to any caller: give clients {directory / CA_FILE} to check it.")
+    print("The store and prefill then accept only callers with a certificate from this CA; the front doors "
+          f"(decode or the router, and http's HTTPS) serve TLS to any caller: give clients {directory / CA_FILE} to "
+          "check them.")
     tools = [name for name in written if name not in DEFAULT_NAMES]
     for name in tools:
         print(f"{directory / f'{name}.pem'} is a tool's certificate: the store accepts it like a service's, so "

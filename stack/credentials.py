@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvserve credentials",
         description="Make what a secure kvserve node needs in DIR, keeping whatever is already there: certs/ (a CA "
-                    "and a certificate per service: kvstore, prefill, decode, router), admin/ (the admin "
+                    f"and a certificate per service: {', '.join(DEFAULT_NAMES)}; one missing from an existing DIR "
+                    "is added, signed by its CA), admin/ (the admin "
                     "certificate and the front door's admin token: the master credentials, for operators only), "
                     "auth/ (the tenants' tokens file and namespace secret, the router's service token, the "
                     "store's record key). `kvserve up` does this in its data dir by itself; run it for compose "
@@ -72,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dir", type=Path, help="folder to write into (made if missing)")
     p.add_argument("--san", action="append", type=host_arg, default=[], metavar="HOST",
                    help="another host name or IP address the services are reached by (repeatable); each service's "
-                        "certificate also names the service (kvstore, prefill, decode, router) and localhost")
+                        f"certificate also names the service ({', '.join(DEFAULT_NAMES)}) and localhost")
     p.add_argument("--json", action="store_true", help="print the files as JSON")
     return p
 

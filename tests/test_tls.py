@@ -27,7 +27,7 @@ from rpc.server import Server
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
 from stack.stack import Service, start_service, stop_service
 
-NAMES = ("kvstore", "prefill", "decode", "router")
+NAMES = ("kvstore", "prefill", "decode", "router", "http")
 KEY = BlockHash(b"k" * 32)
 
 
@@ -112,7 +112,7 @@ def test_certs_keep_the_ca_and_refuse_to_overwrite_without_force(
     assert (tmp_path / "kvstore.pem").read_bytes() != store
 
     store = (tmp_path / "kvstore.pem").read_bytes()  # what `kvserve up` calls on every start
-    assert set(make_certs(tmp_path, keep_existing=True).written) == {"prefill", "decode"}
+    assert set(make_certs(tmp_path, keep_existing=True).written) == {"prefill", "decode", "http"}
     assert (tmp_path / "kvstore.pem").read_bytes() == store and (tmp_path / "ca.pem").read_bytes() == ca
     assert make_certs(tmp_path, keep_existing=True).written == {}
 
