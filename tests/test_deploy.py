@@ -10,8 +10,13 @@
 - The Kubernetes overlays, built by `kubectl kustomize`, every object against the API schemas of the
   newest Kubernetes kubernetes-validate ships, strictly (an unknown field fails), and their wiring.
 - Every flag of every service readable from its variable.
+- The HTTP front (http_api, OpenAI's API over HTTPS in front of the router): its own certificate and
+  nothing else, published on loopback beside the router, its probes (`kvserve health URL`) run here.
 - (slow) The compose file's services run as local processes, with their own commands, variables and
-  health checks, form a stack that answers the admin token through the router, over TLS.
+  health checks, form a stack that answers the admin token through the router, over TLS, and through
+  the HTTP front, over HTTPS.
+
+What needs the HTTP front's own parser (http_api.__main__.parser) skips, saying so, where it is missing.
 """
 
 from __future__ import annotations
@@ -20,15 +25,18 @@ import argparse
 import base64
 import contextlib
 import copy
+import http.client
 import importlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from importlib.resources import files
@@ -50,11 +58,14 @@ COMBINATIONS = [(), ("gpu",), ("insecure",), ("gpu", "insecure")]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("trial", "production")
 KUBERNETES_VERSION = "1.37"  # the newest kubernetes-validate 1.37 ships schemas for
-SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__main__",
-            "decode": "decode_service.__main__", "router": "router.__main__"}
+GRPC_SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__main__",
+                 "decode": "decode_service.__main__", "router": "router.__main__"}
+SERVICES = {**GRPC_SERVICES, "http": "http_api.__main__"}  # http: OpenAI's HTTP API, in front of the router
 SHARED_VARS = {"KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA", "KVSERVE_AUTH_TOKENS", "KVSERVE_TOKEN"}
 PORTS = {"kvstore": 50053, "prefill": 50052, "decode": 50051, "router": 50050}
 HEALTH_PORTS = {name: port + 10 for name, port in PORTS.items()}  # --health-listen, on 127.0.0.1: the probes ask there
+HTTP_PORT = 8000  # the HTTP front's HTTPS; it has no --health-listen: its probes GET its /health
+HTTP_HEALTH = ["kvserve", "health", f"https://127.0.0.1:{HTTP_PORT}/health", "--tls-ca", "/credentials/ca.pem"]
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
 # What each service reads of `kvserve credentials DIR`, and nothing else: its own certificate and key, the CA,
 # and its secrets. Compose copies these into each service's own volume; each Kubernetes pod mounts these keys
@@ -69,22 +80,41 @@ SERVICE_FILES = {
                "service-tokens": "auth/service-tokens"},
     "router": {"ca.pem": "certs/ca.pem", "router.pem": "certs/router.pem", "router-key.pem": "certs/router-key.pem",
                "router.token": "auth/router.token"},
+    "http": {"ca.pem": "certs/ca.pem", "http.pem": "certs/http.pem", "http-key.pem": "certs/http-key.pem"},
 }
 
 
 # -- the services' flags ------------------------------------------------------------------------------
 
-def service_parser(service: str) -> argparse.ArgumentParser:
-    """The service's own parser; skips the test while the service has none (the router, until it lands)."""
+def _parser_or_why(service: str) -> argparse.ArgumentParser | str:
+    """The service's own parser, or why there is none yet."""
     try:
         module = importlib.import_module(SERVICES[service])
     except ModuleNotFoundError as exc:
         if exc.name is not None and SERVICES[service].startswith(exc.name):
-            pytest.skip(f"{SERVICES[service]} does not exist yet")
+            return f"{SERVICES[service]} does not exist yet"
         raise
     if not hasattr(module, "parser"):
-        pytest.skip(f"{SERVICES[service]} has no parser() yet")
+        return f"{SERVICES[service]} has no parser() yet"
     return module.parser()  # type: ignore[no-any-return]
+
+
+def service_parser(service: str) -> argparse.ArgumentParser:
+    """The service's own parser; skips the test while the service has none (the HTTP front, until it lands)."""
+    p = _parser_or_why(service)
+    if isinstance(p, str):
+        pytest.skip(p)
+    return p
+
+
+def has_parser(service: str) -> bool:
+    return not isinstance(_parser_or_why(service), str)
+
+
+def skip_without_parser(service: str, what: str) -> None:
+    """Ends a test whose other checks passed as skipped, naming `what` it could not check yet."""
+    if isinstance(why := _parser_or_why(service), str):
+        pytest.skip(f"{what} not checked: {why}")
 
 
 def flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -124,7 +154,8 @@ def test_every_flag_is_readable_from_its_variable(service: str) -> None:
     p = service_parser(service)
     actions = flag_actions(p)
     required = {flag_var(service, a): _sample(a)[0] for a in actions if a.required}
-    assert {a.dest for a in actions} >= {"listen", "metrics_port", "log_level", "tls_cert"}
+    own = {"metrics_port", "health_listen"} if service in GRPC_SERVICES else {"upstream", "model_name"}
+    assert {a.dest for a in actions} >= {"listen", "log_level", "tls_cert", "tls_key", "tls_ca", "insecure", *own}
     wrong = []
     for action in actions:
         text, expected = _sample(action)
@@ -140,17 +171,24 @@ def _known_vars(service: str) -> set[str]:
 
 
 def assert_vars_name_flags(names: set[str], where: str) -> None:
-    """Every KVSERVE_* variable set by a deployment file is a flag of its service, or a shared one."""
-    unknown = set()
+    """Every KVSERVE_* variable set by a deployment file is a flag of its service, or a shared one. The
+    variables of a service without its parser yet are left unchecked, and the test skipped once the rest
+    passed."""
+    unknown, unchecked = set(), {}
     for name in names - SHARED_VARS:
         service = next((s for s in SERVICES if name.startswith(env_prefix(s))), None)
-        if service is None or name not in _known_vars(service):
+        if service is not None and isinstance(why := _parser_or_why(service), str):
+            unchecked[name] = why
+        elif service is None or name not in _known_vars(service):
             unknown.add(name)
     assert unknown == set(), f"{where}: variables no service reads (a typo?): {sorted(unknown)}"
+    if unchecked:
+        pytest.skip(f"{where}: {sorted(unchecked)} not checked: {', '.join(sorted(set(unchecked.values())))}")
 
 
 # -- compose --------------------------------------------------------------------------------------------
 
+COMMANDS = ("command", "entrypoint", "test")
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$\$")
 
 
@@ -167,12 +205,13 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """What `docker compose -f base -f override` gives for the keys our files use: mappings merge, lists
-    (volumes, ports) add up, scalars and a mapping over a scalar (build) replace."""
+    (volumes, ports) add up, scalars and a mapping over a scalar (build) replace, and so do the commands
+    (command, entrypoint, a healthcheck's test: the Compose Specification's exceptions)."""
     out = copy.deepcopy(base)
     for name, value in override.items():
         if isinstance(value, dict) and isinstance(base.get(name), dict):
             out[name] = merged(base[name], value)
-        elif isinstance(value, list) and isinstance(base.get(name), list) and name != "command":
+        elif isinstance(value, list) and isinstance(base.get(name), list) and name not in COMMANDS:
             out[name] = [*base[name], *value]
         else:
             out[name] = copy.deepcopy(value)
@@ -219,7 +258,7 @@ def service_args(service: str, spec: dict[str, Any]) -> argparse.Namespace:
 def test_the_compose_services_are_wired_through_their_variables() -> None:
     services = compose()["services"]
     assert set(services) == {"credentials", "model-init", "redis", *SERVICES}
-    args = {name: service_args(name, services[name]) for name in SERVICES}
+    args = {name: service_args(name, services[name]) for name in GRPC_SERVICES}
     for name, port in PORTS.items():
         spec = services[name]
         assert args[name].listen == f"0.0.0.0:{port}"
@@ -263,6 +302,33 @@ def test_compose_settings_come_from_the_environment_or_env_file() -> None:
     assert args["decode"].kv_cache_memory is None  # an empty variable leaves the default
 
 
+def test_the_http_front_is_wired_to_the_router() -> None:
+    """The HTTP front: the image's `kvserve http`, HTTPS with its own certificate on 0.0.0.0:8000, the router
+    (by a name its certificate holds) as its upstream, the model's name beside the model folder's, and a
+    health check that GETs its /health over HTTPS. It holds no model: no models volume, no store IPC."""
+    services = compose()["services"]
+    spec, router = services["http"], services["router"]
+    env = spec["environment"]
+    assert spec["command"] == ["http"] and "entrypoint" not in spec
+    assert all(k.startswith(env_prefix("http")) for k in env)  # its TLS variables are its own: no KVSERVE_TLS_*
+    assert (env["KVSERVE_HTTP_TLS_CERT"], env["KVSERVE_HTTP_TLS_KEY"], env["KVSERVE_HTTP_TLS_CA"]) == (
+        "/credentials/http.pem", "/credentials/http-key.pem", "/credentials/ca.pem")
+    assert env["KVSERVE_HTTP_LISTEN"] == f"0.0.0.0:{HTTP_PORT}"
+    assert env["KVSERVE_HTTP_UPSTREAM"] == f"router:{PORTS['router']}"
+    assert router["environment"]["KVSERVE_ROUTER_LISTEN"] == f"0.0.0.0:{PORTS['router']}"
+    assert env["KVSERVE_HTTP_MODEL_NAME"] == Path(services["decode"]["environment"]["KVSERVE_DECODE_MODEL"]).name
+    assert spec["healthcheck"]["test"] == ["CMD", *HTTP_HEALTH]
+    assert spec["depends_on"] == {"credentials": {"condition": "service_completed_successfully"},
+                                  "router": {"condition": "service_healthy"}}
+    assert spec["volumes"] == ["http-credentials:/credentials:ro"] and "ipc" not in spec
+    mine = compose(env={"KVSERVE_MODEL": "/models/mine", "KVSERVE_MODEL_NAME": "mine"})["services"]
+    assert mine["http"]["environment"]["KVSERVE_HTTP_MODEL_NAME"] == "mine"
+
+    args = service_args("http", spec)  # what its own parser makes of them (skips until http_api lands)
+    assert (args.listen, args.upstream, args.model_name) == (f"0.0.0.0:{HTTP_PORT}", "router:50050", "tiny-llama")
+    assert not args.insecure and args.tls_cert == "/credentials/http.pem"
+
+
 def test_compose_variables_name_real_flags() -> None:
     for overrides in COMBINATIONS:
         names = {k for spec in compose(*overrides)["services"].values() for k in spec.get("environment", {})}
@@ -275,6 +341,7 @@ def test_the_gpu_override_reserves_gpus_and_selects_cuda() -> None:
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert service_args(name, services[name]).device == "cuda"
+    assert "deploy" not in services["router"] and "deploy" not in services["http"]  # no model, no GPU
     images = {spec.get("image") for spec in services.values() if "build" in spec}
     assert len(images) == 1  # one image, built once, with torch's CUDA build
     assert all(spec["build"]["args"]["TORCH_INDEX"] == "" for spec in services.values() if "build" in spec)
@@ -295,13 +362,14 @@ def published(services: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("overrides", COMBINATIONS, ids=lambda o: "+".join(o) or "base")
-def test_only_the_front_door_is_published_and_on_loopback(overrides: tuple[str, ...]) -> None:
-    """Not the store's port, not prefill's or decode's, not the metrics ports, not Valkey's; the router's on
-    127.0.0.1 unless KVSERVE_PUBLISH_HOST says otherwise."""
+def test_only_the_front_doors_are_published_and_on_loopback(overrides: tuple[str, ...]) -> None:
+    """Not the store's port, not prefill's or decode's, not the metrics ports, not Valkey's; the router's and
+    the HTTP front's (KVSERVE_HTTP_PORT) on 127.0.0.1 unless KVSERVE_PUBLISH_HOST says otherwise."""
     services = compose(*overrides)["services"]
-    assert published(services) == {"router": [("127.0.0.1", "50050")]}
-    wide = compose(*overrides, env={"KVSERVE_PUBLISH_HOST": "0.0.0.0"})["services"]
-    assert published(wide) == {"router": [("0.0.0.0", "50050")]}
+    assert published(services) == {"router": [("127.0.0.1", "50050")], "http": [("127.0.0.1", "8000")]}
+    wide = compose(*overrides, env={"KVSERVE_PUBLISH_HOST": "0.0.0.0", "KVSERVE_HTTP_PORT": "8443"})["services"]
+    assert published(wide) == {"router": [("0.0.0.0", "50050")], "http": [("0.0.0.0", "8443")]}
+    assert services["http"]["ports"] == [f"127.0.0.1:8000:{HTTP_PORT}"]  # to the port it listens on
     services["decode"]["ports"] = ["50051:50051", {"target": 9100, "published": 9100}]  # the check can fail
     assert published(services)["decode"] == [("", "50051"), ("", "9100")]
 
@@ -319,6 +387,10 @@ def service_args_in(stack: LocalCompose, name: str, monkeypatch: pytest.MonkeyPa
     return p.parse_args(env_args(p, name, env))
 
 
+# The flag by which a service dials a peer, and the peer.
+PEERS = {"kvstore": "kvstore", "prefill": "prefill", "decode": "decode", "upstream": "router"}
+
+
 def cert_hosts(path: Path) -> list[str]:
     cert = x509.load_pem_x509_certificate(path.read_bytes())
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -334,7 +406,8 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
     """The one-shot `credentials` command, run as compose runs it (volumes mapped to folders), makes the node's
     credentials in the `credentials` volume, which no running service mounts, and copies each service only the
     files it reads into a volume of its own that only it mounts, read-only. With them each service serves TLS
-    with its own certificate, named for every host it is dialled by, and has its secrets."""
+    with its own certificate, named for every host it is dialled by, and has its secrets. A volume made before
+    the HTTP front existed gains its certificate on the next run, and nothing else changes."""
     from client.local import Layout
     from router.__main__ import service_token
     from rpc.auth import auth_from_args
@@ -364,14 +437,16 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
         env = stack.env(name)  # its variables name every file it gets, and only those
         assert {Path(env[k]) for k, v in services[name]["environment"].items()
                 if str(v).startswith("/credentials/")} == {own / f for f in names}
+        assert "127.0.0.1" in cert_hosts(own / f"{name}.pem")  # what its health check dials
+        if not has_parser(name):
+            continue  # the HTTP front until http_api lands: skipped at the end
         args = service_args_in(stack, name, monkeypatch)
         tls = tls_from_args(args, name)
         assert tls is not None and tls.has_identity and tls.ca == master.ca.read_bytes()
         assert args.tls_cert == str(own / f"{name}.pem")
-        assert "127.0.0.1" in cert_hosts(own / f"{name}.pem")  # what its health check dials
         dialled = service_args(name, services[name])
-        for peer in ("kvstore", "prefill", "decode"):  # the host it dials a peer by is in the peer's certificate
-            if (addr := getattr(dialled, peer, None)) and name != peer:
+        for flag, peer in PEERS.items():  # the host it dials a peer by is in the peer's certificate
+            if (addr := getattr(dialled, flag, None)) and name != peer:
                 assert addr.rsplit(":", 1)[0] in cert_hosts(stack.volumes[f"{peer}-credentials"] / f"{peer}.pem")
 
     store = service_args_in(stack, "kvstore", monkeypatch)
@@ -387,6 +462,19 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
     stack.run_once("credentials")  # every `up` runs it again: it keeps what is there
     assert {f: f.read_bytes() for f in master.root.rglob("*") if f.is_file()} == before
 
+    http_files = master.cert("http")  # as a volume made before the HTTP front was
+    for f in http_files:
+        f.unlink()
+    stack.run_once("credentials")
+    after = {f: f.read_bytes() for f in master.root.rglob("*") if f.is_file()}
+    assert {f: b for f, b in after.items() if f not in http_files} == {
+        f: b for f, b in before.items() if f not in http_files}  # the CA, the other certificates, the secrets
+    assert set(after) == set(before) and after[http_files[0]] != before[http_files[0]]
+    x509.load_pem_x509_certificate(after[http_files[0]]).verify_directly_issued_by(
+        x509.load_pem_x509_certificate(after[master.ca]))
+    assert (stack.volumes["http-credentials"] / "http.pem").read_bytes() == after[http_files[0]]
+    skip_without_parser("http", "the HTTP front's TLS from its variables")
+
 
 def test_the_insecure_override_serves_plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
     """docker-compose.insecure.yml: each service takes --insecure and no TLS variable (an empty variable is
@@ -395,7 +483,7 @@ def test_the_insecure_override_serves_plaintext(monkeypatch: pytest.MonkeyPatch)
     from rpc.cli import tls_from_args
 
     services = compose("insecure")["services"]
-    for name in SERVICES:
+    for name in GRPC_SERVICES:
         env = services[name]["environment"]
         for var in ("KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA"):
             assert env[var] == ""
@@ -406,6 +494,27 @@ def test_the_insecure_override_serves_plaintext(monkeypatch: pytest.MonkeyPatch)
         assert health.tls_ca is None and health.tls_cert is None and health.tls_key is None
     assert service_args("decode", services["decode"]).auth_tokens == Path("/credentials/tokens")
     assert service_args("kvstore", services["kvstore"]).record_key_file == Path("/credentials/record.key")
+    # The HTTP front: plain HTTP, plaintext to the router; its health check asks http:// (the override's test
+    # replaces the file's, as compose merges a healthcheck's test).
+    http = services["http"]
+    assert {k: v for k, v in http["environment"].items() if "_TLS_" in k or k.endswith("_INSECURE")} == {
+        "KVSERVE_HTTP_TLS_CERT": "", "KVSERVE_HTTP_TLS_KEY": "", "KVSERVE_HTTP_TLS_CA": "",
+        "KVSERVE_HTTP_INSECURE": "true"}
+    assert http["healthcheck"]["test"] == ["CMD", "kvserve", "health", f"http://127.0.0.1:{HTTP_PORT}/health"]
+    args = service_args("http", http)  # skips until http_api lands
+    assert args.insecure and tls_from_args(args, "http") is None
+
+
+def test_the_image_makes_the_folders_the_credentials_job_writes_into() -> None:
+    """A new named volume takes the owner of the image's folder it is mounted on: each folder the job copies
+    into must be in the image, the image's user's, or the job (that user) cannot write there."""
+    job = compose()["services"]["credentials"]
+    targets = {m.split(":")[1] for m in job["volumes"]}
+    assert targets >= {f"/export/{name}" for name in SERVICE_FILES}
+    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    made = set(re.search(r"mkdir -p ([^&]+)", dockerfile)[1].split())  # type: ignore[index]
+    owned = re.search(r"chown -R kvserve:kvserve ([^&\n]+)", dockerfile)[1].split()  # type: ignore[index]
+    assert targets <= made and all(any(t == o or t.startswith(o + "/") for o in owned) for t in targets)
 
 
 # -- no key or token in the repository ------------------------------------------------------------------
@@ -536,7 +645,7 @@ def test_each_pod_mounts_only_its_own_keys_of_the_secret(overlay: tuple[str, lis
     only the pod's own keys, readable by the pod's group; the pod's variables name each of them."""
     _, objects = overlay
     assert [o for o in objects if o["kind"] == "Secret"] == []
-    for service, kind in KINDS.items():
+    for service, kind in {**KINDS, "http": "Deployment"}.items():
         pod = find(objects, kind, f"kvserve-{service}")["spec"]["template"]["spec"]
         container = pod["containers"][0]
         volume = next(v for v in pod["volumes"] if v["name"] == "credentials")["secret"]
@@ -545,7 +654,8 @@ def test_each_pod_mounts_only_its_own_keys_of_the_secret(overlay: tuple[str, lis
         assert {"name": "credentials", "mountPath": "/credentials", "readOnly": True} in container["volumeMounts"]
         assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert (env["KVSERVE_TLS_CERT"], env["KVSERVE_TLS_KEY"], env["KVSERVE_TLS_CA"]) == (
+        tls = "KVSERVE_TLS_" if service in GRPC_SERVICES else f"{env_prefix(service)}TLS_"  # the HTTP front's own
+        assert (env[f"{tls}CERT"], env[f"{tls}KEY"], env[f"{tls}CA"]) == (
             f"/credentials/{service}.pem", f"/credentials/{service}-key.pem", "/credentials/ca.pem")
         assert {v for v in env.values() if v and v.startswith("/credentials/")} == {
             f"/credentials/{f}" for f in SERVICE_FILES[service]}
@@ -581,7 +691,8 @@ def documented_secret(tmp_path_factory: pytest.TempPathFactory) -> dict[str, byt
 def test_the_documented_secret_holds_what_the_pods_mount_and_no_master_key(
         overlay: tuple[str, list[dict[str, Any]]], documented_secret: dict[str, bytes], tmp_path: Path) -> None:
     """Every key a pod mounts and nothing more: not the CA's key, not admin/. Each service's certificate names
-    every host it is dialled by in the overlay (its Service), and the front door's names `kvserve`."""
+    every host it is dialled by in the overlay (its Service), the front door's names `kvserve` and the HTTP
+    front's `kvserve-http`."""
     _, objects = overlay
     assert set(documented_secret) == {f for files in SERVICE_FILES.values() for f in files}
     for name, data in documented_secret.items():
@@ -589,7 +700,7 @@ def test_the_documented_secret_holds_what_the_pods_mount_and_no_master_key(
     config = config_map(objects)
     dialled = {"kvstore": [config["KVSERVE_PREFILL_KVSTORE"], config["KVSERVE_DECODE_KVSTORE"]],
                "prefill": [config["KVSERVE_DECODE_PREFILL"]], "decode": [config["KVSERVE_ROUTER_DECODE"]],
-               "router": ["kvserve:50050"]}
+               "router": ["kvserve:50050", config["KVSERVE_HTTP_UPSTREAM"]], "http": [f"kvserve-http:{HTTP_PORT}"]}
     for service, addrs in dialled.items():
         for addr in addrs:
             host = addr.rsplit(":", 1)[0]
@@ -641,6 +752,80 @@ def test_the_router_fronts_every_decode_replica(overlay: tuple[str, list[dict[st
     assert front["ports"][0]["port"] == PORTS["router"]
 
 
+def http_probes(objects: list[dict[str, Any]]) -> dict[str, list[str]]:
+    container = find(objects, "Deployment", "kvserve-http")["spec"]["template"]["spec"]["containers"][0]
+    return {p: container[p]["exec"]["command"] for p in ("startupProbe", "readinessProbe", "livenessProbe")
+            if p in container}
+
+
+def test_the_http_front_serves_https_in_front_of_the_router(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Deployment and Service kvserve-http: `kvserve http` on :8000 with its certificate from the Secret (the
+    mounts: test_each_pod_mounts_only_its_own_keys_of_the_secret), the router's Service as its upstream, the
+    model's name beside the model folder, probes that GET its /health over HTTPS against the CA, small
+    resources and no GPU, model or store: it holds no model."""
+    name, objects = overlay
+    config = config_map(objects)
+    template = find(objects, "Deployment", "kvserve-http")["spec"]["template"]
+    pod, container = template["spec"], template["spec"]["containers"][0]
+    assert container["args"] == ["http"]
+    assert {"configMapRef": {"name": next(o for o in objects if o["kind"] == "ConfigMap")["metadata"]["name"]}} \
+        in container["envFrom"]
+    assert config["KVSERVE_HTTP_LISTEN"] == f"0.0.0.0:{HTTP_PORT}"
+    assert config["KVSERVE_HTTP_MODEL_NAME"] == Path(config["KVSERVE_DECODE_MODEL"]).name
+    host, port = config["KVSERVE_HTTP_UPSTREAM"].rsplit(":", 1)
+    upstream = find(objects, "Service", host)["spec"]
+    assert upstream["selector"]["app.kubernetes.io/component"] == "router" and upstream.get("clusterIP") != "None"
+    assert upstream["ports"][0]["port"] == int(port) == PORTS["router"]
+    service = find(objects, "Service", "kvserve-http")["spec"]
+    assert service["selector"].items() <= template["metadata"]["labels"].items()
+    assert service["selector"]["app.kubernetes.io/component"] == "http"
+    assert service["ports"] == [{"name": "https", "port": HTTP_PORT, "targetPort": "https"}]
+    assert container["ports"] == [{"name": "https", "containerPort": HTTP_PORT}]  # no hostPort
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(HTTP_PORT)  # its /metrics
+    assert template["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+
+    probes = http_probes(objects)
+    assert probes["readinessProbe"] == HTTP_HEALTH  # ready while the router serves
+    assert probes["livenessProbe"] == ["sh", "-c", f"{' '.join(HTTP_HEALTH)}; test $? -le 1"]  # while it answers
+    assert all(container[p]["timeoutSeconds"] >= 5 for p in probes)
+
+    assert "nvidia.com/gpu" not in container["resources"]["limits"] and "tolerations" not in pod
+    assert parse_size(container["resources"]["limits"]["memory"].replace("i", "iB")) <= 1 << 30
+    assert {v["name"] for v in pod["volumes"]} == {"credentials"} and "initContainers" not in pod
+    assert_vars_name_flags({e["name"] for e in container["env"]}, f"{name} kvserve-http")
+
+
+def test_the_http_fronts_probes_ask_its_health(tmp_path: Path) -> None:
+    """The probes' commands, run here against a stdlib HTTPS server with the HTTP front's certificate and the
+    CA from `kvserve credentials`: readiness passes on 200 only; liveness on any answer (a 503 says the
+    router is down, which restarting the pod would not mend), not when nothing answers."""
+    from stack.credentials import ensure
+    from tests.http_fixtures import http_server
+
+    layout, _ = ensure(tmp_path / "credentials")
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(*layout.cert("http"))
+    base = yaml.safe_load_all((KUSTOMIZE / "base" / "http.yaml").read_text())
+    probes = http_probes([o for o in base if o])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_HOME"}
+    kvserve = f"{shlex.quote(sys.executable)} -m client.cli"
+
+    def passes(probe: str, port: int, path: str) -> bool:
+        command = [kvserve if a == "kvserve" else a for a in probes[probe]]
+        if command[0] == "sh":  # the shell's own command line
+            command = [*command[:2], command[2].replace("kvserve health", f"{kvserve} health")]
+        else:
+            command = ["sh", "-c", " ".join(command)]
+        command[2] = (command[2].replace(f"https://127.0.0.1:{HTTP_PORT}/health", f"https://127.0.0.1:{port}{path}")
+                      .replace("/credentials/ca.pem", str(layout.ca)))
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=60).returncode == 0
+
+    with http_server(tls) as port:
+        assert passes("readinessProbe", port, "/health") and passes("livenessProbe", port, "/health")
+        assert not passes("readinessProbe", port, "/down") and passes("livenessProbe", port, "/down")
+    assert not passes("readinessProbe", port, "/health") and not passes("livenessProbe", port, "/health")
+
+
 def test_the_overlays_remote_tier_replicas_and_devices(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     name, objects = overlay
     config = config_map(objects)
@@ -654,7 +839,7 @@ def test_the_overlays_remote_tier_replicas_and_devices(overlay: tuple[str, list[
     else:  # an external Redis, more replicas, a GPU per prefill and decode pod
         assert remote.startswith("redis") and not any(o["kind"] == "Service" and o["metadata"]["name"] in remote
                                                       for o in objects)
-        for deployment in ("kvserve-prefill", "kvserve-decode", "kvserve-router"):
+        for deployment in ("kvserve-prefill", "kvserve-decode", "kvserve-router", "kvserve-http"):
             assert find(objects, "Deployment", deployment)["spec"]["replicas"] > 1
         for deployment in ("kvserve-prefill", "kvserve-decode"):
             container = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
@@ -786,7 +971,8 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
     """The one-shots (credentials, model-init), Valkey, then each service with its command, variables and
     health check; the stack answers the admin token through the router over TLS, as a user on the host
     calls it with the CA and token the compose file's header says to take out, and refuses a caller with
-    no token, a plaintext caller, and a metrics scraper without a certificate."""
+    no token, a plaintext caller, and a metrics scraper without a certificate. The HTTP front answers the
+    same token over HTTPS with the router's tokens, and refuses the same callers."""
     from client import Client
     from client.client import KVServeError, UnauthenticatedError
     from tests.redis_fixtures import RedisServer
@@ -806,6 +992,8 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
         for service in _order(spec["services"]):
             if spec["services"][service].get("restart") == "no":  # a one-shot
                 stack.run_once(service)
+            elif service == "http" and not has_parser("http"):
+                continue  # until http_api lands: skipped at the end
             elif service != "redis":
                 stack.start(service)
         assert (stack.volumes["models"] / "tiny-llama" / "config.json").exists()
@@ -839,3 +1027,30 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
         # written behind: wait for the first blocks to arrive
         wait_until(lambda: int(redis.cli("DBSIZE")) > 0, timeout_s=60, interval_s=0.2,
                    message="the store wrote nothing to the remote tier")
+
+        skip_without_parser("http", "the HTTP front of the compose stack")
+        front_url = f"https://127.0.0.1:{stack.port('http', HTTP_PORT)}"
+        with Client(stack.addr("router"), token=token, tls_ca=ca) as front:
+            expected = front.generate(prompt, max_tokens=8)
+        model = spec["services"]["http"]["environment"]["KVSERVE_HTTP_MODEL_NAME"]
+        trusting = ssl.create_default_context(cafile=str(ca))
+        assert https_json(f"{front_url}/v1/models", token, trusting)["data"][0]["id"] == model
+        completion = https_json(f"{front_url}/v1/completions", token, trusting,
+                                {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert completion["choices"][0]["text"] == expected.text  # greedy: what the router streamed
+        assert completion["usage"]["completion_tokens"] == expected.usage.completion_tokens
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no token: decode refuses it
+            https_json(f"{front_url}/v1/completions", "", trusting, {"model": model, "prompt": prompt, "max_tokens": 1})
+        assert refused.value.code == 401
+        with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP to its HTTPS port
+            https_json(f"http://127.0.0.1:{stack.port('http', HTTP_PORT)}/v1/models", token, None)
+
+
+def https_json(url: str, token: str, context: ssl.SSLContext | None, body: dict[str, Any] | None = None) -> Any:
+    """GET `url`, or POST `body` to it, as a caller with `token` (none when empty), trusting what `context` does;
+    no proxy. Its JSON answer; urllib.error.HTTPError for a status other than 2xx."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(url, None if body is None else json.dumps(body).encode(), headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
+    with opener.open(request, timeout=120) as answer:
+        return json.loads(answer.read())
