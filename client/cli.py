@@ -192,7 +192,10 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("prompt", nargs="?", help="prompt text")
     src.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--messages-file", type=Path,
-                     help='JSON file: [{"role": ..., "content": ...}, ...] or {"messages": [...]}; - reads stdin')
+                     help='JSON file: [{"role": ..., "content": ...}, ...], or an OpenAI chat request body {"messages": '
+                          '[...], ...}, whose max_tokens, max_completion_tokens, temperature, top_p, seed, stop, '
+                          'top_k and ignore_eos are used instead of the flags (a field kvserve does not implement '
+                          'is refused); - reads stdin')
     gen.add_argument("--json", action="store_true", help="print the result object as JSON")
     _request_options(gen)
 
@@ -347,9 +350,10 @@ def _stream_to_stdout(client: Client, **request: Any) -> Result:
     return result
 
 
-def load_messages(path: Path) -> list[dict[str, Any]]:
-    """The chat messages of a --messages-file: a JSON list, or an object with a "messages" list
-    (an OpenAI-style request body); "-" reads stdin. Raises UsageError with a one-line reason."""
+def load_messages(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The chat messages of a --messages-file, and the request options it sets: a JSON list of messages (no
+    options), or an OpenAI chat request body, whose sampling fields are taken (`openai_options`); "-" reads
+    stdin. Raises UsageError with a one-line reason."""
     try:
         text = sys.stdin.read() if str(path) == "-" else path.read_text()
     except OSError as exc:
@@ -359,11 +363,35 @@ def load_messages(path: Path) -> list[dict[str, Any]]:
     except json.JSONDecodeError as exc:
         raise UsageError(f"--messages-file {path} is not valid JSON: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("messages"), list):
-        data = data["messages"]
+        return openai_options(path, data)
     if not isinstance(data, list):
         raise UsageError(f'--messages-file {path} must hold a JSON list of {{"role": ..., "content": ...}} '
                          'objects (or an object with a "messages" list)')
-    return data
+    return data, {}
+
+
+def openai_options(path: Path, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An OpenAI chat request body's messages, and the options its fields set (they win over the flags):
+    checked as `kvserve http` checks it, so a field kvserve does not implement is refused, never dropped."""
+    from http_api.schema import BadRequest, ChatCompletionRequest, parse
+
+    try:
+        request = parse(ChatCompletionRequest, {"model": "-", **body})  # the CLI's server serves one model
+    except BadRequest as exc:
+        raise UsageError(f"--messages-file {path}: {exc}") from None
+    options: dict[str, Any] = {}
+    if request.max_completion_tokens or request.max_tokens:
+        options["max_tokens"] = request.max_completion_tokens or request.max_tokens
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(request, name) is not None:
+            options[name] = getattr(request, name)
+    if request.stop is not None:
+        options["stop"] = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+    if "ignore_eos" in request.model_fields_set:
+        options["ignore_eos"] = request.ignore_eos
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in request.messages]
+    return messages, options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -374,7 +402,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except ValueError:
             raise UsageError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}") from None
     elif args.messages_file is not None:
-        request["messages"] = load_messages(args.messages_file)
+        request["messages"], body_options = load_messages(args.messages_file)
+        request.update(body_options)
     else:
         request["prompt"] = args.prompt
     with Client(args.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:

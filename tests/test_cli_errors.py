@@ -70,6 +70,31 @@ def test_messages_file_takes_an_openai_style_body_and_stdin(
     assert [m.content for r in fake.servicer.requests for m in r.prompt.messages.messages] == ["hi", "hi"]
 
 
+def test_an_openai_body_sets_the_sampling_options_or_is_refused_naming_the_field(
+    tmp_path: Path, fake: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pasted OpenAI body's max_tokens (64 came back before), temperature, stop... are honoured; one that
+    asks for what kvserve does not implement is refused before anything is sent."""
+    path = tmp_path / "body.json"
+    path.write_text(json.dumps({"model": "gpt-4o", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                                "stop": "\n\n", "user": "u1", "stream": True, "messages": [
+                                    {"role": "developer", "content": "be brief"},
+                                    {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}))
+    code, out, err = run(["generate", "--messages-file", str(path), "--addr", fake.addr, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["text"] == "x" * 5
+    [request] = fake.servicer.requests
+    s = request.sampling
+    assert (s.max_tokens, round(s.temperature, 3), round(s.top_p, 3), s.seed, list(s.stop)) == (5, 0.7, 0.9, 3, ["\n\n"])
+    assert [(m.role, m.content) for m in request.prompt.messages.messages] == [("system", "be brief"), ("user", "hi")]
+    for body, match in [({"tools": []}, "unsupported field 'tools'"), ({"n": 3}, "n=3"),
+                        ({"logprobs": True}, "logprobs"), ({"max_tokens": 0}, "max_tokens")]:
+        path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}))
+        code, _, err = run(["generate", "--messages-file", str(path), "--addr", fake.addr], capsys)
+        assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+    assert len(fake.servicer.requests) == 1
+
+
 @pytest.mark.parametrize("args", [
     ["--max-tokens", "-1"], ["--top-k", "-3"], ["--seed", "-5"], ["--timeout", "0"], ["--timeout", "-1"],
 ])
@@ -99,7 +124,7 @@ def test_help_documents_defaults_and_descriptions(capsys: pytest.CaptureFixture[
     assert code == 0 and "0 is the server's default" in out and "(default 64)" in out
     code, out, _ = run(["up", "--help"], capsys)
     out = " ".join(out.split())
-    assert code == 0 and "Ctrl-C or SIGTERM stops all three" in out and "(default 50051)" in out
+    assert code == 0 and "Ctrl-C or SIGTERM stops them all" in out and "(default 50051)" in out and "(default 8000" in out
     code, out, _ = run(["stats", "--help"], capsys)
     assert code == 0 and "--metrics-base-port" in out
 
