@@ -22,7 +22,7 @@ from client import local
 from client.client import DEFAULT_ADDR, Client, KVServeError, Result
 from client.health import positive_float
 from client.metrics import parse_metrics
-from stack.stack import Stack, StackConfig, StackError
+from stack.stack import METRICS_OFFSETS, Stack, StackConfig, StackError
 from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
 
 DEFAULT_DATA_DIR = Path("data")
@@ -172,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-port", type=int, default=50052, help="(default %(default)s)")
     up.add_argument("--store-port", type=int, default=50053, help="(default %(default)s)")
     up.add_argument("--metrics-base-port", type=int, default=None,
-                    help="Prometheus ports: decode BASE, prefill BASE+1, store BASE+2 (default: no metrics)")
+                    help="Prometheus ports: decode BASE, prefill BASE+1, store BASE+2, HTTP API BASE+3 "
+                         "(default: no metrics)")
     up.add_argument("--host-capacity", default="1GiB", help="store's RAM tier (default %(default)s)")
     up.add_argument("--disk-capacity", default="8GiB", help="store's LMDB tier (default %(default)s)")
     up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
@@ -210,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     stats = sub.add_parser(
         "stats", help="KV store and service figures",
         description="The KV store's tiers, from its Stats call, and the kvserve figures of each --metrics "
-                    "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2). "
+                    "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2, the HTTP API B+3). "
                     "Where a `kvserve up` runs on DATA_DIR, its services come first: state, pid, address, "
                     "restarts and last exit (from DATA_DIR/up.json; under \"up\" with --json).",
     )
@@ -296,9 +297,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         base = config.metrics_base_port
         scheme = "http" if layout is None else "https"
-        for i, s in enumerate(stack.services):
-            metrics = ("" if base is None or s.health_url else
-                       f", metrics: {scheme}://{s.host}:{base + 2 - i}/metrics")
+        for s in stack.services:
+            port = None if base is None else base + METRICS_OFFSETS[s.name]
+            metrics = "" if port is None else f", metrics: {scheme}://{s.host}:{port}/metrics"
             print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
         how = ("plaintext, no auth (--insecure)" if layout is None else
                f"TLS, admin token in {layout.admin_token}; local clients find both")

@@ -22,7 +22,7 @@ from rpc.cli import (
     positive_int,
     tls_from_args,
 )
-from rpc.server import CLIENT_CHANNEL_OPTIONS, listen_host
+from rpc.server import CLIENT_CHANNEL_OPTIONS, listen_host, start_metrics_server
 
 GRACE_S = 5  # on SIGTERM, streams in flight get this long to finish
 
@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvserve http", epilog=env_epilog("http"),
         description="Serves OpenAI's HTTP API (POST /v1/chat/completions and /v1/completions, streaming or not; "
-                    "GET /v1/models, /health, /metrics) in front of kvserve's gRPC front door: decode, or the "
+                    "GET /v1/models, /health) in front of kvserve's gRPC front door: decode, or the "
                     "router when there are several nodes. Each caller's `Authorization: Bearer <token>` goes to "
                     "the front door, which checks it as it checks gRPC callers.")
     p.add_argument("--listen", default="127.0.0.1:8000",
@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
                    help="most generations answered at once; one more is 429 at once, with a retry hint "
                         "(default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics (kvserve_http_*) on this port, as every service does: HTTPS for "
+                        "callers with a certificate from the CA under TLS (default: none)")
     p.add_argument("--log-level", default="INFO")
     tls = p.add_argument_group("TLS", "HTTPS, required unless --insecure; `kvserve credentials DIR` makes the files")
     tls.add_argument("--tls-cert", default=None, metavar="PEM", help="the certificate this server serves HTTPS with")
@@ -74,25 +77,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"http: cannot listen on {args.listen}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
-    credentials = None if tls is None else grpc.ssl_channel_credentials(root_certificates=tls.ca)
+    credentials = None if tls is None else grpc.ssl_channel_credentials(root_certificates=tls.ca)  # presents none
     front = Front(args.upstream, args.model_name, credentials=credentials, timeout_s=args.timeout_s,
                   max_body_bytes=args.max_body_bytes, max_requests=args.max_connections,
                   channel_options=CLIENT_CHANNEL_OPTIONS)
     bound = sock.getsockname()[1]
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            metrics = start_metrics_server(args.metrics_port, listen_host(args.listen), front.registry, tls)
+        except OSError as exc:
+            print(f"http: cannot serve metrics on port {args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     scheme = "http" if tls is None else "https"
 
     def ready() -> None:
         print(f"LISTENING {bound}", flush=True)
+        at = "" if metrics is None else f" (metrics on port {metrics.server_port})"
         print(f"serving OpenAI's API on {scheme}://{host or '0.0.0.0'}:{bound}/v1 for model {args.model_name!r}, "
-              f"in front of {args.upstream}", file=sys.stderr, flush=True)
+              f"in front of {args.upstream}{at}", file=sys.stderr, flush=True)
 
     cert, key, _ = tls.paths if tls is not None else (None, None, None)
     config = uvicorn.Config(
         front.app(ready), log_config=None, access_log=False, ssl_certfile=cert, ssl_keyfile=key,
-        # A backstop past --max-connections, which the app answers with 429: health checks and metrics still fit.
+        # A backstop past --max-connections, which the app answers with 429: health checks still fit.
         limit_concurrency=args.max_connections + 64, timeout_graceful_shutdown=GRACE_S, server_header=False)
     gc.freeze()  # as every service: no collection scans what start-up made (rpc.cli.serve)
-    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    try:
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
     return 0
 
 

@@ -25,14 +25,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -182,8 +175,7 @@ class Front:
                     Route("/v1/completions", self.completions, methods=["POST"]),
                     Route("/v1/models", self.models, methods=["GET"]),
                     Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-                    Route("/health", self.health, methods=["GET"]),
-                    Route("/metrics", self.prometheus, methods=["GET"])],
+                    Route("/health", self.health, methods=["GET"])],
             exception_handlers={ApiError: api_error, HTTPException: http_error},
             lifespan=lambda _app: self.lifespan(on_ready))
 
@@ -214,9 +206,6 @@ class Front:
         if serving:
             return JSONResponse({"status": "ok"})
         return ApiError(503, why, "service_unavailable_error", code="upstream_unavailable").response()
-
-    async def prometheus(self, _request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     # --- generation
 

@@ -27,6 +27,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSError, read_certificate, read_private_key
 
 DEFAULT_NAMES = ("kvstore", "prefill", "decode", "router", "http")  # http: the OpenAI-compatible front (HTTPS)
+# Certificates good only as a server's: the HTTP front faces the internet and calls nothing with a certificate,
+# so its key, were it stolen, opens no internal service (gRPC refuses a client certificate without the purpose).
+SERVER_ONLY = frozenset({"http"})
 # The master client certificate: the store and prefill accept it like a service's, so it reads and writes every
 # tenant's blocks. `kvserve credentials` keeps it in a folder of its own (client/local.py).
 ADMIN = "admin"
@@ -95,9 +98,10 @@ def make_ca(days: int, now: datetime.datetime) -> tuple[x509.Certificate, ec.Ell
 
 
 def issue(name: str, hosts: Sequence[str], ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, days: int,
-          now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A service certificate (EC P-256) for `hosts`, good as a server's and as a client's, signed by `ca`
-    and ending no later than it."""
+          now: datetime.datetime, *, client: bool = True) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A service certificate (EC P-256) for `hosts`, good as a server's and (`client`) as a client's, signed by
+    `ca` and ending no later than it."""
+    purposes = [ExtendedKeyUsageOID.SERVER_AUTH, *([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])]
     key = ec.generate_private_key(ec.SECP256R1())
     until = min(now + datetime.timedelta(days=days), ca.not_valid_after_utc)
     ca_ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
@@ -106,8 +110,7 @@ def issue(name: str, hosts: Sequence[str], ca: x509.Certificate, ca_key: ec.Elli
             .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=True, key_cert_sign=False,
                                          crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage(purposes), critical=False)
             .add_extension(x509.SubjectAlternativeName([_general_name(h) for h in hosts]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
             .sign(ca_key, hashes.SHA256()))
@@ -206,7 +209,8 @@ def make_certs(directory: Path, names: Sequence[str] = DEFAULT_NAMES, hosts: Seq
         _write(ca_dir / CA_FILE, _cert_pem(ca[0]), 0o644)
     written = {}
     for name in names:
-        cert, key = issue(name, list(dict.fromkeys([name, *LOCAL_HOSTS, *hosts])), ca[0], ca[1], days, now)
+        cert, key = issue(name, list(dict.fromkeys([name, *LOCAL_HOSTS, *hosts])), ca[0], ca[1], days, now,
+                          client=name not in SERVER_ONLY)
         _write(directory / f"{name}-key.pem", _key_pem(key), 0o600)
         _write(directory / f"{name}.pem", _cert_pem(cert), 0o644)
         written[name] = cert

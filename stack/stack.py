@@ -27,6 +27,7 @@ from client.local import Layout
 from stack.credentials import ensure as ensure_credentials
 
 START_TIMEOUT_S = 120.0
+METRICS_OFFSETS = {"decode": 0, "prefill": 1, "kvstore": 2, "http": 3}  # each one's port past --metrics-base-port
 
 
 class StackError(RuntimeError):
@@ -404,7 +405,7 @@ class StackConfig:
     decode_port: int = 50051
     prefill_port: int = 50052
     store_port: int = 50053
-    metrics_base_port: int | None = None  # decode, prefill, store get base, base+1, base+2
+    metrics_base_port: int | None = None  # decode, prefill, store, http get base, base+1, base+2, base+3
     host_capacity: str = "1GiB"
     disk_capacity: str = "8GiB"
     block_size: int = 16
@@ -490,13 +491,14 @@ class Stack:
         return ServiceSpec("kvstore", "kvstore", (
             "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
             "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
-            *self._metrics(2), *self._secure("kvstore"), *c.extra_store_args,
+            *self._metrics(METRICS_OFFSETS["kvstore"]), *self._secure("kvstore"), *c.extra_store_args,
         ), self._log("kvstore"), connect_host(c.host))
 
     def prefill_spec(self, store_addr: str) -> ServiceSpec:
         c = self.config
         return ServiceSpec("prefill", "prefill_service", (
-            *self._common(store_addr), "--listen", f"{c.host}:{c.prefill_port}", *self._metrics(1),
+            *self._common(store_addr), "--listen", f"{c.host}:{c.prefill_port}",
+            *self._metrics(METRICS_OFFSETS["prefill"]),
             *self._threads("prefill"), *self._secure("prefill"), *c.extra_prefill_args,
         ), self._log("prefill"), connect_host(c.host))
 
@@ -504,7 +506,8 @@ class Stack:
         c = self.config
         return ServiceSpec("decode", "decode_service", (
             *self._common(store_addr), "--prefill", prefill_addr, "--listen", f"{c.host}:{c.decode_port}",
-            *self._metrics(0), *self._threads("decode"), *self._secure("decode"), *c.extra_decode_args,
+            *self._metrics(METRICS_OFFSETS["decode"]), *self._threads("decode"), *self._secure("decode"),
+            *c.extra_decode_args,
         ), self._log("decode"), connect_host(c.host))
 
     def http_spec(self, decode_addr: str) -> ServiceSpec:
@@ -515,7 +518,7 @@ class Stack:
         secure = ["--insecure"] if layout is None else layout.tls_flags("http")
         return ServiceSpec("http", "http_api", (
             "--listen", f"{c.host}:{c.http_port}", "--upstream", decode_addr, "--model-name", c.model_dir.name,
-            *secure,
+            *self._metrics(METRICS_OFFSETS["http"]), *secure,
         ), self._log("http"), connect_host(c.host), health_url="/health")
 
     def _common(self, store_addr: str) -> tuple[str, ...]:
@@ -537,8 +540,8 @@ class Stack:
                              f"(`kvserve model init DIR` builds a tiny one)")
         ports = {"decode": c.decode_port, "prefill": c.prefill_port, "store": c.store_port, "HTTP": c.http_port or 0}
         if c.metrics_base_port is not None:
-            ports |= {f"{name} metrics": c.metrics_base_port + i
-                      for i, name in enumerate(("decode", "prefill", "store"))}
+            ports |= {f"{name} metrics": c.metrics_base_port + offset for name, offset in METRICS_OFFSETS.items()
+                      if name != "http" or c.http_port is not None}
         taken = [f"{name} port {port}" for name, port in ports.items() if port and port_in_use(c.host, port)]
         if taken:
             raise StackError(f"{', '.join(taken)} already in use on {c.host} (another `kvserve up`?); "

@@ -24,7 +24,7 @@ from client import Client
 from client.local import Layout
 from client.metrics import parse_metrics
 from http_api.app import from_grpc
-from stack.stack import Service, Stack, StackConfig, wait_http_healthy
+from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, wait_http_healthy
 from tests.processes import free_port_run, free_ports
 from tests.stack_fixtures import assert_greedy_matches, model_dir, oracle, tokens
 
@@ -39,7 +39,7 @@ SYSTEM = "You answer in one short sentence. " * 12  # several blocks, shared by 
 class HTTPStack:
     stack: Stack
     layout: Layout
-    metrics_port: int  # decode's
+    metrics_port: int  # the stack's --metrics-base-port
     token: str
 
     @property
@@ -54,10 +54,11 @@ class HTTPStack:
     def grpc_client(self) -> Client:
         return Client(self.stack.addr, token=self.token, tls_ca=self.layout.ca)
 
-    def decode_metrics(self) -> dict[str, float]:
+    def decode_metrics(self, offset: int = METRICS_OFFSETS["decode"]) -> dict[str, float]:
+        """A service's metrics page (decode's unless `offset` says another), asked with the admin's certificate."""
         context = ssl.create_default_context(cafile=str(self.layout.ca))
         context.load_cert_chain(*(str(p) for p in self.layout.admin_cert))
-        with urllib.request.urlopen(f"https://127.0.0.1:{self.metrics_port}/metrics", context=context,
+        with urllib.request.urlopen(f"https://127.0.0.1:{self.metrics_port + offset}/metrics", context=context,
                                     timeout=10) as reply:
             return parse_metrics(reply.read().decode())
 
@@ -75,7 +76,7 @@ class HTTPStack:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPStack]:
     tmp = tmp_path_factory.mktemp("http")
-    base = free_port_run(3)
+    base = free_port_run(4)
     stack = Stack(StackConfig(model_dir=model_dir(ARCH), data_dir=tmp, decode_port=0, prefill_port=0, store_port=0,
                               host_capacity="64MiB", disk_capacity="0", metrics_base_port=base, http_port=0),
                   log_dir=tmp / "logs")
@@ -232,7 +233,7 @@ def test_a_client_that_gives_up_frees_its_sequence(served: HTTPStack) -> None:
     assert final.get(cancelled, 0) == before.get(cancelled, 0) + 2
 
 
-def test_models_health_and_metrics(served: HTTPStack) -> None:
+def test_models_health_and_metrics_on_their_own_port(served: HTTPStack) -> None:
     client = served.openai()
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).owned_by == "kvserve"
@@ -241,9 +242,12 @@ def test_models_health_and_metrics(served: HTTPStack) -> None:
     context = ssl.create_default_context(cafile=str(served.layout.ca))
     with urllib.request.urlopen(f"{served.http.url}/health", context=context, timeout=10) as reply:
         assert json.loads(reply.read()) == {"status": "ok"}
-    with urllib.request.urlopen(f"{served.http.url}/metrics", context=context, timeout=10) as reply:
-        page = parse_metrics(reply.read().decode())
+    page = served.decode_metrics(METRICS_OFFSETS["http"])  # on its metrics port, as every service's
     assert page['kvserve_http_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert page["kvserve_http_ttft_seconds_count"] >= 1
+    with pytest.raises(urllib.error.HTTPError) as public:  # not on the public port
+        urllib.request.urlopen(f"{served.http.url}/metrics", context=context, timeout=10)
+    assert public.value.code == 404
 
 
 @pytest.fixture()

@@ -71,8 +71,9 @@ def test_certs_make_a_chain_every_service_can_serve_and_present(certs: Path) -> 
         cert = _cert(certs / f"{name}.pem")
         cert.verify_directly_issued_by(ca)  # raises if the CA did not sign it
         assert _hosts(cert) == {name, "localhost", "127.0.0.1", "::1", "kv.example", "10.0.0.7"}
+        client = [] if name == "http" else [ExtendedKeyUsageOID.CLIENT_AUTH]  # the public HTTPS edge: a server's
         assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
-            ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ExtendedKeyUsageOID.SERVER_AUTH, *client]
         assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
         public_key = cert.public_key()
         assert isinstance(public_key, ec.EllipticCurvePublicKey) and public_key.curve.name == "secp256r1"
@@ -222,6 +223,7 @@ def test_a_tls_store_refuses_callers_without_a_certificate_from_its_ca(
     _refused(tls_store, TLSConfig.load(ca=certs / "ca.pem"))  # TLS, no client certificate
     _refused(tls_store, client_tls(other_ca, ca=certs / "ca.pem"))  # a certificate from another CA
     _refused(tls_store, client_tls(certs, ca=other_ca / "ca.pem"))  # the store's certificate is not trusted
+    _refused(tls_store, client_tls(certs, "http"))  # the HTTP front's: from the CA, but a server's only
     with KVStoreClient(tls_store, tls=client_tls(certs), use_shm=False) as store:
         assert store.get([KEY]) == [None]  # nothing was stored by the refused calls, and it still serves
 
