@@ -780,8 +780,10 @@ def test_the_http_front_serves_https_in_front_of_the_router(overlay: tuple[str, 
     assert service["selector"].items() <= template["metadata"]["labels"].items()
     assert service["selector"]["app.kubernetes.io/component"] == "http"
     assert service["ports"] == [{"name": "https", "port": HTTP_PORT, "targetPort": "https"}]
-    assert container["ports"] == [{"name": "https", "containerPort": HTTP_PORT}]  # no hostPort
-    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(HTTP_PORT)  # its /metrics
+    assert container["ports"] == [{"name": "https", "containerPort": HTTP_PORT},  # no hostPort
+                                  {"name": "metrics", "containerPort": 9104}]
+    assert config["KVSERVE_HTTP_METRICS_PORT"] == "9104"  # metrics on their own port, not the public one
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "9104"
     assert template["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
 
     probes = http_probes(objects)
