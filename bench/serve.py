@@ -27,8 +27,8 @@ costs), under another session tag.
 note when the server refuses it). `--servers kvserve,transformers,vllm` (the default) instead starts
 each in turn on the same model folder (`--model-dir`), runs the same workload, stops it, then the next,
 so only one is on the cores at a time:
-- kvserve: the store, prefill and decode (bench.target.local_stack, plaintext) behind its HTTP front,
-  `python -m http_api --insecure --upstream DECODE --listen 127.0.0.1:0 --model-name NAME`;
+- kvserve: the store, prefill and decode (bench.target.local_stack, plaintext) behind its HTTP front
+  (`kvserve http`), serving the model under its folder's name;
   body: ignore_eos;
 - transformers: `transformers serve --continuous-batching --device cpu --host 127.0.0.1 --port P DIR`,
   offline, pinned to the folder, whose absolute path is the model name it wants. It refuses (422) any body
@@ -52,13 +52,11 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import queue
 import random
 import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -66,7 +64,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from bench import vllm_peer
 from bench.report import (
@@ -543,15 +541,15 @@ def wait_http_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, l
 
 
 @contextlib.contextmanager
-def process(command: Sequence[str], log_path: Path, env: Mapping[str, str], what: str,
-            stdout: int | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """A server in a process group of its own, its stderr (and stdout, unless `stdout` is PIPE) in
-    log_path; the whole group stopped on exit, also on Ctrl-C, SIGTERM or SIGHUP."""
+def process(command: Sequence[str], log_path: Path, env: Mapping[str, str], what: str
+            ) -> Iterator[subprocess.Popen[bytes]]:
+    """A server in a process group of its own, its output in log_path; the whole group stopped on exit, also
+    on Ctrl-C, SIGTERM or SIGHUP."""
     with vllm_peer.exit_on_signals():
         try:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL,
-                                        stdout=log if stdout is None else stdout, stderr=log, env=dict(env),
+                                        stdout=log, stderr=log, env=dict(env),
                                         start_new_session=True)
         except OSError as e:
             raise ServerSkipped(f"{what} did not start: {e}") from e
@@ -559,31 +557,6 @@ def process(command: Sequence[str], log_path: Path, env: Mapping[str, str], what
             yield proc
         finally:
             vllm_peer.stop_group(proc, STOP_TIMEOUT_S)
-
-
-def copy_lines(stream: IO[bytes], log_path: Path, ports: queue.Queue[int]) -> None:
-    """Copies a server's stdout to its log, handing over the port of its `LISTENING <port>` line."""
-    with open(log_path, "ab") as log:
-        for line in stream:
-            log.write(line)
-            log.flush()
-            if line.startswith(b"LISTENING "):
-                ports.put(int(line.split()[1]))
-
-
-def listening_port(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float, what: str) -> int:
-    """The port of the server's `LISTENING <port>` line; ServerSkipped when it exits or says nothing first."""
-    assert proc.stdout is not None
-    ports: queue.Queue[int] = queue.Queue()
-    threading.Thread(target=copy_lines, args=(proc.stdout, log_path, ports), daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(queue.Empty):
-            return ports.get(timeout=0.2)
-        if proc.poll() is not None:
-            raise ServerSkipped(f"{what} exited ({proc.returncode}) before listening; its log ends:\n"
-                                f"{log_tail(log_path)}")
-    raise ServerSkipped(f"{what} printed no LISTENING line in {timeout_s:g} s; its log ends:\n{log_tail(log_path)}")
 
 
 def package_version(name: str) -> str:
@@ -595,21 +568,12 @@ def package_version(name: str) -> str:
 
 @contextlib.contextmanager
 def kvserve_server(args: argparse.Namespace, logs: Path, tmp: Path) -> Iterator[Endpoint]:
-    """The three services (plaintext) and `python -m http_api` in front of decode."""
-    if importlib.util.find_spec("http_api") is None:
-        raise ServerSkipped("this checkout has no http_api package (kvserve's OpenAI-compatible HTTP front)")
-    name = args.model_dir.name
+    """The three services (plaintext) with the HTTP API in front of decode."""
     try:
-        with contextlib.ExitStack() as stack:
-            s = stack.enter_context(local_stack(args.model_dir, tmp, "kvserve", logs))
-            log_path = logs / "http_api.log"
-            command = [sys.executable, "-m", "http_api", "--insecure", "--upstream", s.addr,
-                       "--listen", "127.0.0.1:0", "--model-name", name]
-            proc = stack.enter_context(process(command, log_path, offline_env(), "http_api", subprocess.PIPE))
-            port = listening_port(proc, log_path, args.start_timeout, "http_api")
-            wait_http_ready(proc, f"http://127.0.0.1:{port}/health", args.start_timeout, log_path, "http_api")
-            yield Endpoint("kvserve", f"http://127.0.0.1:{port}/v1", name, EXTRA_BODIES["kvserve"],
-                           package_version("kvserve"), log_path)
+        with local_stack(args.model_dir, tmp, "kvserve", logs, http=True) as s:
+            http = s.service("http")
+            yield Endpoint("kvserve", f"{http.url}/v1", args.model_dir.name, EXTRA_BODIES["kvserve"],
+                           package_version("kvserve"), http.log_path)
     except StackError as e:
         raise ServerSkipped(f"the stack did not start: {e}") from e
 

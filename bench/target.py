@@ -79,10 +79,10 @@ def record_key_flags(args: argparse.Namespace, tmp: Path) -> list[str]:
 @contextlib.contextmanager
 def local_stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill_args: Sequence[str] = (),
                 decode_args: Sequence[str] = (), metrics_ports: Mapping[str, int] | None = None,
-                engine_args: Sequence[str] = (), store_args: Sequence[str] = ()) -> Iterator[Stack]:
+                engine_args: Sequence[str] = (), store_args: Sequence[str] = (), http: bool = False) -> Iterator[Stack]:
     """A stack whose data lives in tmp/name and whose logs go to log_dir/name (default tmp/name/logs);
     `metrics_ports` maps kvstore, prefill and decode to the port of their Prometheus page; `engine_args`
-    go to prefill and decode both (before their own), `store_args` to the store."""
+    go to prefill and decode both (before their own), `store_args` to the store; `http`: the HTTP API too."""
     ports = metrics_ports or {}
 
     def flags(service: str) -> list[str]:
@@ -92,7 +92,8 @@ def local_stack(model: Path, tmp: Path, name: str, log_dir: Path | None, prefill
                          extra_store_args=[*flags("kvstore"), *store_args],
                          extra_prefill_args=[*flags("prefill"), *engine_args, *prefill_args],
                          extra_decode_args=[*flags("decode"), *engine_args, *decode_args],
-                         insecure=True)  # plaintext: the benchmarks measure the engine and the hand-off
+                         insecure=True,  # plaintext: the benchmarks measure the engine and the hand-off
+                         http_port=0 if http else None)
     with Stack(config, log_dir=log_dir / name if log_dir else tmp / name / "logs") as s:
         yield s
 
