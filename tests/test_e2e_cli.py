@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from tests.processes import KVSERVE, alive, children, free_ports
 from tests.stack_fixtures import BLOCK_SIZE, model_dir, tokens
 
 pytestmark = pytest.mark.slow
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 START_TIMEOUT_S = 120
 
@@ -124,26 +128,37 @@ def test_up_generate_stats_and_a_clean_stop(up: Up) -> None:
                message=lambda: f"orphans: {[pid for pid in services if alive(pid)]}")
 
 
-def test_up_serves_the_openai_api_as_the_readme_shows_and_restarts_it_when_killed(up: Up) -> None:
-    """The README's `openai` example against this `up`: HTTPS trusting data/credentials' CA, the admin
-    token as the API key. A killed HTTP front is started again by `up`, on its port."""
-    import openai
+def readme_http_examples(port: int) -> tuple[str, str]:
+    """The README's curl command and Python example for OpenAI's API, on `port` instead of 8000."""
+    section = README.read_text().split("## OpenAI's HTTP API", 1)[1].split("\n## ", 1)[0]
+    sh = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
+    py = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert sh and py, "the README's HTTP API section lost its examples"
+    return sh.group(1).replace(":8000", f":{port}"), py.group(1).replace(":8000", f":{port}")
 
-    from client.local import Layout
+
+def test_up_serves_the_openai_api_as_the_readme_shows_and_restarts_it_when_killed(up: Up) -> None:
+    """The README's curl command and `openai` example, run as they are written (in the folder `up` runs in)
+    against this `up`. A killed HTTP front is started again by `up`, on its port."""
     from stack.supervisor import read_status
 
-    layout = Layout(up.cwd / "data")
     url = f"https://127.0.0.1:{up.http}/v1"
-    assert f"OpenAI API at {url} for model 'model-llama'; HTTPS: trust {layout.ca}" in up.output()
+    assert f"OpenAI API at {url} for model 'model-llama'; HTTPS: trust " in up.output()
+    curl, python = readme_http_examples(up.http)
+    python = python.replace('"tiny-llama"', '"model-llama"')  # this up serves the tests' model folder
+    curl = curl.replace('"tiny-llama"', '"model-llama"')
 
     def ask() -> str:
-        client = openai.OpenAI(base_url=url, api_key=layout.admin_token.read_text().strip(), max_retries=0,
-                               http_client=openai.DefaultHttpx2Client(verify=str(layout.ca)))
-        reply = client.chat.completions.create(model="model-llama", max_tokens=5, temperature=0,
-                                               messages=[{"role": "user", "content": "Hello"}])
-        return reply.choices[0].message.content or ""
+        done = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, timeout=120,
+                              cwd=up.cwd)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
 
     first = ask()
+    assert first.rstrip("\n").rpartition(" ")[2].isdigit(), first  # the text, then the cached tokens
+    if shutil.which("curl"):
+        done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120, cwd=up.cwd)
+        assert done.returncode == 0 and "data: [DONE]" in done.stdout, done.stdout + done.stderr
     status = read_status(up.cwd / "data")
     assert status is not None and status.services["http"].pid is not None
     os.kill(status.services["http"].pid, signal.SIGKILL)
