@@ -41,7 +41,8 @@ from rpc.metrics import LATENCY_BUCKETS
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection: logged, never sent
-BUSY_RETRY_S = 0.25  # the hint of a request refused because the front is at --max-connections
+BUSY_RETRY_S = 0.25
+BODY_TIMEOUT_S = 10.0  # the hint of a request refused because the front is at --max-connections
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # kvserve's finish reasons, OpenAI's words
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -170,13 +171,16 @@ class Front:
             assert isinstance(exc, HTTPException)
             return ApiError(exc.status_code, exc.detail, code=str(exc.status_code)).response()
 
+        async def server_error(_request: Request, exc: Exception) -> Response:  # logged by Starlette
+            return ApiError(500, f"internal error: {type(exc).__name__}", "server_error", code="internal").response()
+
         return Starlette(
             routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
                     Route("/v1/completions", self.completions, methods=["POST"]),
                     Route("/v1/models", self.models, methods=["GET"]),
                     Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                     Route("/health", self.health, methods=["GET"])],
-            exception_handlers={ApiError: api_error, HTTPException: http_error},
+            exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
             lifespan=lambda _app: self.lifespan(on_ready))
 
     # --- routes
@@ -210,17 +214,11 @@ class Front:
     # --- generation
 
     async def _generate(self, request: Request, shape: Shape) -> Response:
+        """One generation: the body read (within BODY_TIMEOUT_S) and checked, then at most `max_requests` at
+        once from there to the last byte of the answer."""
         t0 = time.perf_counter()
         endpoint = request.url.path
-        status = 200
-        if self.active >= self.max_requests:
-            self.metrics.requests.labels(endpoint=endpoint, status="429").inc()
-            raise ApiError(429, f"this HTTP front is answering its limit of {self.max_requests} requests at once "
-                           "(--max-connections): retry shortly", "rate_limit_error", code="busy",
-                           retry_after=BUSY_RETRY_S)
-        self.active += 1
-        self.metrics.active.inc()
-        streaming = False
+        status, counted, streaming = 500, False, False
 
         def release() -> None:
             self.active -= 1
@@ -228,6 +226,13 @@ class Front:
 
         try:
             body = await self._body(request, shape)
+            if self.active >= self.max_requests:
+                raise ApiError(429, f"this HTTP front is answering its limit of {self.max_requests} requests at "
+                               "once (--max-connections): retry shortly", "rate_limit_error", code="busy",
+                               retry_after=BUSY_RETRY_S)
+            self.active += 1
+            self.metrics.active.inc()
+            counted = True
             response = await self._answer(request, body, shape, t0, release)
             streaming = isinstance(response, EventSourceResponse)  # its events release it when they end
             status = response.status_code
@@ -236,7 +241,7 @@ class Front:
             status = exc.status
             raise
         finally:
-            if not streaming:
+            if counted and not streaming:
                 release()
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
@@ -245,10 +250,14 @@ class Front:
         if length.isdigit() and int(length) > self.max_body_bytes:
             raise self._too_large()
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > self.max_body_bytes:
-                raise self._too_large()
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):  # a client trickling its body holds no slot for long
+                async for chunk in request.stream():
+                    data += chunk
+                    if len(data) > self.max_body_bytes:
+                        raise self._too_large()
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s", code="request_timeout") from None
         try:
             decoded = json.loads(data)
         except ValueError as exc:

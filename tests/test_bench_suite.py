@@ -16,6 +16,7 @@ import pytest
 from matplotlib import image
 
 from bench import handoff as bench_handoff
+from bench import http_overhead as bench_http
 from bench import multi_turn as bench_multi_turn
 from bench import routing as bench_routing
 from bench import shared_prefix as bench_shared_prefix
@@ -104,7 +105,7 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("name", "module"), [
     ("hash", "bench.hashing"), ("prefill", "bench.prefill"), ("multi-turn", "bench.multi_turn"),
     ("e2e", "bench.multi_turn"), ("shared-prefix", "bench.shared_prefix"), ("decode", "bench.decode"),
-    ("handoff", "bench.handoff"), ("store", "bench.store"),
+    ("handoff", "bench.handoff"), ("store", "bench.store"), ("serve", "bench.serve"), ("http", "bench.http_overhead"),
 ])
 def test_bench_commands_are_dispatched(name: str, module: str) -> None:
     command = cli.forwarded(["bench", name, "--json", "out.json"])
@@ -235,3 +236,14 @@ def test_store_device_arena_reports_put_and_hand_off_against_a_device_copy(tmp_p
     for row in r["rows"]:
         assert row["vs_copy"] == pytest.approx(row["gbps"] / r["measured"]["gbps"]["copy"])
     assert set(r["goals"]["handoff"]) >= {"value", "goal", "met"}
+
+
+@pytest.mark.slow
+def test_http_compares_each_path_in_pairs_and_counts_the_fronts_cpu(tmp_path: Path) -> None:
+    r = run_bench(bench_http.main, ["--model-dir", str(model_dir("llama")), "--pairs", "2", "--concurrency", "2",
+                                    "--system-words", "20", "--question-words", "4", "--answer-tokens", "6",
+                                    "--quiet"], tmp_path)
+    assert [r["paths"][p]["requests"] for p in ("grpc", "http")] == [4, 4]
+    assert all(r["paths"][p]["ttft_p50_s"] > 0 and r["paths"][p]["itl_p50_s"] > 0 for p in ("grpc", "http"))
+    assert r["paired"]["ttft_ratio"] > 0 and r["http_cpu"]["seconds"] > 0
+    assert set(r["goals"]) == {"ttft", "itl"}

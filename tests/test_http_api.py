@@ -6,6 +6,7 @@ that goes away freeing its sequence."""
 from __future__ import annotations
 
 import json
+import socket
 import ssl
 import subprocess
 import sys
@@ -14,21 +15,18 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-import grpc
 import openai
 import pytest
 
 from client import Client
 from client.local import Layout
 from client.metrics import parse_metrics
-from http_api.app import from_grpc
 from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, wait_http_healthy
 from tests.processes import free_port_run, free_ports
 from tests.stack_fixtures import assert_greedy_matches, model_dir, oracle, tokens
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ARCH = "llama"
 MODEL = "model-llama"  # the model folder's name: the stack serves it under that name
@@ -250,6 +248,17 @@ def test_models_health_and_metrics_on_their_own_port(served: HTTPStack) -> None:
     assert public.value.code == 404
 
 
+def test_a_body_that_trickles_in_is_408_and_holds_no_slot(served: HTTPStack) -> None:
+    context = ssl.create_default_context(cafile=str(served.layout.ca))
+    with socket.create_connection(("127.0.0.1", served.http.port), timeout=30) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvserve\r\nContent-Length: 100\r\n\r\n{")
+        answer = b""
+        while b"}}" not in answer and (more := tls.recv(4096)):
+            answer += more
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 10 s" in answer, answer
+
+
 @pytest.fixture()
 def second_front(served: HTTPStack, request: pytest.FixtureRequest) -> Iterator[str]:
     """The base URL of another HTTP front on the same decode (or on `upstream`), with the flags the test gives."""
@@ -300,23 +309,3 @@ def test_a_front_door_that_is_down_is_503(served: HTTPStack, second_front: str) 
     with pytest.raises(urllib.error.HTTPError) as health:
         urllib.request.urlopen(f"{second_front}/health", context=context, timeout=10)
     assert health.value.code == 503
-
-
-class _Busy(grpc.aio.AioRpcError):
-    def __init__(self, hint_ms: str | None) -> None:
-        trailers = grpc.aio.Metadata(*([("retry-after-ms", hint_ms)] if hint_ms else []))
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailers, details="busy")
-
-
-def test_resource_exhausted_is_429_with_the_hint_or_413_without() -> None:
-    busy = from_grpc(_Busy("1500"))
-    assert busy.status == 429 and busy.type == "rate_limit_error"
-    headers = busy.response().headers
-    assert (headers["retry-after-ms"], headers["retry-after"]) == ("1500", "2")
-    assert from_grpc(_Busy(None)).status == 413
-
-
-def test_kvserve_http_refuses_bad_flags_with_one_line(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "http_api", "--model-name", "m", "--listen", "127.0.0.1:0"],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "--insecure" in run.stderr and "Traceback" not in run.stderr
