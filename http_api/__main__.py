@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import resource
 import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from http_api.app import Front
 from rpc.cli import (
@@ -25,6 +29,46 @@ from rpc.cli import (
 from rpc.server import CLIENT_CHANNEL_OPTIONS, listen_host, start_metrics_server
 
 GRACE_S = 5  # on SIGTERM, streams in flight get this long to finish
+HEADERS_TIMEOUT_S = 10.0
+
+
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1, with a deadline on a request's line and headers: HEADERS_TIMEOUT_S from the
+    connection, or from the end of the previous response, to the whole head. uvicorn has none, and its
+    keep-alive timer restarts at every byte, so connections that send nothing, or a byte at a time, would
+    stay open for ever; past the deadline such a connection is closed. (A body has its own deadline, in
+    the app: 408.)"""
+
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE and self._head_deadline is not None:  # the head is in
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(HEADERS_TIMEOUT_S, self._expire)
+
+    def _expire(self) -> None:
+        self._head_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,10 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"in front of {args.upstream}{at}", file=sys.stderr, flush=True)
 
     cert, key, _ = tls.paths if tls is not None else (None, None, None)
-    config = uvicorn.Config(
-        front.app(ready), log_config=None, access_log=False, ssl_certfile=cert, ssl_keyfile=key,
-        # A backstop past --max-connections, which the app answers with 429: health checks still fit.
-        limit_concurrency=args.max_connections + 64, timeout_graceful_shutdown=GRACE_S, server_header=False)
+    # No limit_concurrency: uvicorn would answer 503 to every caller once that many connections were open,
+    # idle ones included. Generations are bounded by --max-connections (429), idle connections by the head
+    # deadline, and open files by the hard limit, which the soft one is raised to.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    config = uvicorn.Config(front.app(ready), http=DeadlineProtocol, log_config=None, access_log=False,
+                            ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=GRACE_S,
+                            server_header=False)
     gc.freeze()  # as every service: no collection scans what start-up made (rpc.cli.serve)
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
