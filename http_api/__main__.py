@@ -29,16 +29,16 @@ from rpc.cli import (
 from rpc.server import CLIENT_CHANNEL_OPTIONS, listen_host, start_metrics_server
 
 GRACE_S = 5  # on SIGTERM, streams in flight get this long to finish
-HEADERS_TIMEOUT_S = 10.0
 
 
 class DeadlineProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1, with a deadline on a request's line and headers: HEADERS_TIMEOUT_S from the
-    connection, or from the end of the previous response, to the whole head. uvicorn has none, and its
+    """uvicorn's HTTP/1.1, with a deadline on a request's line and headers: `timeout_s` (--client-timeout-s)
+    from the connection, or from the end of the previous response, to the whole head. uvicorn has none, and its
     keep-alive timer restarts at every byte, so connections that send nothing, or a byte at a time, would
     stay open for ever; past the deadline such a connection is closed. (A body has its own deadline, in
     the app: 408.)"""
 
+    timeout_s = 10.0
     _head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: Any) -> None:
@@ -63,7 +63,7 @@ class DeadlineProtocol(H11Protocol):
     def _arm(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(HEADERS_TIMEOUT_S, self._expire)
+        self._head_deadline = self.loop.call_later(self.timeout_s, self._expire)
 
     def _expire(self) -> None:
         self._head_deadline = None
@@ -89,6 +89,9 @@ def parser() -> argparse.ArgumentParser:
                         "X-Stainless-Timeout shortens it); past it, 504 (default %(default)s)")
     p.add_argument("--max-body-bytes", type=parse_size, default=4 << 20, metavar="BYTES",
                    help="largest request body; a larger one is 413 (default 4MiB)")
+    p.add_argument("--client-timeout-s", type=float, default=10.0, metavar="S",
+                   help="most seconds a client may take to send a request's head, and then its body; a connection "
+                        "past the first is closed, a request past the second is 408 (default %(default)s)")
     p.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
                    help="most generations answered at once; one more is 429 at once, with a retry hint "
                         "(default %(default)s)")
@@ -112,9 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(parser(), argv, "http")
     configure_logging("http", args.log_level)
     tls = tls_from_args(args, "http")
-    if args.timeout_s <= 0:
-        print(f"http: --timeout-s must be more than 0, not {args.timeout_s}", file=sys.stderr)
-        return 2
+    for flag in ("timeout_s", "client_timeout_s"):
+        if getattr(args, flag) <= 0:
+            print(f"http: --{flag.replace('_', '-')} must be more than 0, not {getattr(args, flag)}", file=sys.stderr)
+            return 2
     host, _, port = args.listen.rpartition(":")
     try:
         sock = socket.create_server((listen_host(args.listen) or "0.0.0.0", int(port)))
@@ -123,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     credentials = None if tls is None else grpc.ssl_channel_credentials(root_certificates=tls.ca)  # presents none
     front = Front(args.upstream, args.model_name, credentials=credentials, timeout_s=args.timeout_s,
-                  max_body_bytes=args.max_body_bytes, max_requests=args.max_connections,
+                  client_timeout_s=args.client_timeout_s, max_body_bytes=args.max_body_bytes,
+                  max_requests=args.max_connections,
                   channel_options=CLIENT_CHANNEL_OPTIONS)
     bound = sock.getsockname()[1]
     metrics = None
@@ -147,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # deadline, and open files by the hard limit, which the soft one is raised to.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    config = uvicorn.Config(front.app(ready), http=DeadlineProtocol, log_config=None, access_log=False,
+    protocol = type("DeadlineProtocol", (DeadlineProtocol,), {"timeout_s": args.client_timeout_s})
+    config = uvicorn.Config(front.app(ready), http=protocol, log_config=None, access_log=False,
                             ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=GRACE_S,
                             server_header=False)
     gc.freeze()  # as every service: no collection scans what start-up made (rpc.cli.serve)

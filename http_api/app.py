@@ -41,8 +41,7 @@ from rpc.metrics import LATENCY_BUCKETS
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection: logged, never sent
-BUSY_RETRY_S = 0.25
-BODY_TIMEOUT_S = 10.0  # the hint of a request refused because the front is at --max-connections
+BUSY_RETRY_S = 0.25  # the hint of a request refused because the front is at --max-connections
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # kvserve's finish reasons, OpenAI's words
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -138,10 +137,12 @@ class Front:
     At most `max_requests` generations at once; one more is answered 429 at once."""
 
     def __init__(self, upstream: str, model_name: str, *, credentials: grpc.ChannelCredentials | None = None,
-                 timeout_s: float = 600.0, max_body_bytes: int = 4 << 20, max_requests: int = 1024,
+                 timeout_s: float = 600.0, client_timeout_s: float = 10.0, max_body_bytes: int = 4 << 20,
+                 max_requests: int = 1024,
                  channel_options: list[tuple[str, Any]] | None = None) -> None:
         self.upstream, self.model_name, self.credentials = upstream, model_name, credentials
         self.timeout_s, self.max_body_bytes, self.max_requests = timeout_s, max_body_bytes, max_requests
+        self.client_timeout_s = client_timeout_s
         self.channel_options = channel_options or []
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
@@ -214,7 +215,7 @@ class Front:
     # --- generation
 
     async def _generate(self, request: Request, shape: Shape) -> Response:
-        """One generation: the body read (within BODY_TIMEOUT_S) and checked, then at most `max_requests` at
+        """One generation: the body read (within `client_timeout_s`) and checked, then at most `max_requests` at
         once from there to the last byte of the answer."""
         t0 = time.perf_counter()
         endpoint = request.url.path
@@ -251,13 +252,14 @@ class Front:
             raise self._too_large()
         data = bytearray()
         try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):  # a client trickling its body holds no slot for long
+            async with asyncio.timeout(self.client_timeout_s):  # a client trickling its body holds nothing long
                 async for chunk in request.stream():
                     data += chunk
                     if len(data) > self.max_body_bytes:
                         raise self._too_large()
         except TimeoutError:
-            raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s", code="request_timeout") from None
+            raise ApiError(408, f"the body did not arrive within {self.client_timeout_s:g} s (--client-timeout-s)",
+                           code="request_timeout") from None
         try:
             decoded = json.loads(data)
         except ValueError as exc:
@@ -280,21 +282,40 @@ class Front:
         except BadRequest as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         call = self.decode.Generate(message, metadata=self._metadata(request), timeout=self._timeout(request))
+        # A client that goes away cancels the call: this watch until the answer starts, then, for a stream,
+        # sse-starlette's own.
+        watch = asyncio.create_task(_cancel_on_disconnect(request, call))
+        streaming = False
         try:
-            first = await self._read(call)
-        except BaseException:
-            call.cancel()
+            item = await self._next(call, watch)
+            if item is None:
+                return Response(status_code=CLIENT_GONE)
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+            headers = {"x-request-id": request_id}
+            answer = Answer(shape, f"{shape.id_prefix}{request_id}", int(time.time()), self.model_name)
+            if body.stream:
+                streaming = True
+                events = self._events(call, item, answer, body.include_usage(), t0, release)
+                return EventSourceResponse(events, headers=headers, ping=15)
+            while not item.HasField("result"):
+                item = await self._next(call, watch)
+                if item is None:
+                    return Response(status_code=CLIENT_GONE)
+            self.metrics.latency.observe(time.perf_counter() - t0)
+            return JSONResponse(answer.whole(item.result), headers=headers)
+        finally:
+            watch.cancel()
+            if not streaming:
+                call.cancel()
+
+    async def _next(self, call: Any, watch: asyncio.Task[None]) -> decode_pb2.GenerateResponse | None:
+        """The call's next message; None once the client has gone (`watch` cancelled the call)."""
+        try:
+            return await self._read(call)
+        except asyncio.CancelledError:  # grpc.aio's answer to a read of a cancelled call
+            if watch.done():
+                return None
             raise
-        headers = {"x-request-id": request_id}
-        answer = Answer(shape, f"{shape.id_prefix}{request_id}", int(time.time()), self.model_name)
-        if body.stream:
-            events = self._events(call, first, answer, body.include_usage(), t0, release)
-            return EventSourceResponse(events, headers=headers, ping=15)
-        result = await self._until_result(request, call, first, t0)
-        if result is None:
-            return Response(status_code=CLIENT_GONE)
-        self.metrics.latency.observe(time.perf_counter() - t0)
-        return JSONResponse(answer.whole(result), headers=headers)
 
     async def _read(self, call: Any) -> decode_pb2.GenerateResponse:
         try:
@@ -306,27 +327,6 @@ class Front:
                            code="bad_gateway")
         return item  # type: ignore[no-any-return]
 
-    async def _until_result(self, request: Request, call: Any, item: decode_pb2.GenerateResponse,
-                            t0: float) -> decode_pb2.GenerateResult | None:
-        """Reads to the result; None when the client disconnected meanwhile, which cancels the call."""
-        watch = asyncio.create_task(_cancel_on_disconnect(request, call))
-        try:
-            first = True
-            while not item.HasField("result"):
-                if first:
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
-                    first = False
-                try:
-                    item = await self._read(call)
-                except asyncio.CancelledError:  # grpc.aio's answer to a read of a cancelled call
-                    if watch.done():
-                        return None
-                    raise
-            return item.result
-        finally:
-            watch.cancel()
-            call.cancel()
-
     async def _events(self, call: Any, item: decode_pb2.GenerateResponse, answer: Answer, include_usage: bool,
                       t0: float, release: Callable[[], None]) -> AsyncIterator[dict[str, str]]:
         """The stream's events: OpenAI's chunks, then [DONE]. The caller's disconnect cancels this generator
@@ -335,7 +335,6 @@ class Front:
             if answer.shape is CHAT:
                 yield answer.event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}, include_usage)
-            timed = False
             while True:
                 if item.HasField("result"):
                     r = item.result
@@ -346,9 +345,6 @@ class Front:
                     yield {"data": "[DONE]"}
                     self.metrics.latency.observe(time.perf_counter() - t0)
                     return
-                if not timed:
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
-                    timed = True
                 if item.token.text:
                     yield answer.event(answer.shape.choice(item.token.text, None, True), include_usage)
                 item = await self._read(call)

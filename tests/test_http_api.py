@@ -248,46 +248,6 @@ def test_models_health_and_metrics_on_their_own_port(served: HTTPStack) -> None:
     assert public.value.code == 404
 
 
-def test_slow_and_idle_connections_are_closed_and_hold_nothing(served: HTTPStack) -> None:
-    """A body that trickles in is 408 after 10 s; connections that send nothing after their TLS handshake,
-    or half a request head, are closed after 10 s; while they are open, and more that never start their
-    handshake (asyncio closes those after 60 s), requests are served."""
-    context = ssl.create_default_context(cafile=str(served.layout.ca))
-
-    def connect() -> socket.socket:
-        return context.wrap_socket(socket.create_connection(("127.0.0.1", served.http.port), timeout=30),
-                                   server_hostname="127.0.0.1")
-
-    silent = [socket.create_connection(("127.0.0.1", served.http.port), timeout=30) for _ in range(100)]
-    idle, half = [connect() for _ in range(50)], [connect() for _ in range(5)]
-    for s in half:
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: kvserve\r\n")
-    try:
-        with socket.create_connection(("127.0.0.1", served.http.port), timeout=30) as raw, \
-                context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
-            tls.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvserve\r\nContent-Length: 100\r\n\r\n{")
-            assert [m.id for m in served.openai().models.list()] == [MODEL]  # served meanwhile
-            answer = b""
-            while b"}}" not in answer and (more := tls.recv(4096)):
-                answer += more
-        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 10 s" in answer, answer
-
-        def closed(s: socket.socket) -> bool:
-            try:
-                return s.recv(1) == b""
-            except TimeoutError:
-                return False
-            except OSError:  # reset, or TLS ended without its close_notify
-                return True
-
-        for s in [*idle, *half]:
-            s.settimeout(15)
-        assert all(closed(s) for s in [*idle, *half])
-    finally:
-        for s in [*silent, *idle, *half]:
-            s.close()
-
-
 @pytest.fixture()
 def second_front(served: HTTPStack, request: pytest.FixtureRequest) -> Iterator[str]:
     """The base URL of another HTTP front on the same decode (or on `upstream`), with the flags the test gives."""
@@ -306,6 +266,48 @@ def second_front(served: HTTPStack, request: pytest.FixtureRequest) -> Iterator[
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("second_front", [("", "--client-timeout-s", "1")], indirect=True)
+def test_slow_and_idle_connections_are_closed_and_hold_nothing(served: HTTPStack, second_front: str) -> None:
+    """A body that trickles in is 408 after --client-timeout-s (1 s here); connections that send nothing after
+    their TLS handshake, or half a request head, are closed after it; while they are open, and more that never
+    start their handshake (asyncio closes those after 60 s), requests are served."""
+    context = ssl.create_default_context(cafile=str(served.layout.ca))
+    port = int(second_front.rpartition(":")[2])
+
+    def connect() -> socket.socket:
+        return context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30),
+                                   server_hostname="127.0.0.1")
+
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(100)]
+    idle, half = [connect() for _ in range(50)], [connect() for _ in range(5)]
+    for s in half:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: kvserve\r\n")
+    try:
+        with connect() as tls:
+            tls.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvserve\r\nContent-Length: 100\r\n\r\n{")
+            front = served.openai().with_options(base_url=f"{second_front}/v1")
+            assert [m.id for m in front.models.list()] == [MODEL]  # served meanwhile
+            answer = b""
+            while b"}}" not in answer and (more := tls.recv(4096)):
+                answer += more
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer, answer
+
+        def closed(s: socket.socket) -> bool:
+            try:
+                return s.recv(1) == b""
+            except TimeoutError:
+                return False
+            except OSError:  # reset, or TLS ended without its close_notify
+                return True
+
+        for s in [*idle, *half]:
+            s.settimeout(5)
+        assert all(closed(s) for s in [*idle, *half])
+    finally:
+        for s in [*silent, *idle, *half]:
+            s.close()
 
 
 @pytest.mark.parametrize("second_front", [("", "--max-connections", "1", "--timeout-s", "2")], indirect=True)
