@@ -60,6 +60,14 @@ class DeadlineProtocol(H11Protocol):
             self._head_deadline.cancel()
         super().connection_lost(exc)
 
+    def shutdown(self) -> None:
+        """On SIGTERM: an idle connection is dropped at once. uvicorn closes it, and a TLS close then waits
+        for the client's reply, which an idle pooled client never reads: the stop waited out GRACE_S."""
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.abort()
+        else:
+            super().shutdown()
+
     def _arm(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
