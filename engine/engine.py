@@ -41,6 +41,11 @@ from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
+# The longest an idle engine sleeps between two looks at its state. Never unbounded: the loop runs on the
+# main thread, the only one where Python runs a signal's handler, and a SIGTERM the kernel hands to another
+# thread (gRPC's, OpenMP's) wakes no wait there; an idle decode or prefill ignored such a stop for good.
+_IDLE_WAKE_S = 0.2
+
 
 class RequestTooLarge(ValueError):
     """A sequence that could never fit the KV pool, even alone."""
@@ -177,7 +182,7 @@ class Engine:
         while True:
             with self._cond:
                 while not self._stopping and not self._inbox and not self.scheduler.running:
-                    self._cond.wait()
+                    self._cond.wait(_IDLE_WAKE_S)
                 if self._stopping:
                     break
             try:

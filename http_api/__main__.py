@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import resource
 import socket
@@ -18,6 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from http_api.app import Front
 from rpc.cli import (
+    STOP_MARGIN_S,
     configure_logging,
     env_epilog,
     exit_with_parent,
@@ -167,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()  # as every service: no collection scans what start-up made (rpc.cli.serve)
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
-    finally:
+    finally:  # what is left of the stop is bounded, as in every service (rpc.cli.serve)
+        faulthandler.dump_traceback_later(STOP_MARGIN_S, exit=True)
         if metrics is not None:
             metrics.shutdown()
     return 0

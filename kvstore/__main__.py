@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server.start_sweeper()
     return serve(server.rpc, "kvstore", before_stop=[server.store.events.close], on_stop=[server.close_store],
-                 grace_s=2.0)
+                 grace_s=2.0, callbacks_s=args.flush_timeout)
 
 
 if __name__ == "__main__":

@@ -320,6 +320,9 @@ def configure_logging(service: str, level: str) -> None:
                         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
 
 
+STOP_MARGIN_S = 10.0
+
+
 def serve(
     server: Server,
     service: str,
@@ -328,9 +331,13 @@ def serve(
     on_stop: Iterable[Callable[[], None]] = (),
     main_loop: Callable[[], None] | None = None,
     grace_s: float = 5.0,
+    callbacks_s: float = 5.0,
 ) -> int:
     """Starts `server`, prints `LISTENING <port>` and serves until SIGTERM or SIGINT (exit code 0),
     running `main_loop` on this thread meanwhile if given (`rpc.server.run_until_signal`).
+
+    The stop takes at most `grace_s` for calls in flight, about `callbacks_s` for the callbacks, and
+    STOP_MARGIN_S more; past that the process writes its threads' stacks to stderr and exits with code 1.
 
     A port that is taken or not valid is one line on stderr and exit code 2, after the `on_stop`
     callbacks have released what the service holds.
@@ -348,5 +355,6 @@ def serve(
             fn()
         return 2
     print(f"LISTENING {port}", flush=True)
-    run_until_signal(server, before_stop=before_stop, on_stop=on_stop, grace_s=grace_s, main_loop=main_loop)
+    run_until_signal(server, before_stop=before_stop, on_stop=on_stop, grace_s=grace_s, main_loop=main_loop,
+                     exit_within_s=grace_s + callbacks_s + STOP_MARGIN_S)
     return 0

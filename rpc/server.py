@@ -6,6 +6,7 @@ status codes, so handlers carry no try/except of their own.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import threading
@@ -363,6 +364,7 @@ def run_until_signal(
     grace_s: float = 5.0,
     before_stop: Iterable[Callable[[], None]] = (),
     main_loop: Callable[[], None] | None = None,
+    exit_within_s: float | None = None,
 ) -> None:
     """Blocks until SIGTERM or SIGINT, then drains and stops the server.
 
@@ -371,6 +373,11 @@ def run_until_signal(
     `on_stop` callbacks release what is left. With `main_loop` (an engine's step loop, which must
     run on the main thread), the main thread runs it meanwhile and a `before_stop` callback ends it;
     should it end by itself, the service shuts down as on a signal.
+
+    With `exit_within_s` (a service's own process), the stop is bounded: a process still there that many
+    seconds after the stop began, whatever holds it (a callback, a thread the interpreter joins at exit),
+    writes every thread's stack to stderr and exits with code 1. faulthandler's timer is a C thread: it fires
+    during the interpreter's own shutdown too, and without the GIL.
     """
     # Plain flags, no Event: a handler runs on the main thread between two of its bytecodes, also inside
     # an earlier handler, so one that took a lock (Event.set does) could wait forever on its own thread
@@ -387,6 +394,8 @@ def run_until_signal(
     def wait_and_stop() -> None:
         while not stop_signal and not loop_ended:
             time.sleep(0.05)
+        if exit_within_s is not None:
+            faulthandler.dump_traceback_later(exit_within_s, exit=True)
         server.drain()
         for fn in before_stop:
             fn()

@@ -146,8 +146,13 @@ def _wait_children(pid: int, n: int, timeout_s: float = 120) -> list[int]:
 
 
 def _assert_gone(pids: list[int], timeout_s: float = 30) -> None:
-    wait_until(lambda: not any(alive(p) for p in pids), timeout_s, interval_s=0.1,
-               message=lambda: f"orphans: {[p for p in pids if alive(p)]}")
+    """Each of `pids` has exited; else the failure shows each one's command line (its log, in the test's
+    data/logs, ends with its threads' stacks once its stop has run past rpc.cli.STOP_MARGIN_S)."""
+    def orphans() -> str:
+        return "orphans: " + "; ".join(f"{p} {Path(f'/proc/{p}/cmdline').read_text().replace(chr(0), ' ')[:300]}"
+                                       for p in pids if alive(p))
+
+    wait_until(lambda: not any(alive(p) for p in pids), timeout_s, interval_s=0.1, message=orphans)
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -126,6 +128,70 @@ def test_a_burst_of_stop_signals_stops_a_service(trial: int) -> None:
         proc.kill()
     assert out == "stopped\n"  # run_until_signal returned; signals still coming may end the exit itself
     assert proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT)
+
+
+_HUNG_STOP = """
+import threading, time
+from rpc.server import Server, run_until_signal
+server = Server("127.0.0.1:0")
+server.start()
+threading.Thread(target=time.sleep, args=(3600,), name="stuck").start()  # joined at exit: forever
+print("ready", flush=True)
+run_until_signal(server, grace_s=0.1, exit_within_s=1.0)
+"""
+
+
+def test_a_stop_that_hangs_ends_within_its_bound_with_every_stack_in_stderr() -> None:
+    """A process held after its stop (here a thread the interpreter joins at exit) would outlive `up` as
+    an orphan on its ports; it exits with code 1 once the bound is past, saying where each thread was."""
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_STOP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "Timeout" in err and "in _bootstrap" in err, err
+
+
+_IDLE_ENGINE = """
+import sys
+from engine.engine import Engine
+from engine.model import load_model
+from rpc.server import Server, run_until_signal
+engine = Engine(load_model(sys.argv[1]), kv_cache_memory=1 << 20)
+server = Server("127.0.0.1:0")
+server.start()
+print("ready", flush=True)
+run_until_signal(server, before_stop=[engine.stop], grace_s=0.1, main_loop=engine.run)
+print("stopped", flush=True)
+"""
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}  # tgkill(2)'s number: a signal to one thread of a process
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in _TGKILL, reason="needs Linux's tgkill")
+def test_an_idle_engine_stops_on_a_sigterm_the_kernel_handed_to_another_thread() -> None:
+    """A process-wide signal goes to any thread that does not block it. Python runs the handler on the main
+    thread only, where the engine loop waited, idle, with no timeout: a decode or prefill so signalled
+    (by `docker stop`, or by the kernel when `up` died) never stopped, and outlived `up` as an orphan."""
+    from tests.stack_fixtures import model_dir
+
+    proc = subprocess.Popen([sys.executable, "-c", _IDLE_ENGINE, str(model_dir("llama"))], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # the engine is idle
+        other = max(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+        assert ctypes.CDLL(None, use_errno=True).syscall(_TGKILL[platform.machine()], proc.pid, other,
+                                                         signal.SIGTERM) == 0
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert out == "stopped\n" and proc.returncode == 0
 
 
 class _NamesItsStatus(Exception):
