@@ -5,22 +5,25 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= data/models/tiny-llama
 
-.PHONY: setup demo test test-quick test-load lint typecheck protos bench clean gpu-wheels
+.PHONY: setup redis-server demo test test-quick test-load lint typecheck protos bench clean gpu-wheels
 
 setup: $(STAMP)
 
-# redis-server: the remote tier's tests start their own (apt-get, with sudo unless root).
+# redis-server: the remote tier's tests start their own, so `make test` installs it (apt-get, with sudo unless
+# root) and the rest of the set-up does not: `make demo` needs only Python and make.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 APT_REDIS := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
 
 # torch==2.13.0 is the CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
-	command -v redis-server >/dev/null || $(APT_REDIS) || ($(SUDO) apt-get update -q && $(APT_REDIS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $@
+
+redis-server:
+	command -v redis-server >/dev/null || $(APT_REDIS) || ($(SUDO) apt-get update -q && $(APT_REDIS))
 
 $(MODEL_DIR)/config.json: | $(STAMP)
 	$(VENV)/bin/kvserve model init $(MODEL_DIR) --arch llama
@@ -34,15 +37,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy rpc engine kvstore handoff prefill_service decode_service router http_api client stack bench
 
-test: lint typecheck
+test: lint typecheck redis-server
 	$(VENV)/bin/pytest -q
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) redis-server
 	$(VENV)/bin/pytest -q -m "not slow"
 
 # The load test for two minutes instead of one round, and the overload and failure tests (RELIABILITY.md,
 # "Under load", "Overload"); -s prints the figures BENCHMARKS.md quotes.
-test-load: $(STAMP)
+test-load: $(STAMP) redis-server
 	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q -s tests/test_stack_under_load.py tests/test_overload.py
 
 protos: $(STAMP)
