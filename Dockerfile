@@ -1,4 +1,7 @@
-FROM python:3.11-slim
+# KVSERVE_BASE_IMAGE in compose: a Python 3.11 image of your own (one that trusts your proxy's CA, or
+# scripts/docker-local-base's, made from Debian's packages where no registry is reachable).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 # The CPU build of torch by default; a bare `pip install torch` pulls the multi-GB CUDA build, which is
 # what docker-compose.gpu.yml asks for (TORCH_INDEX="").
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu

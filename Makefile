@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= data/models/tiny-llama
 
-.PHONY: setup redis-server demo test test-quick test-load lint typecheck protos bench clean gpu-wheels
+.PHONY: setup redis-server demo test test-quick test-load test-compose lint typecheck protos bench clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -47,6 +47,18 @@ test-quick: $(STAMP) redis-server
 # "Under load", "Overload"); -s prints the figures BENCHMARKS.md quotes.
 test-load: $(STAMP) redis-server
 	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q -s tests/test_stack_under_load.py tests/test_overload.py
+
+# `docker compose up` for real (tests/test_compose.py; docs/OPERATIONS.md, "Compose, for real"): builds the
+# image, runs the stack with the Docker engine that is there and checks it. Opt-in, never part of `make test`.
+# LOCAL_BASE=1 first makes the base images from Debian's packages (scripts/docker-local-base, as root), for a
+# host that reaches no container registry.
+ifeq ($(LOCAL_BASE),1)
+export KVSERVE_BASE_IMAGE ?= kvserve-local/python:3.11
+export KVSERVE_VALKEY_IMAGE ?= kvserve-local/valkey:8
+endif
+test-compose: $(STAMP)
+	$(if $(filter 1,$(LOCAL_BASE)),scripts/docker-local-base)
+	KVSERVE_TEST_COMPOSE=1 $(VENV)/bin/pytest -q -s tests/test_compose.py
 
 protos: $(STAMP)
 	$(PY) protos/build.py

@@ -364,11 +364,13 @@ def published(services: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
 @pytest.mark.parametrize("overrides", COMBINATIONS, ids=lambda o: "+".join(o) or "base")
 def test_only_the_front_doors_are_published_and_on_loopback(overrides: tuple[str, ...]) -> None:
     """Not the store's port, not prefill's or decode's, not the metrics ports, not Valkey's; the router's and
-    the HTTP front's (KVSERVE_HTTP_PORT) on 127.0.0.1 unless KVSERVE_PUBLISH_HOST says otherwise."""
+    the HTTP front's on 127.0.0.1 unless KVSERVE_PUBLISH_HOST says otherwise, on ports KVSERVE_GRPC_PORT and
+    KVSERVE_HTTP_PORT say (a host where today's are taken)."""
     services = compose(*overrides)["services"]
     assert published(services) == {"router": [("127.0.0.1", "50050")], "http": [("127.0.0.1", "8000")]}
-    wide = compose(*overrides, env={"KVSERVE_PUBLISH_HOST": "0.0.0.0", "KVSERVE_HTTP_PORT": "8443"})["services"]
-    assert published(wide) == {"router": [("0.0.0.0", "50050")], "http": [("0.0.0.0", "8443")]}
+    wide = compose(*overrides, env={"KVSERVE_PUBLISH_HOST": "0.0.0.0", "KVSERVE_GRPC_PORT": "40050",
+                                    "KVSERVE_HTTP_PORT": "8443"})["services"]
+    assert published(wide) == {"router": [("0.0.0.0", "40050")], "http": [("0.0.0.0", "8443")]}
     assert services["http"]["ports"] == [f"127.0.0.1:8000:{HTTP_PORT}"]  # to the port it listens on
     services["decode"]["ports"] = ["50051:50051", {"target": 9100, "published": 9100}]  # the check can fail
     assert published(services)["decode"] == [("", "50051"), ("", "9100")]
