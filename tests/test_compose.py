@@ -24,14 +24,14 @@ import signal
 import ssl
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
-from client.client import Client
+from client.client import Client, Result
 from engine.model import load_model
 from tests.engine_fixtures import assert_greedy_matches, oracle, random_tokens
 from tests.processes import free_ports
@@ -161,16 +161,21 @@ def model_dir(project: Project, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out / "tiny-llama"
 
 
+LONG = 600  # past decode's --local-prefill-tokens (512): the prefill service computes it, its KV comes through the store
+
+
 @pytest.fixture(scope="module")
-def expect(model_dir: Path):  # type: ignore[no-untyped-def]
-    """Checks a generate's tokens against Hugging Face's greedy output on the stack's model."""
+def expect(model_dir: Path) -> Callable[..., Result]:
+    """Generates on a prompt of `length` random tokens and checks the tokens against Hugging Face's greedy
+    output on the stack's model."""
     model = load_model(model_dir)
 
-    def check(client: Client, seed: int) -> None:
-        ids = random_tokens(40, seed=seed)
+    def check(client: Client, seed: int, length: int = 40) -> Result:
+        ids = random_tokens(length, seed=seed)
         want, logits = oracle(model, ids, NEW_TOKENS)
         got = client.generate(token_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True)
         assert_greedy_matches(list(got.token_ids), want, logits)
+        return got
 
     return check
 
@@ -179,13 +184,15 @@ def front_door(project: Project, token: str, ca: Path | None) -> Client:
     return Client(f"127.0.0.1:{project.env['KVSERVE_GRPC_PORT']}", timeout_s=300, token=token, tls_ca=ca)
 
 
-def test_generate_through_the_router_equals_hugging_face(project: Project, secrets: tuple[str, Path], expect,
-                                                         phases: Phases) -> None:
+def test_generate_through_the_router_equals_hugging_face(
+        project: Project, secrets: tuple[str, Path], expect: Callable[..., Result], phases: Phases) -> None:
     token, ca = secrets
     with front_door(project, token, ca) as client:
-        expect(client, seed=1)  # cold
-        expect(client, seed=1)  # its prefix cached
-    phases.done("generate through the router, cold and warm")
+        expect(client, seed=1)  # cold, computed by decode itself
+        assert expect(client, seed=1).usage.cached_tokens > 0
+        assert expect(client, seed=5, length=LONG).timings.prefill_path == "disaggregated"
+        assert expect(client, seed=5, length=LONG).usage.cached_tokens > 0
+    phases.done("generate through the router, local and disaggregated, cold and warm")
 
 
 def test_the_http_front_answers_the_openai_sdk(project: Project, secrets: tuple[str, Path]) -> None:
@@ -202,30 +209,32 @@ def test_the_http_front_answers_the_openai_sdk(project: Project, secrets: tuple[
 
 
 def test_a_killed_store_comes_back_and_requests_are_served_throughout(
-        project: Project, secrets: tuple[str, Path], expect, phases: Phases) -> None:
+        project: Project, secrets: tuple[str, Path], expect: Callable[..., Result], phases: Phases) -> None:
     token, ca = secrets
     restarts = int(project.inspect("kvstore", "{{.RestartCount}}"))
     os.kill(int(project.inspect("kvstore", "{{.State.Pid}}")), signal.SIGKILL)  # as the OOM killer would
     with front_door(project, token, ca) as client:
-        expect(client, seed=2)  # while the store is gone or starting again
+        expect(client, seed=2, length=LONG)  # while the store is gone or starting again
         deadline = time.monotonic() + 120
         while int(project.inspect("kvstore", "{{.RestartCount}}")) == restarts:
             assert time.monotonic() < deadline, "Docker did not start the killed store again"
             time.sleep(1)
         project.wait_healthy(("kvstore",))
         phases.done("the killed store restarted and healthy")
-        expect(client, seed=3)
-        expect(client, seed=2)
+        # The hand-off goes through the store that came back.
+        assert expect(client, seed=3, length=LONG).timings.prefill_path == "disaggregated"
+        expect(client, seed=2, length=LONG)
     project.wait_healthy()
 
 
-def test_the_plaintext_overlay(project: Project, secrets: tuple[str, Path], expect, phases: Phases) -> None:
+def test_the_plaintext_overlay(
+        project: Project, secrets: tuple[str, Path], expect: Callable[..., Result], phases: Phases) -> None:
     token, _ = secrets
     plain = Project(project.name, project.env, overlays=("docker-compose.insecure.yml",))
     plain.run("up", "--detach")
     plain.wait_healthy()
     phases.done("the plaintext overlay up, every service healthy")
     with front_door(plain, token, None) as client:
-        expect(client, seed=4)
+        assert expect(client, seed=4, length=LONG).timings.prefill_path == "disaggregated"
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{project.env['KVSERVE_HTTP_PORT']}/v1", api_key=token)
     assert sdk.models.list().data[0].id == "tiny-llama"
