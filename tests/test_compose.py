@@ -64,13 +64,22 @@ class Project:
     env: dict[str, str]
     overlays: tuple[str, ...] = ()
 
-    def run(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    def command(self, *args: str) -> list[str]:
         files = [a for f in ("docker-compose.yml", *self.overlays) for a in ("-f", f)]
-        cmd = [*compose_command(), "-p", self.name, *files, *args]
+        return [*compose_command(), "-p", self.name, *files, *args]
+
+    def run(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        cmd = self.command(*args)
         done = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            pytest.fail(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
         return done
+
+    def output(self, *args: str) -> bytes:
+        """A one-off container's stdout, as bytes."""
+        done = subprocess.run(self.command(*args), cwd=ROOT, env=self.env, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+        return done.stdout
 
     def container(self, service: str) -> str:
         cid = self.run("ps", "-q", service).stdout.strip()
@@ -92,15 +101,12 @@ class Project:
 
     def read(self, path: str) -> bytes:
         """A file of the credentials volume, taken out as the compose file's header says."""
-        files = [a for f in ("docker-compose.yml", *self.overlays) for a in ("-f", f)]
-        cmd = [*compose_command(), "-p", self.name, *files, "run", "--rm", "-T", "--entrypoint", "cat", "credentials", path]
-        done = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, timeout=300)
-        assert done.returncode == 0, done.stderr.decode(errors="replace")
-        return done.stdout
+        return self.output("run", "--rm", "-T", "--entrypoint", "cat", "credentials", path)
 
 
 def docker(*args: str) -> str:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=120)
+    return done.stdout.strip()
 
 
 class Phases:
@@ -153,15 +159,13 @@ def secrets(project: Project, tmp_path_factory: pytest.TempPathFactory) -> tuple
 def model_dir(project: Project, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model prefill and decode serve, copied out of the stack's models volume."""
     out = tmp_path_factory.mktemp("models")
-    files = [a for f in ("docker-compose.yml", *project.overlays) for a in ("-f", f)]
-    tar = subprocess.run([*compose_command(), "-p", project.name, *files, "run", "--rm", "-T", "--entrypoint",
-                          "tar", "model-init", "-C", "/models", "-cf", "-", "tiny-llama"],
-                         cwd=ROOT, env=project.env, capture_output=True, check=True, timeout=300).stdout
+    tar = project.output("run", "--rm", "-T", "--entrypoint", "tar", "model-init", "-C", "/models", "-cf", "-",
+                         "tiny-llama")
     subprocess.run(["tar", "-x", "-C", str(out)], input=tar, check=True)
     return out / "tiny-llama"
 
 
-LONG = 600  # past decode's --local-prefill-tokens (512): the prefill service computes it, its KV comes through the store
+LONG = 600  # past decode's --local-prefill-tokens (512): prefill computes it, its KV comes through the store
 
 
 @pytest.fixture(scope="module")
