@@ -15,11 +15,13 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 APT_REDIS := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
 
 # torch==2.13.0 is the CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
+# pip shows its progress: a first set-up takes about 1.5 minutes on 2 cores, more where it downloads.
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV): torch (CPU) and the dependencies, about 1.5 minutes (more on a slow link)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar on torch==2.13.0
+	$(PY) -m pip install --progress-bar on -e '.[dev,bench]'
 	touch $@
 
 redis-server:

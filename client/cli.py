@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -16,16 +17,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
+# The client commands' messages say what failed and how to fix it; gRPC core's own log lines (a failed TLS
+# handshake, on stderr) would only repeat it. Its verbosity is read as grpc loads, so it is set before the
+# imports below, and only for these commands: a server run by `kvserve` keeps its logs.
+if sys.argv[1:2] in (["generate"], ["chat"], ["stats"], ["health"]):
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from client import local
-from client.client import DEFAULT_ADDR, Client, KVServeError, Result
-from client.health import positive_float
-from client.metrics import parse_metrics
-from stack.stack import METRICS_OFFSETS, Stack, StackConfig, StackError
-from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status
+import grpc  # noqa: E402
+
+from client import local  # noqa: E402
+from client.client import DEFAULT_ADDR, Client, KVServeError, Result  # noqa: E402
+from client.diagnose import Dialed, explain  # noqa: E402
+from client.health import credentials, positive_float  # noqa: E402
+from client.metrics import parse_metrics  # noqa: E402
+from client.terminal import printable  # noqa: E402
+from stack.stack import METRICS_OFFSETS, Stack, StackConfig, StackError  # noqa: E402
+from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status  # noqa: E402
 
 DEFAULT_DATA_DIR = Path("data")
+DEFAULT_STORE_ADDR = "127.0.0.1:50053"
 DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
 
 Main = Callable[[list[str]], int]
@@ -88,7 +98,11 @@ def _non_negative_int(text: str) -> int:
 
 
 def _request_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default=DEFAULT_ADDR, help="decode service address (default %(default)s)")
+    p.add_argument("--addr", default=None,
+                   help=f"decode service address (default: the front door of the `kvserve up` on --data-dir, else "
+                        f"{DEFAULT_ADDR})")
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                   help="where the `kvserve up` to call runs, without --addr (default %(default)s)")
     p.add_argument("--max-tokens", type=_non_negative_int, default=64,
                    help="most tokens to generate; 0 is the server's default (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
@@ -222,9 +236,19 @@ def parser() -> argparse.ArgumentParser:
     stats.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                        help="where a `kvserve up` to report on runs (default %(default)s)")
     stats.add_argument("--kvstore", default=None,
-                       help="store address (default: that of the `kvserve up` on DATA_DIR, else 127.0.0.1:50053)")
+                       help=f"store address (default: that of the `kvserve up` on DATA_DIR, else {DEFAULT_STORE_ADDR})")
     stats.add_argument("--metrics", action="append", default=[],
-                       help="a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable)")
+                       help="a service's metrics URL, e.g. http://127.0.0.1:9100/metrics (repeatable; those of the "
+                            "`kvserve up` on DATA_DIR are read without it)")
+    stats.add_argument("--tls-ca", default=os.environ.get("KVSERVE_TLS_CA") or None, metavar="PEM",
+                       help="call the store over TLS, trusting this CA (default: $KVSERVE_TLS_CA; without the three "
+                            "TLS flags, a store of a `kvserve up` on this host is asked with the admin certificate "
+                            "that `up` made)")
+    stats.add_argument("--tls-cert", default=os.environ.get("KVSERVE_TLS_CERT") or None, metavar="PEM",
+                       help="present this certificate: the store takes only callers with one from its CA "
+                            "(default: $KVSERVE_TLS_CERT)")
+    stats.add_argument("--tls-key", default=os.environ.get("KVSERVE_TLS_KEY") or None, metavar="PEM",
+                       help="the certificate's private key (default: $KVSERVE_TLS_KEY)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     return ap
 
@@ -245,13 +269,9 @@ SUPERVISE_INTERVAL_S = 0.2  # how often `up` looks at its services
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from client.terminal import Progress
+
     model_dir = args.model or args.data_dir / "models" / "tiny-llama"
-    if args.model is None and not (model_dir / "config.json").exists():
-        print(f"building the tiny model in {model_dir} ...", flush=True)
-        built = subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model_dir)])
-        if built.returncode != 0:
-            print(f"kvserve up: building the tiny model in {model_dir} failed", file=sys.stderr)
-            return 1
     config = StackConfig(
         model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,
         prefill_port=args.prefill_port, store_port=args.store_port,
@@ -267,7 +287,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.insecure:
         print("kvserve up: warning: --insecure: plaintext, no tokens, no record MAC; any process that reaches "
               f"{args.host} can read every cached prompt and poison the cache", file=sys.stderr)
-    stack = Stack(config, log_dir=args.data_dir / "logs")
+    say = Progress()
+    stack = Stack(config, log_dir=args.data_dir / "logs", progress=say)
+    try:
+        stack.check_ports()  # before a model is built: another `up` may hold them
+    except StackError as exc:
+        print(f"kvserve up: {exc}", file=sys.stderr)
+        return 1
+    if args.model is None and not (model_dir / "config.json").exists():
+        say(f"building the tiny model in {model_dir} ...")
+        built = subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model_dir)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            say(f"building the tiny model in {model_dir} failed")
+            print(built.stderr, end="", file=sys.stderr)
+            return 1
+        say(built.stdout.strip())
     # While starting, a signal aborts the start (Stack.start stops what it has started).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupted)
@@ -322,7 +357,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         supervisor.close()
         if layout is not None:
             local.unregister(ports, layout.root)
-        print("stopped", flush=True)
     return 0
 
 
@@ -337,6 +371,29 @@ class UsageError(Exception):
     """A bad argument or input file: printed as one line, exit code 2."""
 
 
+class Failed(Exception):
+    """A call that failed, explained in one line (client/diagnose.py): exit code 2."""
+
+
+def _no_up(data_dir: Path, what: str, flag: str) -> str:
+    """Said after "nothing listens at ADDR" when ADDR is a default, no `kvserve up` running on `data_dir`."""
+    return (f" (the default {what} address), and no `kvserve up` runs in {data_dir} (no {data_dir / STATUS_FILE}): "
+            f"start one with `kvserve up`, or pass {flag}")
+
+
+def _front_door(args: argparse.Namespace) -> Dialed:
+    """Where generate and chat call: --addr, else the front door of the `kvserve up` on --data-dir, else
+    DEFAULT_ADDR; and how `Client` dials it (given no --tls-ca, with the CA of a `kvserve up` it finds
+    serving it on this host: client/local.py)."""
+    up = read_status(args.data_dir)
+    addr = args.addr or (up.front_door if up is not None else DEFAULT_ADDR)
+    found = local.find(addr)
+    tls_ca = args.tls_ca or (str(found.ca) if found is not None else None)
+    known = found or (up.layout if up is not None and up.serves(addr) else None)
+    nobody = _no_up(args.data_dir, "front door", "--addr") if args.addr is None and up is None else ""
+    return Dialed(addr, tls_ca is not None, tls_ca, needs_token=True, known=known, nobody=nobody)
+
+
 def _stream_to_stdout(client: Client, **request: Any) -> Result:
     """Writes each chunk as it comes; the output ends with a newline however the stream ends."""
     result: Result | None = None
@@ -346,7 +403,7 @@ def _stream_to_stdout(client: Client, **request: Any) -> Result:
                 if isinstance(item, Result):
                     result = item
                 else:
-                    sys.stdout.write(item.text)
+                    sys.stdout.write(printable(item.text) if sys.stdout.isatty() else item.text)
                     sys.stdout.flush()
     finally:
         print(flush=True)
@@ -411,11 +468,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request.update(body_options)
     else:
         request["prompt"] = args.prompt
-    with Client(args.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
-        if args.json:
-            print(json.dumps(client.generate(**request).to_dict(), indent=2))
-        else:
-            _print_result_line(_stream_to_stdout(client, **request))
+    dialed = _front_door(args)
+    with Client(dialed.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
+        try:
+            if args.json:
+                print(json.dumps(client.generate(**request).to_dict(), indent=2))
+            else:
+                _print_result_line(_stream_to_stdout(client, **request))
+        except KVServeError as exc:
+            raise Failed(explain(dialed, exc.code, exc.details)) from None
     return 0
 
 
@@ -423,7 +484,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    with Client(args.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
+    dialed = _front_door(args)
+    with Client(dialed.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
         print("kvserve chat: type a message; an empty line, Ctrl-D or Ctrl-C quits", file=sys.stderr)
         while True:
             try:
@@ -441,7 +503,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 messages.pop()
                 continue
             except KVServeError as exc:
-                print(f"kvserve chat: {exc}", file=sys.stderr)
+                print(f"kvserve chat: {explain(dialed, exc.code, exc.details)}", file=sys.stderr)
                 messages.pop()
                 if exc.code == grpc.StatusCode.UNAVAILABLE:
                     return 2
@@ -492,6 +554,9 @@ def _stats_dict(reply: Any) -> dict[str, Any]:
 
 def _print_up_status(up: UpStatus) -> None:
     print(f"kvserve up (pid {up.pid}), front door {up.front_door}, up {_ago(up.started_at)}")
+    print("plaintext, no auth (--insecure)" if up.insecure else f"TLS: CA {up.ca}, admin token in {up.admin_token}")
+    if up.http_url is not None:
+        print(f"OpenAI API at {up.http_url}/v1")
     print(f"{'service':8s} {'state':8s} {'pid':>8s} {'address':22s} {'restarts':>8s}  last exit")
     for name, s in up.services.items():
         last = f"{s.last_exit}, {_ago(s.last_exit.at)} ago" if s.last_exit else "-"
@@ -508,17 +573,28 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     up = read_status(args.data_dir)
     store_addr = args.kvstore or (up.services["kvstore"].addr if up and "kvstore" in up.services
-                                  else "127.0.0.1:50053")
+                                  else DEFAULT_STORE_ADDR)
     if up is not None and not args.json:  # first: it says why the store may not answer (restarting)
         _print_up_status(up)
-    admin = local.Layout(args.data_dir)  # the admin's credentials, where an `up` made them
-    layout = admin if admin.complete() else None
-    credentials = None if layout is None else layout.admin_credentials()
-    with (grpc.insecure_channel(store_addr) if credentials is None
-          else grpc.secure_channel(store_addr, credentials)) as channel:
-        reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
+    creds, dialed = credentials(args, store_addr, up)  # a data dir's admin certificate only for its up's ports
+    if args.kvstore is None and up is None:
+        dialed = dataclasses.replace(dialed, nobody=_no_up(args.data_dir, "store", "--kvstore"))
+    try:
+        with (grpc.insecure_channel(store_addr) if creds is None
+              else grpc.secure_channel(store_addr, creds)) as channel:
+            reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
+    except grpc.RpcError as exc:
+        raise Failed(explain(dialed, exc.code(), exc.details() or "")) from None  # type: ignore[attr-defined]
     report: dict[str, Any] = {"kvstore": _stats_dict(reply)}
-    report["services"] = {url: _scrape(url, layout) for url in args.metrics}
+    up_urls = [] if up is None else [s.metrics_url for s in up.services.values() if s.metrics_url]
+    report["services"] = {}
+    for url in dict.fromkeys([*up_urls, *args.metrics]):
+        try:
+            report["services"][url] = _scrape(url, up.layout if up is not None and url in up_urls else None)
+        except UsageError as exc:
+            if url in args.metrics:
+                raise
+            print(f"kvserve stats: {exc}", file=sys.stderr)  # up's: a service that is starting again, say
     if up is not None:
         report["up"] = up.to_json()
     if args.json:
@@ -560,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, ValueError) as exc:  # ValueError: arguments the client refuses to send
+    except (UsageError, Failed, ValueError) as exc:  # ValueError: arguments the client refuses to send
         print(f"kvserve {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

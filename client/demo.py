@@ -12,8 +12,10 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from client.client import Client
+from client.client import Client, Result
+from client.terminal import Progress
 from stack.stack import Stack, StackConfig
 
 SYSTEM_PROMPT = (
@@ -68,37 +70,51 @@ def report_divergences(turns: list[int], num_turns: int) -> None:
           "logits nearly tie can flip (as with a model of random weights); at a clear margin it is a bug.")
 
 
+def ask(client: Client, say: Progress, messages: list[dict[str, str]], max_tokens: int, **options: Any) -> Result:
+    """One chat request, its tokens counted on the progress line as they come."""
+    for n, item in enumerate(client.stream(messages=messages, max_tokens=max_tokens, ignore_eos=True, **options)):
+        if isinstance(item, Result):
+            return item
+        say.note = f"{n + 1}/{max_tokens} tokens"
+    raise RuntimeError("the stream ended without a result")
+
+
 def run(model_dir: Path, max_tokens: int) -> int:
+    say = Progress()
+    num_turns = sum(len(questions) for questions in CONVERSATIONS.values())
+    say(f"This takes about 1 to 6 minutes, by the machine: the services start (15-75 s), then {num_turns} turns, "
+        "each asked without and with the prefix cache (4-45 s a turn).")
     with tempfile.TemporaryDirectory(prefix="kvserve-demo-") as tmp:
         config = StackConfig(model_dir=model_dir, data_dir=Path(tmp), decode_port=0, prefill_port=0, store_port=0)
-        print("starting the KV store, prefill and decode services ...", flush=True)
-        with Stack(config, log_dir=Path(tmp) / "logs") as stack, \
+        with Stack(config, log_dir=Path(tmp) / "logs", progress=say) as stack, \
                 Client(stack.addr, **stack.layout.client_kwargs()) as client:  # type: ignore[union-attr]
             # One request first, in a cache namespace of its own, so that the first turn's figures
             # do not include the services' one-off warm-up.
+            say("warming up the services (one request, not counted) ...")
             client.generate(SYSTEM_PROMPT, max_tokens=2, cache_salt="kvserve-demo-warm-up")
             histories = {user: [{"role": "system", "content": SYSTEM_PROMPT}] for user in CONVERSATIONS}
-            print(f"\n{'turn':>4s}  {'user':6s} {'prompt':>7s} {'cached':>7s} {'ttft cached':>12s} "
-                  f"{'ttft uncached':>14s} {'speed-up':>9s}")
+            say(f"\n{'turn':>4s}  {'user':6s} {'prompt':>7s} {'cached':>7s} {'ttft cached':>12s} "
+                f"{'ttft uncached':>14s} {'speed-up':>9s}")
             turn = 0
             diverged: list[int] = []
             for i in range(3):
                 for user, questions in CONVERSATIONS.items():
                     turn += 1
                     messages = [*histories[user], {"role": "user", "content": questions[i]}]
-                    cold = client.chat(messages, max_tokens=max_tokens, ignore_eos=True, prefix_cache=False)
-                    warm = client.chat(messages, max_tokens=max_tokens, ignore_eos=True)
+                    say(f"turn {turn}/{num_turns}, {user}: without the cache ...")
+                    cold = ask(client, say, messages, max_tokens, prefix_cache=False)
+                    say(f"turn {turn}/{num_turns}, {user}: with the cache ...")
+                    warm = ask(client, say, messages, max_tokens)
                     speedup = cold.timings.ttft_s / max(warm.timings.ttft_s, 1e-9)
-                    print(f"{turn:4d}  {user:6s} {warm.usage.prompt_tokens:7d} {warm.usage.cached_tokens:7d} "
-                          f"{warm.timings.ttft_s * 1000:9.0f} ms {cold.timings.ttft_s * 1000:11.0f} ms "
-                          f"{speedup:8.1f}x", flush=True)
+                    say(f"{turn:4d}  {user:6s} {warm.usage.prompt_tokens:7d} {warm.usage.cached_tokens:7d} "
+                        f"{warm.timings.ttft_s * 1000:9.0f} ms {cold.timings.ttft_s * 1000:11.0f} ms "
+                        f"{speedup:8.1f}x")
                     note = divergence(warm.token_ids, cold.token_ids)
                     if note is not None:
                         diverged.append(turn)
-                        print(f"      {note}", flush=True)
+                        say(f"      {note}")
                     histories[user] = [*messages, {"role": "assistant", "content": warm.text}]
             report_divergences(diverged, turn)
-            print("\nstopping the stack", flush=True)
     return 0
 
 

@@ -26,6 +26,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import local
+from client.diagnose import Dialed, explain
+from stack.supervisor import UpStatus, read_status
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
 URL_SCHEMES = ("http://", "https://")
@@ -53,9 +55,12 @@ def parser() -> argparse.ArgumentParser:
                "CA), and an https:// URL otherwise against the system's CAs. A URL is asked as given: no proxy, "
                "no redirect followed.",
     )
-    p.add_argument("addr", metavar="ADDR", help="HOST:PORT (or unix:PATH) of a kvstore, prefill, decode or router "
-                                                "server, or of its --health-listen; or a URL, e.g. "
-                                                "https://127.0.0.1:8000/health (the HTTP front)")
+    p.add_argument("addr", metavar="ADDR", nargs="?",
+                   help="HOST:PORT (or unix:PATH) of a kvstore, prefill, decode or router server, or of its "
+                        "--health-listen; or a URL, e.g. https://127.0.0.1:8000/health (the HTTP front). Default: "
+                        "each service of the `kvserve up` on --data-dir, one line each (exit code: the worst)")
+    p.add_argument("--data-dir", type=Path, default=Path("data"),
+                   help="where the `kvserve up` to ask runs, without ADDR (default %(default)s)")
     p.add_argument("--service", default="",
                    help="a service name, e.g. kvserve.v1.Decode (default: the whole server)")
     p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",
@@ -70,12 +75,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    """TLS from the flags; given none, the admin certificate of a `kvserve up` serving `args.addr` on this host
-    (client/local.py); else None (plaintext). ValueError names a missing or unreadable file."""
+def credentials(args: argparse.Namespace, addr: str, up: UpStatus | None = None
+                ) -> tuple[grpc.ChannelCredentials | None, Dialed]:
+    """TLS from the flags --tls-ca, --tls-cert, --tls-key of `args`; given none, the admin certificate of a
+    `kvserve up` serving `addr` on this host (client/local.py); else None (plaintext). And how that dials
+    `addr`, to explain a failure, naming the files of the `up` that serves it (the registry's, else `up` when
+    it serves `addr`). ValueError names a missing or unreadable file."""
+    found = local.find(addr)
+    known = found or (up.layout if up is not None and up.serves(addr) else None)
     if args.tls_cert is None and args.tls_key is None and args.tls_ca is None:
-        found = local.find(args.addr)
-        return None if found is None else found.admin_credentials()
+        if found is None:
+            return None, Dialed(addr, known=known)
+        return found.admin_credentials(), Dialed(addr, True, str(found.ca), client_cert=True, known=found)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
 
@@ -87,9 +98,10 @@ def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         except OSError as exc:
             raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
 
-    return grpc.ssl_channel_credentials(root_certificates=read(args.tls_ca, "--tls-ca"),
-                                        private_key=read(args.tls_key, "--tls-key"),
-                                        certificate_chain=read(args.tls_cert, "--tls-cert"))
+    creds = grpc.ssl_channel_credentials(root_certificates=read(args.tls_ca, "--tls-ca"),
+                                         private_key=read(args.tls_key, "--tls-key"),
+                                         certificate_chain=read(args.tls_cert, "--tls-cert"))
+    return creds, Dialed(addr, True, args.tls_ca, client_cert=args.tls_cert is not None, known=known)
 
 
 def check(addr: str, service: str = "", timeout_s: float = 5.0,
@@ -124,14 +136,17 @@ def is_url(addr: str) -> bool:
     return addr.startswith(URL_SCHEMES)
 
 
-def ssl_context(args: argparse.Namespace, netloc: str) -> ssl.SSLContext:
-    """An https check's TLS: --tls-ca (given none, the CA of a `kvserve up` serving `netloc` on this host, else
-    the system's), and --tls-cert/--tls-key when given. ValueError names a missing or unusable file."""
+def ssl_context(args: argparse.Namespace, netloc: str, up: UpStatus | None = None) -> ssl.SSLContext:
+    """An https check's TLS: --tls-ca (given none, the CA of a `kvserve up` serving `netloc` on this host: the
+    registry's, else `up`'s; else the system's), and --tls-cert/--tls-key when given. ValueError names a missing
+    or unusable file."""
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
     ca = args.tls_ca
     if ca is None and (found := local.find(netloc)) is not None:
         ca = str(found.ca)
+    elif ca is None and up is not None and up.serves(netloc):
+        ca = up.ca
     try:
         context = ssl.create_default_context(cafile=ca)
     except OSError as exc:  # ssl.SSLError too
@@ -196,12 +211,11 @@ def check_url(url: str, timeout_s: float = 5.0, context: ssl.SSLContext | None =
     return HttpAnswer(response.status, response.reason, first_line)
 
 
-def _main_url(args: argparse.Namespace) -> int:
-    url = args.addr
+def _main_url(args: argparse.Namespace, url: str, up: UpStatus | None = None) -> int:
     try:
         if args.service:
             raise ValueError("--service names a gRPC service: a URL is asked as it is")
-        context = ssl_context(args, urllib.parse.urlsplit(url).netloc) if url.startswith("https://") else None
+        context = ssl_context(args, urllib.parse.urlsplit(url).netloc, up) if url.startswith("https://") else None
         answer = check_url(url, args.timeout, context)
     except ValueError as exc:
         print(f"health: {exc}", file=sys.stderr)
@@ -221,29 +235,49 @@ def _main_url(args: argparse.Namespace) -> int:
     return SERVING if answer.status == 200 else NOT_SERVING
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if is_url(args.addr):
-        return _main_url(args)
-    what = f"{args.addr} {args.service}".rstrip()
+def _main_grpc(args: argparse.Namespace, addr: str, up: UpStatus | None = None) -> int:
+    what = f"{addr} {args.service}".rstrip()
     try:
-        status = check(args.addr, args.service, args.timeout, credentials(args))
+        creds, dialed = credentials(args, addr, up)
+        status = check(addr, args.service, args.timeout, creds)
     except ValueError as exc:
         print(f"health: {exc}", file=sys.stderr)
         return UNREACHABLE
     except grpc.RpcError as exc:
-        code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
         detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        why = explain(dialed, code, detail or "")
         if args.json:
-            print(json.dumps({"addr": args.addr, "service": args.service, "status": "UNREACHABLE",
-                              "error": f"{code}: {detail}"}))
-        print(f"{what}: not reachable: {code}: {detail}", file=sys.stderr)
+            print(json.dumps({"addr": addr, "service": args.service, "status": "UNREACHABLE", "error": why}))
+        print(f"{what}: not reachable: {why}", file=sys.stderr)
         return UNREACHABLE
     if args.json:
-        print(json.dumps({"addr": args.addr, "service": args.service, "status": status}))
+        print(json.dumps({"addr": addr, "service": args.service, "status": status}))
     else:
         print(f"{what}: {status}")
     return SERVING if status == "SERVING" else NOT_SERVING
+
+
+def _main_up(args: argparse.Namespace) -> int:
+    """Each service of the `kvserve up` on --data-dir; the worst exit code."""
+    up = read_status(args.data_dir)
+    if up is None:
+        print(f"health: no `kvserve up` runs in {args.data_dir} (no {args.data_dir / 'up.json'}): give ADDR, "
+              "or start one with `kvserve up`", file=sys.stderr)
+        return UNREACHABLE
+    codes = [_main_grpc(args, s.addr, up) for name, s in up.services.items() if name != "http"]
+    if up.http_url is not None and not args.service:
+        codes.append(_main_url(args, f"{up.http_url}/health", up))
+    return max(codes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.addr is None:
+        return _main_up(args)
+    if is_url(args.addr):
+        return _main_url(args, args.addr, read_status(args.data_dir))
+    return _main_grpc(args, args.addr, read_status(args.data_dir))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,14 @@ uses the stack fails, what each service logged during that test is added to its 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,15 +118,22 @@ def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     from stack.stack import Stack, StackConfig  # grpc: only once a test asks for a stack
 
     root = tmp_path_factory.mktemp("kvserve")
-    model_dir = _configured_model(request.config) or _build_tiny_model(root / "model")
+    say = _terminal(request.config)
+    model_dir = _configured_model(request.config)
+    if model_dir is None:
+        say(f"building a tiny model for this session in {root / 'model'} ...")
+        model_dir = _build_tiny_model(root / "model")
     data_dir, log_dir = root / "data", root / "data" / "logs"
     stack = Stack(StackConfig(
         model_dir, data_dir, decode_port=0, prefill_port=0, store_port=0,
         host_capacity=HOST_CAPACITY, disk_capacity=DISK_CAPACITY, http_port=0,
-    ), log_dir=log_dir)
+    ), log_dir=log_dir, progress=say)
     logs = {name: log_dir / f"{name}.log" for name in SERVICES}
     request.config.stash[_LOGS] = logs
+    began = time.monotonic()
     stack.start()
+    say(f"stack ready in {time.monotonic() - began:.1f} s (logs in {log_dir})")
+    stack.progress = None  # its stop at the end of the session is quiet
     shm_dir = None
     try:
         assert stack.layout is not None
@@ -184,6 +193,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for name, path in logs.items():
             if path.exists():  # not when the stack failed before starting this service
                 report.sections.append((f"kvserve {name} log", _log_section(path, offsets.get(name))))
+
+
+def _terminal(config: pytest.Config) -> Callable[[str], None]:
+    """Writes "kvserve: MESSAGE" lines to the terminal, under -q and output capture too: a stack takes a while
+    to start, and the person waiting should see why."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(message: str) -> None:
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            if reporter is not None:
+                reporter.ensure_newline()  # after "test_file.py ": the file's next result starts a line of its own
+                writer = config.get_terminal_writer()
+                if writer.width_of_current_line:  # after -q's dots
+                    writer.line()
+                writer.line(f"kvserve: {message}")
+            else:
+                print(f"kvserve: {message}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def _configured_model(config: pytest.Config) -> Path | None:

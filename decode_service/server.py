@@ -15,6 +15,7 @@ from decode_service.stopping import TokenOutput
 from handoff.requests import RequestOptions, options_from_proto, prompt_from_proto
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from rpc.auth import TenantSalts, Unauthenticated, current_tenant
+from rpc.metrics import outcome_of
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -57,14 +58,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[decode_pb2.GenerateResponse]:
         arrival = time.perf_counter()
-        job = GenerateJob(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt=prompt_from_proto(request.prompt),
-            options=self.scoped(options_from_proto(request.sampling, request.cache)),
-            arrival=arrival,
-            time_left_s=context.time_remaining(),
-            resume=tuple(request.resume_token_ids),
-        )
+        try:
+            job = GenerateJob(
+                request_id=request.request_id or uuid.uuid4().hex,
+                prompt=prompt_from_proto(request.prompt),
+                options=self.scoped(options_from_proto(request.sampling, request.cache)),
+                arrival=arrival,
+                time_left_s=context.time_remaining(),
+                resume=tuple(request.resume_token_ids),
+            )
+        except Exception as exc:  # refused before the service saw it (invalid_argument): counted here
+            self.service.metrics.requests.labels(outcome=outcome_of(exc)).inc()
+            raise
         cancel = Cancellation()
         context.add_callback(cancel.cancel)
         for item in self.service.generate(job, cancel):

@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # config.json keys that vary with the tool or folder that wrote the model, not with the model.
@@ -244,7 +245,13 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str |
         raise ValueError(f"device {device!r}: CUDA is not available to this torch ({torch.__version__})")
     if not isinstance(dtype, torch.dtype):
         dtype = model_dtype(config, dtype or "auto")
-    hf_model: Any = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Loading weights" would fill every service's log
+    try:
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=dtype)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     hf_model.to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     probe = probe_cache(hf_model, torch_device)

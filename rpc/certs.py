@@ -256,14 +256,15 @@ def _report(certs: Certs, as_json: bool) -> None:
     for name, cert in written.items():
         print(f"wrote {name}: {directory / f'{name}.pem'}, key {directory / f'{name}-key.pem'} (0600), valid until "
               f"{cert.not_valid_after_utc:%Y-%m-%d}, for {', '.join(hosts(cert))}")
-    print("\nStart each service with its own certificate and the CA (or set "
-          f"{ENV_CERT}, {ENV_KEY}, {ENV_CA}):")
-    for name in written:
-        if name in DEFAULT_NAMES:
+    services = [name for name in written if name in DEFAULT_NAMES]
+    if services:
+        print("\nStart each service with its own certificate and the CA (or set "
+              f"{ENV_CERT}, {ENV_KEY}, {ENV_CA}):")
+        for name in services:
             print(f"  kvserve {name} {' '.join(flags(directory, name))} ...")
-    print("The store and prefill then accept only callers with a certificate from this CA; the front doors "
-          f"(decode or the router, and http's HTTPS) serve TLS to any caller: give clients {directory / CA_FILE} to "
-          "check them.")
+        print("The store and prefill then accept only callers with a certificate from this CA; the front doors "
+              f"(decode or the router, and http's HTTPS) serve TLS to any caller: give clients {directory / CA_FILE} "
+              "to check them.")
     tools = [name for name in written if name not in DEFAULT_NAMES]
     for name in tools:
         print(f"{directory / f'{name}.pem'} is a tool's certificate: the store accepts it like a service's, so "

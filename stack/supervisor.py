@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from client.local import LOCAL_HOSTS, Layout
 from stack.stack import (
+    METRICS_OFFSETS,
     Service,
     Stack,
     StackError,
@@ -89,17 +91,24 @@ class ServiceStatus:
     started_at: float | None  # Unix time its current process started
     last_exit: ExitStatus | None
     log: str | None
+    metrics_url: str | None = None  # its Prometheus page (`up --metrics-base-port`)
 
 
 @dataclass(frozen=True, slots=True)
 class UpStatus:
-    """DATA_DIR/up.json while `kvserve up` runs there (`kvserve stats` shows it)."""
+    """DATA_DIR/up.json while `kvserve up` runs there: what its services are doing (`kvserve stats` shows it),
+    and what a later command needs to reach them (`kvserve generate`, `chat`, `stats` and `health` read it)."""
 
     pid: int  # of `kvserve up`
     started_at: float
     updated_at: float
     front_door: str
-    services: dict[str, ServiceStatus]  # in start order: kvstore, prefill, decode
+    services: dict[str, ServiceStatus]  # in start order: kvstore, prefill, decode, http
+    insecure: bool = False  # plaintext, no tokens: the four below are None
+    credentials: str | None = None  # the folder of its CA, certificates and tokens (client/local.py's Layout)
+    ca: str | None = None  # what a client trusts (--tls-ca)
+    admin_token: str | None = None  # the admin's bearer token (--token)
+    http_url: str | None = None  # OpenAI's API, in front of decode
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +119,16 @@ class UpStatus:
             name: ServiceStatus(**{**s, "last_exit": ExitStatus(**s["last_exit"]) if s["last_exit"] else None})
             for name, s in d["services"].items()
         }
-        return cls(int(d["pid"]), d["started_at"], d["updated_at"], d["front_door"], services)
+        return cls(**{**d, "pid": int(d["pid"]), "services": services})
+
+    @property
+    def layout(self) -> Layout | None:
+        return None if self.credentials is None else Layout(Path(self.credentials))
+
+    def serves(self, addr: str) -> bool:
+        """Whether `addr` is one of its services' on this host."""
+        host, _, port = addr.rpartition(":")
+        return host in LOCAL_HOSTS and any(s.addr.rpartition(":")[2] == port for s in self.services.values())
 
 
 def read_status(data_dir: Path) -> UpStatus | None:
@@ -176,8 +194,14 @@ class Supervisor:
                 self._started(child)
 
     def status(self) -> UpStatus:
+        layout = self.stack.layout
+        names = [s.name for s in self.stack.services]
         return UpStatus(os.getpid(), self.started_at, time.time(), self.stack.addr,
-                        {c.name: self._service_status(c) for c in self.children})
+                        {c.name: self._service_status(c) for c in self.children}, insecure=layout is None,
+                        credentials=None if layout is None else str(layout.root.resolve()),
+                        ca=None if layout is None else str(layout.ca.resolve()),
+                        admin_token=None if layout is None else str(layout.admin_token.resolve()),
+                        http_url=self.stack.service("http").url if "http" in names else None)
 
     def write_status(self) -> None:
         if self.status_path is None:
@@ -275,11 +299,20 @@ class Supervisor:
         running = child.state != "waiting"
         return ServiceStatus(child.state, s.process.pid if running else None, s.addr, child.restarts,
                              s.started_at if running else None, child.last_exit,
-                             str(s.log_path) if s.log_path else None)
+                             str(s.log_path) if s.log_path else None, metrics_url(self.stack, child.name))
 
     @staticmethod
     def _say(line: str, stream: TextIO) -> None:
         print(line, file=stream, flush=True)
+
+
+def metrics_url(stack: Stack, name: str) -> str | None:
+    """Service `name`'s Prometheus page (https when the stack is secure); None without --metrics-base-port."""
+    base = stack.config.metrics_base_port
+    if base is None or name not in METRICS_OFFSETS:
+        return None
+    scheme = "http" if stack.layout is None else "https"
+    return f"{scheme}://{stack.service(name).host}:{base + METRICS_OFFSETS[name]}/metrics"
 
 
 def duration(seconds: float) -> str:

@@ -68,6 +68,22 @@ def test_up_refuses_a_taken_metrics_port(tmp_path: Path, fake_model: Path) -> No
     assert done.returncode == 1 and f"prefill metrics port {base + 1} already in use" in done.stderr, done.stderr
 
 
+def test_up_refuses_taken_ports_before_building_a_model(tmp_path: Path) -> None:
+    """Another `up` holds the ports: a second one with a data folder of its own says so at once, without
+    building that folder's tiny model first."""
+    ports = free_ports(3)
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    assert other.add_insecure_port(f"127.0.0.1:{ports[0]}") == ports[0]
+    other.start()
+    try:
+        argv = up_argv(tmp_path, tmp_path, ports)
+        done = run_up(argv[:argv.index("--model")] + argv[argv.index("--model") + 2:])  # up's own tiny model
+    finally:
+        other.stop(0)
+    assert done.returncode == 1 and f"decode port {ports[0]} already in use" in done.stderr, done.stderr
+    assert "building the tiny model" not in done.stdout and not (tmp_path / "data" / "models").exists()
+
+
 @pytest.mark.parametrize("kind", ["missing", "empty"])
 def test_up_refuses_a_model_folder_without_a_config(tmp_path: Path, kind: str) -> None:
     model = tmp_path / "no-model"
@@ -167,12 +183,16 @@ def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
 
 
 def _start_ready(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
-    """`up` and its three services' pids, once it has printed "ready:"."""
+    """`up` and its three services' pids, once it has printed "ready:", having said what it started."""
     proc = _start(tmp_path)
     services = _wait_children(proc.pid, 3)
     assert proc.stdout is not None
-    while not proc.stdout.readline().startswith("ready:"):
-        pass
+    lines = []
+    while not lines or not lines[-1].startswith("ready:"):
+        lines.append(proc.stdout.readline())
+    said = [line.split(" on ")[0] if " ready on " in line else line.strip() for line in lines[:6]]
+    assert said == ["starting kvstore ...", "kvstore ready", "starting prefill ...", "prefill ready",
+                    "starting decode ...", "decode ready"], lines
     return proc, services
 
 
@@ -193,7 +213,8 @@ def test_a_burst_of_stop_signals_stops_up_and_its_services(tmp_path: Path) -> No
         proc.send_signal(signal.SIGINT if i % 2 else signal.SIGTERM)
         i += 1
     out, err = proc.communicate(timeout=120)
-    assert out.endswith("stopped\n") and "Traceback" not in err, err
+    assert out.splitlines()[-1].startswith("stopped in ") and "Traceback" not in err, err
+    assert "stopping decode ...\nstopping prefill ...\nstopping kvstore ...\n" in out, out
     _assert_gone(services)
 
 
@@ -311,7 +332,8 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
         text = subprocess.run([KVSERVE, "stats", "--data-dir", str(data)], capture_output=True, text=True,
                               timeout=60)
         assert text.returncode == 0, text.stderr
-        rows = {line.split()[0]: line.split() for line in text.stdout.splitlines()[2:5]}
+        rows = {row[0]: row for row in map(str.split, text.stdout.splitlines())
+                if row and row[0] in ("kvstore", "prefill", "decode")}
         assert {name: (row[1], row[4]) for name, row in rows.items()} == {
             "kvstore": ("running", "1"), "prefill": ("running", "1"), "decode": ("running", "1")}, text.stdout
         final = read_status(data)
@@ -327,7 +349,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
             proc.wait()
             raise
     assert proc.returncode == 0, "".join(err.lines)
-    assert out.lines[-1] == "stopped\n"
+    assert out.lines[-1].startswith("stopped in ")
     assert not (data / "up.json").exists()
     _assert_gone(seen)
 

@@ -282,6 +282,20 @@ def test_bad_input_gets_a_precise_status(client: Client) -> None:
         client.chat([{"role": "robot", "content": "hi"}])
 
 
+def test_a_request_refused_for_bad_input_is_counted(stack: LocalStack, client: Client) -> None:
+    from client.client import InvalidArgumentError
+
+    def refused() -> float:
+        return stack.decode_metric("kvserve_decode_requests_total", outcome="invalid_argument")
+
+    before = refused()
+    with pytest.raises(InvalidArgumentError, match="temperature"):  # refused before the service takes it
+        client.generate("hi", temperature=-2.0)
+    with pytest.raises(InvalidArgumentError, match="unknown chat role"):
+        client.chat([{"role": "robot", "content": "hi"}])
+    assert refused() - before == 2
+
+
 ISSUE_METRICS = (  # issue 4, item 7; then the engine's (issue 8, item 9)
     "requests_total", "prompt_tokens_total", "cached_tokens_total", "computed_tokens_total",
     "generated_tokens_total", "ttft_seconds_bucket", "running_requests", "waiting_requests",

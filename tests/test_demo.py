@@ -18,6 +18,16 @@ def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert int(rows[0][3]) == 0 and all(int(r[3]) > 0 for r in rows[1:])
     assert "the answers were the same in all 6 turns" in out and "!" not in out
+    # what it is doing, all along: how long it takes, each service, each request of each turn, the stop
+    lines = out.splitlines()
+    assert lines[0].startswith("This takes about ") and "then 6 turns" in lines[0]
+    for name in ("kvstore", "prefill", "decode"):
+        assert f"starting {name} ..." in lines and f"stopping {name} ..." in lines
+        assert any(line.startswith(f"{name} ready on 127.0.0.1:") for line in lines), name
+    steps = [line for line in lines if line.startswith("turn ") and line.endswith(" ...")]
+    assert steps == [f"turn {t}/6, {user}: {how} the cache ..." for t, user in enumerate(["alice", "bob"] * 3, 1)
+                     for how in ("without", "with")]
+    assert lines[-1].startswith("stopped in ")
 
 
 def test_demo_reports_where_the_cached_answer_differs(capsys: pytest.CaptureFixture[str]) -> None:

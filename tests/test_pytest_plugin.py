@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client.pytest_plugin import MODEL_ENV
+from client.pytest_plugin import MODEL_ENV, SERVICES
 from tests.processes import alive
 
 pytest_plugins = ["pytester"]
@@ -110,10 +110,16 @@ def test_a_session_gets_a_real_stack_and_leaves_nothing_behind(
 ) -> None:
     monkeypatch.delenv(MODEL_ENV, raising=False)  # the tiny model, built for the session
     pytester.makepyfile(test_readme=readme_example(), test_stack=STACK_TESTS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=400)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=400)
     result.assert_outcomes(passed=3, failed=1)
 
     out = result.stdout.str()
+    # Under -q too, what it builds and starts, once, each on a line of its own.
+    started = [line for line in result.stdout.lines if line.startswith("kvserve: ")]
+    assert started[0].startswith("kvserve: building a tiny model for this session in ") and len(started) == 10
+    assert [line.split(" on ")[0] for line in started[1:9]] == [
+        f"kvserve: {what}" for name in SERVICES for what in (f"starting {name} ...", f"{name} ready")]
+    assert started[9].startswith("kvserve: stack ready in ")
     failure = out.split("test_fails_after_prefill_stopped", 1)[1]
     for name in ("kvstore", "prefill", "decode", "http"):
         assert out.count(f" kvserve {name} log ") == 1, name  # in the failed test's report only

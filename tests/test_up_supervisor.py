@@ -14,14 +14,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from client.local import Layout
 from stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
 from stack.supervisor import STATUS_FILE, Backoff, Supervisor, Unrecoverable, read_status
 from tests.polling import wait_until
-from tests.processes import memfd_inodes
+from tests.processes import free_ports, memfd_inodes
 
 FAKE_SERVICE = '''
 import argparse, os, sys, threading
@@ -54,11 +56,13 @@ threading.Event().wait()
 class Fakes:
     """Two fake services, "prefill" and "decode", in a Stack, watched by a Supervisor."""
 
-    def __init__(self, tmp: Path, backoff: Callable[[], Backoff]) -> None:
+    def __init__(self, tmp: Path, backoff: Callable[[], Backoff], **config: Any) -> None:
         self.tmp = tmp
         self.out, self.err = io.StringIO(), io.StringIO()
-        # The fakes serve plaintext: their command lines carry no TLS flags, so up's health checks ask in plaintext.
-        self.stack = Stack(StackConfig(model_dir=tmp, data_dir=tmp, insecure=True), log_dir=tmp / "logs")
+        # The fakes serve plaintext: their command lines carry no TLS flags, so up's health checks ask in plaintext
+        # (`insecure=False` in `config` changes only what the status file says).
+        self.stack = Stack(StackConfig(model_dir=tmp, data_dir=tmp, **{"insecure": True, **config}),
+                           log_dir=tmp / "logs")
         self.mode = {name: tmp / f"{name}.mode" for name in ("prefill", "decode")}
         (tmp / "logs").mkdir()
         for name, mode in self.mode.items():
@@ -99,8 +103,8 @@ def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
     made: list[Fakes] = []
 
-    def make(backoff: Callable[[], Backoff] = Backoff) -> Fakes:
-        made.append(Fakes(tmp_path, backoff))
+    def make(backoff: Callable[[], Backoff] = Backoff, **config: Any) -> Fakes:
+        made.append(Fakes(tmp_path, backoff, **config))
         return made[-1]
 
     yield make
@@ -140,7 +144,7 @@ def test_a_killed_service_is_reported_with_its_own_lines_and_started_again_on_it
     on_disk = json.loads((tmp_path / STATUS_FILE).read_text())
     assert on_disk["services"]["prefill"] | {"started_at": None} == {
         "state": "running", "pid": back.process.pid, "addr": f"127.0.0.1:{port}", "restarts": 1,
-        "started_at": None, "log": str(tmp_path / "logs" / "prefill.log"),
+        "started_at": None, "log": str(tmp_path / "logs" / "prefill.log"), "metrics_url": None,
         "last_exit": {"code": None, "signal": "SIGKILL", "at": on_disk["services"]["prefill"]["last_exit"]["at"]},
     }
     assert on_disk["services"]["decode"]["restarts"] == 0
@@ -228,6 +232,27 @@ def test_log_lines_since_an_offset_are_one_process_own(tmp_path: Path) -> None:
     assert log_lines(log, 3, offset) == ["new 2", "new 3", "new 4"]
     assert log_lines(log, 9, offset) == ["new 1", "new 2", "new 3", "new 4"]
     assert log_lines(tmp_path / "missing.log") == []
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+def test_the_status_file_says_how_to_reach_each_service(fakes: Callable[..., Fakes], tmp_path: Path,
+                                                        insecure: bool) -> None:
+    """What a later command needs (`kvserve generate`, `stats`, `health` read it): each service's address and
+    metrics page, and the CA and admin token of a secure up, or that it is insecure."""
+    f = fakes(insecure=insecure, metrics_base_port=9100)
+    up = read_status(tmp_path)
+    assert up is not None
+    layout, scheme = Layout(tmp_path.resolve()), "http" if insecure else "https"
+    assert (up.insecure, up.credentials, up.ca, up.admin_token, up.http_url) == (
+        (True, None, None, None, None) if insecure else
+        (False, str(layout.root), str(layout.ca), str(layout.admin_token), None))
+    assert {n: (s.addr, s.metrics_url) for n, s in up.services.items()} == {
+        "prefill": (f.stack.service("prefill").addr, f"{scheme}://127.0.0.1:9101/metrics"),
+        "decode": (f.stack.service("decode").addr, f"{scheme}://127.0.0.1:9100/metrics"),
+    }
+    port = f.stack.service("decode").port
+    assert up.front_door == f"127.0.0.1:{port}" and up.serves(f"localhost:{port}")
+    assert not up.serves(f"10.1.2.3:{port}") and not up.serves(f"127.0.0.1:{free_ports(1)[0]}")
 
 
 def test_read_status_ignores_a_file_whose_up_has_died(tmp_path: Path) -> None:
