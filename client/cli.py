@@ -26,13 +26,22 @@ if sys.argv[1:2] in (["generate"], ["chat"], ["stats"], ["health"]):
 import grpc  # noqa: E402
 
 from client import local  # noqa: E402
-from client.client import DEFAULT_ADDR, Client, KVServeError, Result  # noqa: E402
+from client.client import DEFAULT_ADDR, TOKEN_ENV, Client, KVServeError, Result  # noqa: E402
 from client.diagnose import Dialed, explain  # noqa: E402
-from client.health import credentials, positive_float  # noqa: E402
+from client.health import credentials, known_credentials, positive_float  # noqa: E402
 from client.metrics import parse_metrics  # noqa: E402
 from client.terminal import printable  # noqa: E402
-from stack.stack import METRICS_OFFSETS, Stack, StackConfig, StackError  # noqa: E402
-from stack.supervisor import STATUS_FILE, Supervisor, Unrecoverable, UpStatus, duration, read_status  # noqa: E402
+from stack.stack import Stack, StackConfig, StackError  # noqa: E402
+from stack.supervisor import (  # noqa: E402  # noqa: E402
+    STATUS_FILE,
+    Supervisor,
+    Unrecoverable,
+    UpStatus,
+    duration,
+    metrics_url,
+    no_up,
+    read_status,
+)
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_STORE_ADDR = "127.0.0.1:50053"
@@ -175,7 +184,8 @@ def parser() -> argparse.ArgumentParser:
                     "keeps failing (back to 0.5 s once it has served a minute); the others keep running. It "
                     "gives up (exit code 2) only when a service cannot start for a reason that lasts: bad "
                     "flags, a model it refuses, its port taken by another process. Logs go to DATA_DIR/logs; "
-                    "DATA_DIR/up.json holds each service's pid, state and restarts (`kvserve stats`).",
+                    "DATA_DIR/up.json holds each service's address, pid, state, restarts and metrics URL, the "
+                    "HTTP URL and the CA and admin token files: generate, chat, health and stats read it.",
     )
     up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                     help="models/, kvstore/ (the disk tier), logs/ and up.json live here (default %(default)s)")
@@ -334,12 +344,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda _signum, _frame: stack.service("decode").process.send_signal(signal.SIGHUP))
     supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=lambda: stop_signal != 0)
     try:
-        base = config.metrics_base_port
-        scheme = "http" if layout is None else "https"
         for s in stack.services:
-            port = None if base is None else base + METRICS_OFFSETS[s.name]
-            metrics = "" if port is None else f", metrics: {scheme}://{s.host}:{port}/metrics"
-            print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{metrics})")
+            url = metrics_url(stack, s.name)
+            print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{'' if url is None else f', metrics: {url}'})")
         how = ("plaintext, no auth (--insecure)" if layout is None else
                f"TLS, admin token in {layout.admin_token}; local clients find both")
         print(f"ready: front door at {stack.addr}, {how}  (Ctrl-C to stop)", flush=True)
@@ -377,21 +384,24 @@ class Failed(Exception):
 
 def _no_up(data_dir: Path, what: str, flag: str) -> str:
     """Said after "nothing listens at ADDR" when ADDR is a default, no `kvserve up` running on `data_dir`."""
-    return (f" (the default {what} address), and no `kvserve up` runs in {data_dir} (no {data_dir / STATUS_FILE}): "
-            f"start one with `kvserve up`, or pass {flag}")
+    return f" (the default {what} address), and {no_up(data_dir)}: start one with `kvserve up`, or pass {flag}"
 
 
-def _front_door(args: argparse.Namespace) -> Dialed:
+def _front_door(args: argparse.Namespace) -> tuple[Dialed, dict[str, Any]]:
     """Where generate and chat call: --addr, else the front door of the `kvserve up` on --data-dir, else
-    DEFAULT_ADDR; and how `Client` dials it (given no --tls-ca, with the CA of a `kvserve up` it finds
-    serving it on this host: client/local.py)."""
+    DEFAULT_ADDR; and `Client`'s token and tls_ca: the flags', else (for the up that serves the address on
+    this host, `known_credentials`) its CA and admin token."""
     up = read_status(args.data_dir)
     addr = args.addr or (up.front_door if up is not None else DEFAULT_ADDR)
-    found = local.find(addr)
-    tls_ca = args.tls_ca or (str(found.ca) if found is not None else None)
-    known = found or (up.layout if up is not None and up.serves(addr) else None)
+    known = known_credentials(addr, up)
+    tls_ca = args.tls_ca or (str(known.ca) if known is not None else None)
+    token = args.token
+    if token is None and not os.environ.get(TOKEN_ENV) and known is not None and tls_ca == str(known.ca):
+        with contextlib.suppress(OSError):  # another user's `up`: its token is not ours to read
+            token = known.admin_token.read_text(encoding="utf-8").strip()
     nobody = _no_up(args.data_dir, "front door", "--addr") if args.addr is None and up is None else ""
-    return Dialed(addr, tls_ca is not None, tls_ca, needs_token=True, known=known, nobody=nobody)
+    dialed = Dialed(addr, tls_ca is not None, tls_ca, needs_token=True, known=known, nobody=nobody)
+    return dialed, {"token": token, "tls_ca": tls_ca}
 
 
 def _stream_to_stdout(client: Client, **request: Any) -> Result:
@@ -468,8 +478,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request.update(body_options)
     else:
         request["prompt"] = args.prompt
-    dialed = _front_door(args)
-    with Client(dialed.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
+    dialed, reach = _front_door(args)
+    with Client(dialed.addr, timeout_s=args.timeout, **reach) as client:
         try:
             if args.json:
                 print(json.dumps(client.generate(**request).to_dict(), indent=2))
@@ -484,8 +494,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    dialed = _front_door(args)
-    with Client(dialed.addr, timeout_s=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
+    dialed, reach = _front_door(args)
+    with Client(dialed.addr, timeout_s=args.timeout, **reach) as client:
         print("kvserve chat: type a message; an empty line, Ctrl-D or Ctrl-C quits", file=sys.stderr)
         while True:
             try:
@@ -515,11 +525,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _scrape(url: str, layout: local.Layout | None) -> dict[str, float]:
     """The page's samples; an https page is asked presenting the admin certificate of `layout`."""
-    context = None
-    if url.startswith("https:") and layout is not None:
-        context = ssl.create_default_context(cafile=str(layout.ca))
-        context.load_cert_chain(*(str(p) for p in layout.admin_cert))
     try:
+        context = None
+        if url.startswith("https:") and layout is not None:
+            context = ssl.create_default_context(cafile=str(layout.ca))
+            context.load_cert_chain(*(str(p) for p in layout.admin_cert))
         with urllib.request.urlopen(url, timeout=5, context=context) as resp:
             return parse_metrics(resp.read().decode())
     except (OSError, ValueError) as exc:

@@ -16,7 +16,12 @@ from client import local
 from client.local import Layout
 
 Speaks = Literal["nothing", "plaintext", "tls", "mtls"]
-PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = 2.0  # to connect and shake hands
+ALERT_WAIT_S = 0.5  # for an mTLS server's alert after the handshake, on loopback or a LAN
+# gRPC's words for a call that never reached the service: only these are worth a probe. A server's own
+# UNAVAILABLE ("shutting down", "the prefill service ... is unavailable") says enough.
+TRANSPORT_FAILURES = ("Socket closed", "failed to connect", "Connection refused", "handshake", "Handshake",
+                      "connections to all backends failing")
 
 
 def speaks(addr: str, timeout_s: float = PROBE_TIMEOUT_S) -> Speaks | None:
@@ -47,6 +52,7 @@ def speaks(addr: str, timeout_s: float = PROBE_TIMEOUT_S) -> Speaks | None:
         except OSError:  # reset, closed or no answer during the handshake
             return None
         with tls:
+            tls.settimeout(ALERT_WAIT_S)
             try:
                 return "tls" if tls.recv(1) else "mtls"
             except TimeoutError:
@@ -94,6 +100,8 @@ def unavailable(dialed: Dialed, details: str) -> str | None:
         fix = f": pass --tls-ca {dialed.known.ca}" if dialed.known and str(dialed.known.ca) != dialed.tls_ca else (
             ": pass --tls-ca with the CA that signed it")
         return f"the certificate of the server at {addr} is not signed by {trusted}{fix}"
+    if "DNS" in details or not any(words in details for words in TRANSPORT_FAILURES):
+        return None
     server = speaks(addr)
     if server == "nothing":
         return f"nothing listens at {addr}{dialed.nobody or ' (connection refused)'}"
@@ -102,9 +110,9 @@ def unavailable(dialed: Dialed, details: str) -> str | None:
                 "(nor KVSERVE_TLS_CA)" + (", --tls-cert, --tls-key" if dialed.client_cert else ""))
     # Without TLS flags, `kvserve health` and `stats` ask a server of a `kvserve up` on this host with the admin
     # certificate that up registered for its port (client/local.py): say so where none is registered.
-    unregistered = "" if local.find(addr) else (
-        f" (without them, `kvserve health` and `stats` present the admin certificate of a `kvserve up` on this host "
-        f"serving {addr}: none is registered in {local.home() / 'up'})")
+    unregistered = "" if dialed.known else (
+        f" (without them, `kvserve health` and `stats` present the admin certificate of the `kvserve up` on this host "
+        f"that serves {addr}: none is registered in {local.home() / 'up'} or in --data-dir's up.json)")
     if server in ("tls", "mtls") and not dialed.tls:
         if server == "mtls":
             return (f"the server at {addr} speaks TLS and takes only callers with a certificate from its CA: pass "
@@ -114,7 +122,7 @@ def unavailable(dialed: Dialed, details: str) -> str | None:
     if server == "mtls" and not dialed.client_cert:
         return (f"the server at {addr} takes only callers with a certificate from its CA, and this call presented "
                 f"none: pass {dialed.cert_flags()}{unregistered}")
-    if server == "mtls":
+    if server == "mtls" and "Socket closed" in details:  # closed right after the handshake: the certificate
         return (f"the server at {addr} did not take the client certificate this call presented (--tls-cert): it "
                 f"takes only certificates signed by its own CA: pass {dialed.cert_flags()}")
     return None

@@ -27,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import local
 from client.diagnose import Dialed, explain
-from stack.supervisor import UpStatus, read_status
+from client.local import Layout
+from stack.supervisor import UpStatus, no_up, read_status
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
 URL_SCHEMES = ("http://", "https://")
@@ -75,18 +76,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def known_credentials(addr: str, up: UpStatus | None) -> Layout | None:
+    """The credentials of the `kvserve up` on this host that serves `addr`: those registered for its port
+    (client/local.py), else `up`'s (--data-dir's up.json) when it serves `addr`. Sending them is safe
+    even to a port another process took since: the call trusts only their CA."""
+    return local.find(addr) or (up.credentials_of(addr) if up is not None else None)
+
+
 def credentials(args: argparse.Namespace, addr: str, up: UpStatus | None = None
                 ) -> tuple[grpc.ChannelCredentials | None, Dialed]:
-    """TLS from the flags --tls-ca, --tls-cert, --tls-key of `args`; given none, the admin certificate of a
-    `kvserve up` serving `addr` on this host (client/local.py); else None (plaintext). And how that dials
-    `addr`, to explain a failure, naming the files of the `up` that serves it (the registry's, else `up` when
-    it serves `addr`). ValueError names a missing or unreadable file."""
-    found = local.find(addr)
-    known = found or (up.layout if up is not None and up.serves(addr) else None)
+    """TLS from the flags --tls-ca, --tls-cert, --tls-key of `args`; given none, the admin certificate of the
+    `kvserve up` serving `addr` on this host (`known_credentials`); else None (plaintext). And how that dials
+    `addr`, to explain a failure, naming the files of that `up`. ValueError names a missing or unreadable
+    file."""
+    known = known_credentials(addr, up)
     if args.tls_cert is None and args.tls_key is None and args.tls_ca is None:
-        if found is None:
-            return None, Dialed(addr, known=known)
-        return found.admin_credentials(), Dialed(addr, True, str(found.ca), client_cert=True, known=found)
+        if known is None:
+            return None, Dialed(addr)
+        return known.admin_credentials(), Dialed(addr, True, str(known.ca), client_cert=True, known=known)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
 
@@ -262,18 +269,20 @@ def _main_up(args: argparse.Namespace) -> int:
     """Each service of the `kvserve up` on --data-dir; the worst exit code."""
     up = read_status(args.data_dir)
     if up is None:
-        print(f"health: no `kvserve up` runs in {args.data_dir} (no {args.data_dir / 'up.json'}): give ADDR, "
-              "or start one with `kvserve up`", file=sys.stderr)
+        print(f"health: {no_up(args.data_dir)}: give ADDR, or start one with `kvserve up`", file=sys.stderr)
         return UNREACHABLE
     codes = [_main_grpc(args, s.addr, up) for name, s in up.services.items() if name != "http"]
-    if up.http_url is not None and not args.service:
+    if up.http_url is not None:
         codes.append(_main_url(args, f"{up.http_url}/health", up))
     return max(codes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.addr is None:
+        if args.service:
+            p.error("--service names a service of one server: give its ADDR")
         return _main_up(args)
     if is_url(args.addr):
         return _main_url(args, args.addr, read_status(args.data_dir))

@@ -67,7 +67,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 time_left_s=context.time_remaining(),
                 resume=tuple(request.resume_token_ids),
             )
-        except Exception as exc:  # refused before the service saw it (invalid_argument): counted here
+        except Exception as exc:  # refused before the service saw it (bad input, no valid token): counted here
             self.service.metrics.requests.labels(outcome=outcome_of(exc)).inc()
             raise
         cancel = Cancellation()

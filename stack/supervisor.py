@@ -130,6 +130,16 @@ class UpStatus:
         host, _, port = addr.rpartition(":")
         return host in LOCAL_HOSTS and any(s.addr.rpartition(":")[2] == port for s in self.services.values())
 
+    def credentials_of(self, addr: str) -> Layout | None:
+        """Its credentials, when it serves `addr` and they are all there."""
+        layout = self.layout
+        return layout if layout is not None and self.serves(addr) and layout.complete() else None
+
+
+def no_up(data_dir: Path) -> str:
+    """That no `kvserve up` runs on `data_dir`, as the commands say it."""
+    return f"no `kvserve up` runs in {data_dir} (no {data_dir / STATUS_FILE})"
+
 
 def read_status(data_dir: Path) -> UpStatus | None:
     """What the `kvserve up` running on data_dir wrote; None when there is none (or it has died)."""
