@@ -15,7 +15,6 @@ from decode_service.stopping import TokenOutput
 from handoff.requests import RequestOptions, options_from_proto, prompt_from_proto
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from rpc.auth import TenantSalts, Unauthenticated, current_tenant
-from rpc.metrics import outcome_of
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -67,8 +66,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 time_left_s=context.time_remaining(),
                 resume=tuple(request.resume_token_ids),
             )
-        except Exception as exc:  # refused before the service saw it (bad input, no valid token): counted here
-            self.service.metrics.requests.labels(outcome=outcome_of(exc)).inc()
+        except Exception as exc:  # bad input, no valid token: the service counts it, never sees the job
+            self.service.refused(exc)
             raise
         cancel = Cancellation()
         context.add_callback(cancel.cancel)

@@ -140,6 +140,10 @@ class DecodeService:
     def _store_failed(self, op: str) -> None:
         self.metrics.store_failures.labels(op=op).inc()
 
+    def refused(self, error: BaseException) -> None:
+        """Counts a request refused before it became a job (bad input, no valid token)."""
+        self.metrics.requests.labels(outcome=outcome_of(error)).inc()
+
     def generate(self, job: GenerateJob, cancel: Cancellation) -> Iterator[TokenOutput | GenerateOutcome]:
         """Streams each token as it is sampled, then the outcome. Returns early, quietly, once
         `cancel` fires (the client went away): the work it caused stops."""

@@ -369,8 +369,8 @@ OUTCOME = GenerateOutcome(
 
 @dataclass
 class FakeDecode:
-    """DecodeService's one method: yields `items`, raising `error` after them; with `block`, waits
-    after the first item until the caller cancels."""
+    """DecodeService's methods: `generate` yields `items`, raising `error` after them; with `block`, waits
+    after the first item until the caller cancels. `refused` keeps what it is told."""
 
     items: Sequence[TokenOutput | GenerateOutcome] = (TokenOutput(5, "a"), TokenOutput(6, "b", "stop"), OUTCOME)
     error: Exception | None = None
@@ -379,6 +379,10 @@ class FakeDecode:
     cancels: list[Cancellation] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancelled_at_end: list[bool] = field(default_factory=list)  # after the last item was taken
+    refusals: list[BaseException] = field(default_factory=list)
+
+    def refused(self, error: BaseException) -> None:
+        self.refusals.append(error)
 
     def generate(self, job: GenerateJob, cancel: Cancellation) -> Iterator[TokenOutput | GenerateOutcome]:
         self.jobs.append(job)
@@ -441,6 +445,7 @@ def test_generate_refuses_a_bad_request_before_calling_the_service(fields: dict[
     fake = FakeDecode()
     responses, _, code, got = stream(decode_server(fake), GENERATE, decode_pb2.GenerateRequest(**fields))
     assert (code, responses, fake.jobs) == (INVALID, [], []) and details in got, got
+    assert [str(e) for e in fake.refusals] == [got]  # counted as refused
 
 
 @pytest.mark.parametrize(

@@ -71,10 +71,16 @@ def test_loading_a_model_draws_no_progress_bar(capfd: pytest.CaptureFixture[str]
     from engine.model import load_model
 
     path = model_dir("llama")
-    capfd.readouterr()
-    load_model(path)
-    assert "Loading weights" not in capfd.readouterr().err
-    assert hf_logging.is_progress_bar_enabled()  # as it was: only the load is quiet
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as a service finds it (init_tiny_model, run earlier, turns it off)
+    try:
+        capfd.readouterr()
+        load_model(path)
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled()  # as it was: only the load is quiet
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()
 
 
 def test_certs_for_a_tool_only_print_no_service_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
