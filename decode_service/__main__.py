@@ -31,6 +31,7 @@ from rpc.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
+    core_share,
     engine_token_budget,
     env_epilog,
     exit_with_parent,
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool_events = PoolEvents()
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
-                        on_pool_change=pool_events.changed)
+                        on_pool_change=pool_events.changed, cores=core_share(args, "decode"))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
+from engine.cores import CoreShare
 from engine.hashing import Namespace
 from engine.kv_cache import KVCache, kv_cache_blocks
 from engine.kv_connector import KVConnector
@@ -87,12 +88,14 @@ class Engine:
         on_step: Callable[[StepStats], None] | None = None,
         io_threads: int = 4,
         on_pool_change: Callable[[list[BlockHash], list[BlockHash]], None] | None = None,
+        cores: CoreShare | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
         self.block_size = block_size
         self.on_step = on_step
+        self.cores = cores  # the host's cores this engine shares with other services' (engine.cores)
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self.kv_cache = KVCache(
@@ -181,12 +184,16 @@ class Engine:
     def _run_loop(self) -> None:
         while True:
             with self._cond:
+                if self.cores and not self._inbox and not self.scheduler.running:
+                    self.cores.idle()
                 while not self._stopping and not self._inbox and not self.scheduler.running:
                     self._cond.wait(_IDLE_WAKE_S)
                 if self._stopping:
                     break
             try:
                 if self.step().idle and not self._inbox:
+                    if self.cores:
+                        self.cores.idle()
                     with self._cond:  # nothing could run: wait for a load, a save, an add or an abort
                         self._cond.wait(0.05)
             except Exception as exc:  # a bug, not one request's failure: fail what was running, go on
@@ -227,7 +234,13 @@ class Engine:
         for seq in plan.to_load:
             self.connector.load(seq, self._loaded)
         if plan.scheduled:
-            self._run(plan.scheduled)
+            if self.cores:
+                self.cores.busy()
+            try:
+                self._run(plan.scheduled)
+            finally:
+                if self.cores:
+                    self.cores.step_done()
         stats = self._stats(plan)
         if self.on_pool_change is not None:
             named, evicted = self.pool.take_changes()

@@ -11,7 +11,8 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.model import Model
-from engine.paged_attention import PagedCache, PromptChunk, StepBatch, chunk_mask, install
+from engine.packed_linear import pack_linear_layers
+from engine.paged_attention import PagedCache, PromptChunk, SharedPrefixKV, StepBatch, chunk_mask, install
 from engine.sampling import sample_batch
 from engine.sequence import Sequence
 
@@ -49,9 +50,11 @@ class ModelRunner:
         self.cache = cache
         self.block_size = cache.block_size
         install(model.hf_model)
+        pack_linear_layers(model.hf_model)  # once, and before the first forward (engine.packed_linear)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
+        self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.numel() * cache.kv.element_size() // 4)
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
@@ -74,6 +77,13 @@ class ModelRunner:
                 seq.logits = row.float()
         return dict(zip(fwd.sampled, tokens, strict=True))
 
+    def _shared_key(self, seq: Sequence, n: int) -> tuple[object, ...] | None:
+        """What names the first ``n`` blocks of ``seq`` and their contents (SharedPrefixKV), or None when they
+        are not to be kept: unhashed (never shared through the pool), or too large."""
+        if len(seq.block_hashes) < n or self.cache.kv[0].nbytes * n > self.shared_kv.max_bytes:
+            return None
+        return (*seq.block_table[:n], seq.block_hashes[n - 1])
+
     def _prepare(self, scheduled: list[tuple[Sequence, int]]) -> _Forward:
         bs, device = self.block_size, self.model.device
         ids: list[int] = []
@@ -82,6 +92,7 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        decode_seqs: list[Sequence] = []
         chunks: list[PromptChunk] = []
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
@@ -95,6 +106,7 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(end)
+                decode_seqs.append(seq)
             else:
                 chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device),
                                           chunk_mask(start, end, device)))
@@ -107,6 +119,7 @@ class ModelRunner:
         if decode_rows:
             n = shared_blocks(decode_tables, decode_lens, bs) if device.type == "cpu" else 0
             if n:
+                self.shared_kv.use(self._shared_key(decode_seqs[0], n))
                 shared = torch.tensor(decode_tables[0][:n], device=device)
                 decode_tables = [t[n:] for t in decode_tables]
                 decode_lens = [length - n * bs for length in decode_lens]
@@ -126,5 +139,6 @@ class ModelRunner:
             decode_mask=decode[2] if decode else None,
             chunks=tuple(chunks),
             decode_shared=shared,
+            shared_kv=self.shared_kv,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)

@@ -47,6 +47,39 @@ class PromptChunk:
     mask: torch.Tensor | None
 
 
+class SharedPrefixKV:
+    """The keys and values of the leading blocks every decode row shares (a system prompt), gathered into
+    contiguous tensors by the first step that reads them and kept for the steps after, while the rows
+    share the same blocks: a step then gathers only each row's own blocks, and SDPA reads the shared keys
+    contiguously. At 4 streams over a 2.3k-token prompt that spared 2.3k of 3.1k keys' gather a layer.
+
+    ``key`` names the blocks and what they hold (their ids, and the prefix hash of the last, which the
+    pool keeps with that block while any row holds it): blocks freed and given to another prompt get
+    another key. One set at a time, at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.key: tuple[object, ...] | None = None
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def use(self, key: tuple[object, ...] | None) -> None:
+        """This step's shared blocks (None: not to be kept)."""
+        if key != self.key:
+            self.key = key
+            self._layers.clear()
+
+    def get(self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, kv_heads, blocks * block_size, head_dim] keys and values of ``blocks`` in ``layer``."""
+        kv = self._layers.get(layer)
+        if kv is None:
+            table = blocks[None]
+            kv = _gather(k_cache, table).contiguous(), _gather(v_cache, table).contiguous()
+            if self.key is not None:
+                self._layers[layer] = kv
+        return kv
+
+
 @dataclass(frozen=True, slots=True)
 class StepBatch:
     """Where one packed forward writes and reads KV; built once per step, read by every layer."""
@@ -62,6 +95,7 @@ class StepBatch:
     chunks: tuple[PromptChunk, ...]
     # [blocks] long: the leading blocks every decode row shares (a common system prompt), read once for all
     decode_shared: torch.Tensor | None = None
+    shared_kv: SharedPrefixKV | None = None  # those blocks' keys and values, kept across steps
 
 
 class PagedCache:
@@ -103,19 +137,20 @@ def _gather(cache_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, n * bs, h, d).transpose(1, 2)
 
 
-def _shared_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch,
-                             scale: float | None) -> torch.Tensor:
+def _shared_prefix_attention(module: torch.nn.Module, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, batch: StepBatch, scale: float | None) -> torch.Tensor:
     """Decode attention when every row shares its leading blocks (users over one system prompt): the shared
     keys are gathered and read once, by all rows' queries together, each row's own keys by its query
     alone, and the two parts merged by their log-sum-exp (cascade attention, as FlashInfer does it). At
     4 streams of 2.5k tokens over a 2.3k-token prompt that reads 4.3k keys a layer instead of 10k.
     q: [decodes, kv_heads, heads per kv head, head_dim] -> the same. CPU only (SDPA's flash kernel there
     returns the log-sum-exp)."""
-    assert batch.decode_shared is not None and batch.decode_tables is not None
+    assert batch.decode_shared is not None and batch.decode_tables is not None and batch.shared_kv is not None
     n, kv_heads, group, d = q.shape
-    shared = batch.decode_shared[None]
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    k_shared, v_shared = batch.shared_kv.get(layer, k_cache, v_cache, batch.decode_shared)
     rows = q.transpose(0, 1).reshape(1, kv_heads, n * group, d)  # every row's queries, per KV head
-    o_shared, lse_shared = _flash_cpu(rows, _gather(k_cache, shared), _gather(v_cache, shared), None, scale)
+    o_shared, lse_shared = _flash_cpu(rows, k_shared, v_shared, None, scale)
     o_shared = o_shared.reshape(kv_heads, n, group, d).transpose(0, 1)
     lse_shared = lse_shared.reshape(kv_heads, n, group).transpose(0, 1)
     tables = batch.decode_tables
@@ -159,7 +194,7 @@ def paged_attention(
         n, heads, kv_heads, d = batch.decode_rows.numel(), query.shape[1], key.shape[1], query.shape[3]
         q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
         if batch.decode_shared is not None:
-            o = _shared_prefix_attention(q, k_cache, v_cache, batch, scaling)
+            o = _shared_prefix_attention(module, q, k_cache, v_cache, batch, scaling)
         else:
             o = scaled_dot_product_attention(
                 q, _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables),

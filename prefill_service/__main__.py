@@ -26,6 +26,7 @@ from rpc.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
+    core_share,
     engine_token_budget,
     env_epilog,
     exit_with_parent,
@@ -65,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         name="prefill")
         metrics = PrefillMetrics(server.registry)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs))
+                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
+                        cores=core_share(args, "prefill"))
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

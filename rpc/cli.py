@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from engine.cores import CoreShare
 from rpc.server import Server, run_until_signal
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError
 
@@ -175,6 +176,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
                         f"\"CPU threads\"). Default, or 0: on CPU every core this process may use "
                         f"({len(usable_cores())} here), on CUDA {CUDA_THREADS} (the GPU computes, the CPU only "
                         f"feeds it)")
+    p.add_argument("--share-cores", default=None, metavar="DIR",
+                   help="a folder shared with the other compute services of this host (`kvserve up` gives one): "
+                        "this service computes on its --threads, and on theirs while they have nothing to compute "
+                        "(docs/OPERATIONS.md, \"CPU threads\"; default: off, --threads alone)")
     p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="0-19",
                    help="lower this service's CPU priority by this much at start (Unix nice), against other "
                         "work on the host that has no budget of its own (default 0)")
@@ -230,6 +235,19 @@ def engine_threads(args: argparse.Namespace) -> int:
     if args.threads:
         return int(args.threads)
     return default_threads(args.device, len(usable_cores()))
+
+
+def core_share(args: argparse.Namespace, name: str) -> CoreShare | None:
+    """The service's place in --share-cores (its lock file named `name` and the port it serves), or None:
+    not given, or on CUDA, where the GPU computes and the budget is not a share of the host's cores."""
+    if not args.share_cores or str(args.device).startswith("cuda"):
+        return None
+    torch: Any = sys.modules["torch"]
+    port = str(args.listen).rpartition(":")[2]
+    share = CoreShare(args.share_cores, f"{name}-{port}", engine_threads(args), torch.set_num_threads)
+    logging.getLogger("rpc.cli").info("sharing cores with the services in %s: %d threads of its own, more "
+                                      "while they are idle", args.share_cores, share.threads)
+    return share
 
 
 def engine_token_budget(args: argparse.Namespace) -> int:

@@ -492,8 +492,17 @@ class Stack:
         return {n: t for n, t in thread_budgets(cores, cpu, fixed).items() if n not in fixed}
 
     def _threads(self, name: str) -> list[str]:
-        budget = self.thread_budgets().get(name)
-        return [] if budget is None else ["--threads", str(budget)]
+        """--threads from the split, and --share-cores: services the split gave budgets lend each other the
+        cores of theirs while idle (engine.cores), through a folder of the data dir that `start` empties."""
+        budgets = self.thread_budgets()
+        if name not in budgets:
+            return []
+        share = ["--share-cores", str(self.cores_dir)] if len(budgets) > 1 else []
+        return ["--threads", str(budgets[name]), *share]
+
+    @property
+    def cores_dir(self) -> Path:
+        return self.config.data_dir / "cores"
 
     def store_spec(self) -> ServiceSpec:
         c = self.config
@@ -569,6 +578,7 @@ class Stack:
                     ensure_credentials(self.layout.root, self.hosts())
                 except (ValueError, OSError) as exc:  # TLSError, AuthConfigError: a half CA, a broken file
                     raise StackError(f"the credentials in {self.layout.root} cannot be used: {exc}") from None
+            shutil.rmtree(self.cores_dir, ignore_errors=True)  # an earlier run's budgets (other ports)
             store = self.add(self.store_spec())
             prefill = self.add(self.prefill_spec(store.addr))
             decode = self.add(self.decode_spec(store.addr, prefill.addr))

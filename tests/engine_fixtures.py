@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from engine.engine import Engine, StepStats
 from engine.hashing import Namespace, prefix_hashes
@@ -132,6 +133,13 @@ def run(engine: Engine, seqs: Sequence[KVSequence]) -> list[Outcome]:
     return finish(engine, seqs)
 
 
+@cache
+def stock_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """The model at ``path`` as Hugging Face loads it, for the oracle: an engine runs its own copy through its
+    own kernels (engine.packed_linear), so ``model.hf_model`` is no oracle once an engine has it."""
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+
+
 def oracle(model: Model, token_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Hugging Face ``generate`` on ``token_ids`` alone, greedy, EOS ignored: its tokens and the logits [vocab]
     of each step."""
@@ -139,7 +147,7 @@ def oracle(model: Model, token_ids: Sequence[int], max_new_tokens: int) -> tuple
     # EOS off as a keyword: in a GenerationConfig, None means "the model's default". An explicit mask:
     # generate would otherwise mask every prompt token equal to pad_token_id.
     with torch.inference_mode():
-        out = model.hf_model.generate(
+        out = stock_model(model.path, model.dtype, model.device).generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
         )

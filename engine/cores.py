@@ -1,0 +1,162 @@
+"""Cores shared by the compute services of one host: each computes on its own budget of threads, and on
+the budgets of the others while they have nothing to compute (docs/OPERATIONS.md, "CPU threads").
+
+A fixed split (prefill 1, decode 1 on two cores) keeps the two OpenMP teams from stalling at each other's
+barriers, but leaves a core idle whenever one of them computes alone: in a chat, decode computes each
+turn's new tokens itself while prefill waits for the next cold prompt. So the services of a host share a
+folder with one lock file each, named for the service and holding its budget:
+
+- a service holds its own file's lock (``flock``, exclusive) while its engine has work;
+- before each step it takes, without waiting, the lock of every other file, and computes on its own
+  budget plus those it got; after the step it lets them go;
+- so a service that gets work waits at most for one step of a peer that borrowed its cores, and the
+  threads computing at any moment never add up to more than the budgets, which add up to the cores.
+
+A lock dies with its process (the kernel drops it), so a killed peer's cores are borrowed at once and a
+restarted one takes them back. Torch is not imported here: the engine passes its thread setter.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# How long a service that gets work waits for a peer to give back its cores (one step of the peer's, normally)
+# before it computes anyway: a peer stuck in a step must not stop this one.
+TAKE_BACK_WAIT_S = 2.0
+_POLL_S = 0.001
+_WANT_AT = 16  # the byte of a lock file that says its owner is waiting for its cores ("1") or not ("0")
+
+
+class CoreShare:
+    """One compute service's place in a host's shared folder of budgets (``folder``/``name``.lock)."""
+
+    def __init__(self, folder: str | Path, name: str, threads: int, set_threads: Callable[[int], None]) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.threads = threads
+        self._set_threads = set_threads
+        path = self.folder / f"{name}.lock"
+        self._own = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._own, fcntl.LOCK_EX)  # a lock file is rewritten only by its holder
+        os.ftruncate(self._own, 0)
+        os.pwrite(self._own, f"{threads}\n".encode().ljust(_WANT_AT, b" ") + b"0", 0)
+        fcntl.flock(self._own, fcntl.LOCK_UN)
+        self._holding = False  # our own lock: held while the engine has work
+        self._peers: dict[str, int] = {}  # file name -> fd, opened as they appear
+        self._borrowed: list[int] = []  # fds of the peers' locks taken for this step
+        self._current = threads
+
+    @property
+    def current(self) -> int:
+        """The threads the service computes on now."""
+        return self._current
+
+    def busy(self) -> None:
+        """Before a step: hold our own lock (taking our cores back from a peer, waiting at most one of its
+        steps) and every idle peer's; compute on our budget plus theirs."""
+        if not self._holding:
+            self._holding = self._take_back()
+        extra = 0
+        for fd, threads in self._idle_peers():
+            self._borrowed.append(fd)
+            extra += threads
+        self._apply(self.threads + extra)
+
+    def step_done(self) -> None:
+        """After a step: give back the peers' locks (their service may start at once)."""
+        for fd in self._borrowed:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        self._borrowed.clear()
+
+    def idle(self) -> None:
+        """Nothing to compute: let go of our own lock, so that peers may compute on our cores."""
+        self.step_done()
+        if self._holding:
+            fcntl.flock(self._own, fcntl.LOCK_UN)
+            self._holding = False
+
+    def close(self) -> None:
+        self.idle()
+        for fd in [self._own, *self._peers.values()]:
+            os.close(fd)
+        self._peers.clear()
+
+    def _take_back(self) -> bool:
+        """Our own lock, waiting for the peer that borrowed it to end its step; while we wait our file says
+        so, and a peer that reads it does not borrow again."""
+        if _try_lock(self._own):
+            return True
+        os.pwrite(self._own, b"1", _WANT_AT)
+        try:
+            deadline = time.monotonic() + TAKE_BACK_WAIT_S
+            while not _try_lock(self._own):
+                if time.monotonic() > deadline:
+                    log.warning("a peer in %s held this service's cores for over %.0f s; computing anyway",
+                                self.folder, TAKE_BACK_WAIT_S)
+                    return False
+                time.sleep(_POLL_S)
+            return True
+        finally:
+            os.pwrite(self._own, b"0", _WANT_AT)
+
+    def _idle_peers(self) -> list[tuple[int, int]]:
+        """(fd, threads) of each peer whose lock this call took."""
+        taken = []
+        try:
+            names = sorted(p.name for p in os.scandir(self.folder) if p.name.endswith(".lock"))
+        except OSError:
+            return []
+        for name in names:
+            if name == f"{self.name}.lock":
+                continue
+            fd = self._peers.get(name)
+            if fd is None:
+                try:
+                    fd = self._peers[name] = os.open(self.folder / name, os.O_RDWR)
+                except OSError:
+                    continue
+            if not _try_lock(fd):
+                continue
+            threads, wanted = _read(fd)
+            if threads and not wanted:
+                taken.append((fd, threads))
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        return taken
+
+    def _apply(self, threads: int) -> None:
+        if threads != self._current:
+            self._set_threads(threads)
+            self._current = threads
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+
+
+def _read(fd: int) -> tuple[int, bool]:
+    """(the budget a peer's file names, or 0 for one not written or unreadable; whether its owner waits)."""
+    try:
+        data = os.pread(fd, _WANT_AT + 1, 0)
+        text = data[:_WANT_AT].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return 0, False
+    threads = int(text) if text.isdigit() and 0 < int(text) <= 4096 else 0
+    return threads, data[_WANT_AT:] == b"1"

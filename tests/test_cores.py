@@ -1,0 +1,99 @@
+"""engine.cores: compute services of one host lend each other their idle cores, never more than the budgets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.cores import CoreShare
+
+
+def share(folder: Path, name: str, threads: int, calls: list[int] | None = None) -> CoreShare:
+    return CoreShare(folder, name, threads, (calls if calls is not None else []).append)
+
+
+def test_a_service_alone_computes_on_its_budget(tmp_path: Path) -> None:
+    calls: list[int] = []
+    a = share(tmp_path, "decode-1", 1, calls)
+    a.busy()
+    assert a.current == 1 and calls == []  # already its budget: torch is not called
+    a.idle()
+
+
+def test_an_idle_peer_lends_its_cores_for_one_step_and_takes_them_back(tmp_path: Path) -> None:
+    calls: list[int] = []
+    decode = share(tmp_path, "decode-1", 1, calls)
+    prefill = share(tmp_path, "prefill-2", 3)
+    decode.busy()
+    assert decode.current == 4 and calls == [4]
+    decode.step_done()
+    prefill.busy()  # free again: prefill takes its cores back at once, and lends nothing (decode is busy)
+    assert prefill.current == 3
+    decode.busy()  # prefill busy: decode on its own budget
+    assert decode.current == 1 and calls == [4, 1]
+    decode.step_done()
+    prefill.idle()
+    decode.busy()
+    assert decode.current == 4
+    decode.idle()
+
+
+def test_an_owner_waits_for_the_borrowers_step_and_is_not_starved(tmp_path: Path) -> None:
+    decode = share(tmp_path, "decode-1", 1)
+    prefill = share(tmp_path, "prefill-2", 1)
+    decode.busy()
+    assert decode.current == 2
+    got = threading.Event()
+
+    def take() -> None:
+        prefill.busy()
+        got.set()
+
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    time.sleep(0.05)
+    assert not got.is_set()  # decode's step still runs on prefill's core
+    # decode ends its step and starts the next at once: prefill's file says it waits, so decode lends back
+    decode.step_done()
+    decode.busy()
+    assert decode.current == 1
+    waiter.join(2)
+    assert got.is_set() and prefill.current == 1
+    decode.step_done()
+    prefill.idle()
+
+
+def test_a_killed_peers_cores_are_borrowed_and_a_restarted_one_takes_them_back(tmp_path: Path) -> None:
+    code = ("import sys, time; from engine.cores import CoreShare; "
+            f"s = CoreShare({str(tmp_path)!r}, 'prefill-2', 2, lambda n: None); s.busy(); "
+            "print('busy', flush=True); time.sleep(60)")
+    peer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "busy"
+        decode = share(tmp_path, "decode-1", 1)
+        decode.busy()
+        assert decode.current == 1  # the peer computes
+        decode.step_done()
+        peer.kill()
+        peer.wait()
+        decode.busy()
+        assert decode.current == 3  # the kernel dropped the dead peer's lock
+        decode.step_done()
+        restarted = share(tmp_path, "prefill-2", 2)
+        restarted.busy()
+        decode.busy()
+        assert decode.current == 1
+    finally:
+        peer.kill()
+
+
+def test_a_file_without_a_budget_is_not_borrowed(tmp_path: Path) -> None:
+    (tmp_path / "junk.lock").write_text("many\n")
+    (tmp_path / "huge.lock").write_text("999999\n")
+    decode = share(tmp_path, "decode-1", 1)
+    decode.busy()
+    assert decode.current == 1
