@@ -10,8 +10,8 @@ RUN pip install --no-cache-dir torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$
 # user. The folders that compose and Kubernetes mount volumes on belong to it, so that new volumes do too
 # (/credentials and /export/*: docker-compose.yml's credentials volumes).
 RUN useradd --uid 10001 --create-home kvserve \
-    && mkdir -p /models /data /credentials /export/kvstore /export/prefill /export/decode /export/router /export/http \
-    && chown -R kvserve:kvserve /models /data /credentials /export
+    && mkdir -p /models /data /cores /credentials /export/kvstore /export/prefill /export/decode /export/router /export/http \
+    && chown -R kvserve:kvserve /models /data /cores /credentials /export
 WORKDIR /app
 COPY . .
 # EXTRAS=gpu (docker-compose.gpu.yml): cupy, for the store's device arena and CUDA IPC.

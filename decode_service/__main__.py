@@ -17,6 +17,7 @@ from decode_service.service import (
     DEFAULT_MAX_WAITING_TOKENS,
     DecodeService,
 )
+from engine.cores import service_share
 from engine.engine import Engine
 from engine.model import load_model
 from engine.scheduler import SchedulerConfig
@@ -31,7 +32,7 @@ from rpc.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
-    core_share,
+    engine_threads,
     engine_token_budget,
     env_epilog,
     exit_with_parent,
@@ -97,9 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.local_prefill_tokens < 0:
             raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
         pool_events = PoolEvents()
+        cores = service_share(args.share_cores, "decode", args.listen, engine_threads(args), args.device)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
-                        on_pool_change=pool_events.changed, cores=core_share(args, "decode"))
+                        on_pool_change=pool_events.changed, cores=cores)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

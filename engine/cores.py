@@ -12,16 +12,21 @@ folder with one lock file each, named for the service and holding its budget:
 - so a service that gets work waits at most for one step of a peer that borrowed its cores, and the
   threads computing at any moment never add up to more than the budgets, which add up to the cores.
 
-A lock dies with its process (the kernel drops it), so a killed peer's cores are borrowed at once and a
-restarted one takes them back. Torch is not imported here: the engine passes its thread setter.
+A lock dies with its process (the kernel drops it). Each service also holds a shared lock on a second
+file, ``name.alive``, for as long as it runs: a peer that finds it free knows the service is gone and
+removes both files, so a dead service's budget is never counted beside its successor's (a replaced
+container comes back under another name), and a restarted one lends its cores again.
+Torch is not imported here: the engine passes its thread setter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +40,21 @@ _POLL_S = 0.001
 _WANT_AT = 16  # the byte of a lock file that says its owner is waiting for its cores ("1") or not ("0")
 
 
+def service_share(folder: str | None, service: str, listen: str, threads: int, device: str) -> CoreShare | None:
+    """A compute service's place in ``folder`` (--share-cores), under its name, host name (a container's own)
+    and port, computing on torch's threads; None when no folder is given, or on CUDA, where the GPU computes
+    and the budget is no share of the host's cores."""
+    if not folder or str(device).startswith("cuda"):
+        return None
+    import torch  # only a service that computes on the CPU sets torch's threads
+
+    name = f"{service}-{socket.gethostname()}-{listen.rpartition(':')[2]}"
+    share = CoreShare(folder, name, threads, torch.set_num_threads)
+    log.info("sharing cores with the services in %s: %d threads of its own, more while they are idle", folder,
+             threads)
+    return share
+
+
 class CoreShare:
     """One compute service's place in a host's shared folder of budgets (``folder``/``name``.lock)."""
 
@@ -46,6 +66,7 @@ class CoreShare:
         self.name = name
         self.threads = threads
         self._set_threads = set_threads
+        self._alive = _lock_alive(self.folder / f"{name}.alive")
         path = self.folder / f"{name}.lock"
         self._own = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._own, fcntl.LOCK_EX)  # a lock file is rewritten only by its holder
@@ -88,7 +109,7 @@ class CoreShare:
 
     def close(self) -> None:
         self.idle()
-        for fd in [self._own, *self._peers.values()]:
+        for fd in [self._own, self._alive, *self._peers.values()]:
             os.close(fd)
         self._peers.clear()
 
@@ -128,6 +149,8 @@ class CoreShare:
                     continue
             if not _try_lock(fd):
                 continue
+            if self._remove_if_gone(name):
+                continue
             threads, wanted = _read(fd)
             if threads and not wanted:
                 taken.append((fd, threads))
@@ -135,10 +158,44 @@ class CoreShare:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         return taken
 
+    def _remove_if_gone(self, name: str) -> bool:
+        """Whether the service of the lock file ``name`` has exited (its alive file is free or missing); then
+        both its files are removed."""
+        stem = name.removesuffix(".lock")
+        try:
+            alive = os.open(self.folder / f"{stem}.alive", os.O_RDWR)
+        except OSError:
+            alive = -1
+        try:
+            if alive >= 0 and not _try_lock(alive):
+                return False  # it runs
+            for suffix in (".lock", ".alive"):
+                with contextlib.suppress(OSError):
+                    (self.folder / f"{stem}{suffix}").unlink()
+            os.close(self._peers.pop(name))
+            return True
+        finally:
+            if alive >= 0:
+                os.close(alive)
+
     def _apply(self, threads: int) -> None:
         if threads != self._current:
             self._set_threads(threads)
             self._current = threads
+
+
+def _lock_alive(path: Path) -> int:
+    """``path`` opened and share-locked for the life of this process; if a peer removed it as stale between
+    our open and our lock, the file there now is another: open again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def _try_lock(fd: int) -> bool:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from engine.cores import service_share
 from engine.engine import Engine
 from engine.model import load_model
 from engine.scheduler import SchedulerConfig
@@ -26,7 +27,7 @@ from rpc.cli import (
     add_model_flags,
     add_server_flags,
     configure_logging,
-    core_share,
+    engine_threads,
     engine_token_budget,
     env_epilog,
     exit_with_parent,
@@ -65,9 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         health_listen=args.health_listen, tls=tls,
                         name="prefill")
         metrics = PrefillMetrics(server.registry)
+        cores = service_share(args.share_cores, "prefill", args.listen, engine_threads(args), args.device)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
-                        cores=core_share(args, "prefill"))
+                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from engine.cores import CoreShare
 from rpc.server import Server, run_until_signal
 from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError
 
@@ -235,19 +234,6 @@ def engine_threads(args: argparse.Namespace) -> int:
     if args.threads:
         return int(args.threads)
     return default_threads(args.device, len(usable_cores()))
-
-
-def core_share(args: argparse.Namespace, name: str) -> CoreShare | None:
-    """The service's place in --share-cores (its lock file named `name` and the port it serves), or None:
-    not given, or on CUDA, where the GPU computes and the budget is not a share of the host's cores."""
-    if not args.share_cores or str(args.device).startswith("cuda"):
-        return None
-    torch: Any = sys.modules["torch"]
-    port = str(args.listen).rpartition(":")[2]
-    share = CoreShare(args.share_cores, f"{name}-{port}", engine_threads(args), torch.set_num_threads)
-    logging.getLogger("rpc.cli").info("sharing cores with the services in %s: %d threads of its own, more "
-                                      "while they are idle", args.share_cores, share.threads)
-    return share
 
 
 def engine_token_budget(args: argparse.Namespace) -> int:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from engine.cores import CoreShare
+from engine.cores import CoreShare, service_share
 
 
 def share(folder: Path, name: str, threads: int, calls: list[int] | None = None) -> CoreShare:
@@ -66,7 +67,7 @@ def test_an_owner_waits_for_the_borrowers_step_and_is_not_starved(tmp_path: Path
     prefill.idle()
 
 
-def test_a_killed_peers_cores_are_borrowed_and_a_restarted_one_takes_them_back(tmp_path: Path) -> None:
+def test_a_killed_peers_files_are_removed_and_a_restarted_one_lends_its_cores_again(tmp_path: Path) -> None:
     code = ("import sys, time; from engine.cores import CoreShare; "
             f"s = CoreShare({str(tmp_path)!r}, 'prefill-2', 2, lambda n: None); s.busy(); "
             "print('busy', flush=True); time.sleep(60)")
@@ -80,10 +81,14 @@ def test_a_killed_peers_cores_are_borrowed_and_a_restarted_one_takes_them_back(t
         decode.step_done()
         peer.kill()
         peer.wait()
-        decode.busy()
-        assert decode.current == 3  # the kernel dropped the dead peer's lock
+        decode.busy()  # the kernel dropped the dead peer's locks: its budget is no one's to lend
+        assert decode.current == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-1.alive", "decode-1.lock"]
         decode.step_done()
         restarted = share(tmp_path, "prefill-2", 2)
+        decode.busy()
+        assert decode.current == 3
+        decode.step_done()
         restarted.busy()
         decode.busy()
         assert decode.current == 1
@@ -91,9 +96,24 @@ def test_a_killed_peers_cores_are_borrowed_and_a_restarted_one_takes_them_back(t
         peer.kill()
 
 
-def test_a_file_without_a_budget_is_not_borrowed(tmp_path: Path) -> None:
-    (tmp_path / "junk.lock").write_text("many\n")
-    (tmp_path / "huge.lock").write_text("999999\n")
+def test_files_without_a_running_service_or_a_budget_are_not_borrowed(tmp_path: Path) -> None:
+    (tmp_path / "gone.lock").write_text("4\n")  # no .alive held: removed
+    (tmp_path / "gone.alive").write_text("")
     decode = share(tmp_path, "decode-1", 1)
     decode.busy()
+    assert decode.current == 1 and not (tmp_path / "gone.lock").exists()
+    decode.step_done()
+    junk = share(tmp_path, "junk", 1)  # a running service whose file says no number
+    (tmp_path / "junk.lock").write_text("many\n")
+    decode.busy()
     assert decode.current == 1
+    junk.close()
+
+
+def test_a_service_shares_only_on_a_cpu_and_under_its_host_and_port(tmp_path: Path) -> None:
+    assert service_share(None, "decode", "0.0.0.0:50051", 1, "cpu") is None
+    assert service_share(str(tmp_path), "decode", "0.0.0.0:50051", 1, "cuda:0") is None  # the GPU computes
+    share = service_share(str(tmp_path), "decode", "0.0.0.0:50051", 1, "cpu")
+    assert share is not None and share.name == f"decode-{socket.gethostname()}-50051"
+    assert (tmp_path / f"{share.name}.lock").read_bytes().split()[0] == b"1"
+    share.close()

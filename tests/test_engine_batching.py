@@ -305,3 +305,35 @@ def test_many_long_requests_in_a_quarter_of_their_memory() -> None:
     assert all(s.stats.num_loaded_tokens >= prompt_len // bs * bs for s in preempted)
     for seq, outcome in zip(seqs, outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
+
+
+def test_a_shared_prompts_kept_keys_and_values_are_read_only_while_the_same_prompt_is_shared() -> None:
+    """The shared blocks' gathered KV is kept across steps (SharedPrefixKV) under the blocks' ids and the prefix
+    hash of the last: another system prompt is read from its own blocks, and the same ids holding another
+    prefix make another key."""
+    model = tiny_model("llama")
+    system_len = (MIN_SHARED_BLOCKS + 2) * BLOCK
+    engine = make_engine(model, BLOCK, num_blocks=64)
+    engine.runner.shared_kv.max_bytes = engine.kv_cache.kv.nbytes  # kept, however small the pool
+    root = engine.namespace().root()
+    kept: list[tuple[object, ...] | None] = []
+    for phase in range(2):
+        system = random_tokens(system_len, seed=60 + phase)
+        seqs = [make_seq(model, [*system, *random_tokens(8, seed=70 + 10 * phase + i)], MAX_NEW, hash_root=root)
+                for i in range(3)]
+        for seq in seqs:
+            engine.add(seq)
+        while not all(s.num_new_tokens >= 2 for s in seqs):
+            engine.step()
+        kept.append(engine.runner.shared_kv.key)
+        for seq, outcome in zip(seqs, finish(engine, seqs), strict=True):
+            assert_matches_oracle(model, seq, outcome)
+    assert None not in kept and kept[0] != kept[1]
+    n = MIN_SHARED_BLOCKS
+    one, other = (make_seq(model, random_tokens(n * BLOCK, seed=80 + i), 1, hash_root=root) for i in range(2))
+    for seq in (one, other):
+        seq.block_table = list(range(n))
+        seq.full_block_hashes(BLOCK, n)
+    assert engine.runner._shared_key(one, n) != engine.runner._shared_key(other, n)
+    one.block_hashes = []  # never hashed: not kept
+    assert engine.runner._shared_key(one, n) is None

@@ -174,3 +174,16 @@ def test_kubernetes_pods_take_their_cpu_request_as_their_budget() -> None:
     built = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy" / "kubernetes" / "overlays" / "production")],
                            capture_output=True, text=True, timeout=120, check=True).stdout
     assert "_THREADS" not in built  # on a GPU, the CUDA default
+
+
+def test_ups_compute_services_share_one_folder_of_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Services given budgets by the split lend each other their idle cores (engine.cores); one given its own
+    budget, or on CUDA, does not take part."""
+    s = stack(tmp_path, 2)
+    shares = {flag_value(s.prefill_spec("a:1").args, "--share-cores"),
+              flag_value(s.decode_spec("a:1", "b:2").args, "--share-cores")}
+    assert shares == {str(tmp_path / "cores")}
+    assert flag_value(stack(tmp_path, 8, extra_decode_args=["--threads", "6"]).prefill_spec("a:1").args,
+                      "--share-cores") is None
+    assert flag_value(stack(tmp_path, 8, extra_decode_args=["--device", "cuda"]).prefill_spec("a:1").args,
+                      "--share-cores") is None
