@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
                          "elsewhere (default %(default)s)")
     add_server_flags(ap, listen="127.0.0.1:50051", max_workers=256)
     add_admission_flags(ap, seqs=DEFAULT_MAX_WAITING_SEQS, tokens=DEFAULT_MAX_WAITING_TOKENS)
-    add_engine_flags(ap, budget_cpu=64, budget_cuda=512,
+    add_engine_flags(ap, budget_cpu=256, budget_cuda=512,
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
     ap.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
                     help="compute a prompt here, in this service's batched step, when the part of it that neither "
