@@ -49,9 +49,10 @@ def build_prompt(target_tokens: int) -> list[dict[str, str]]:
 
 def prefill_flops(model: Model, num_tokens: int) -> float:
     """Useful FLOPs of a cold causal prefill: the decoder's matmuls plus attention scores and sums."""
-    layer_params = sum(p.numel() for name, p in model.hf_model.named_parameters()
-                       if p.dim() == 2 and "embed" not in name and "lm_head" not in name and "wte" not in name
-                       and "wpe" not in name)
+    # by module, not parameter: an engine's packed linear layers hold their weight as a plain tensor
+    layer_params = sum(w.numel() for name, m in model.hf_model.named_modules()
+                       if isinstance(w := getattr(m, "weight", None), torch.Tensor) and w.dim() == 2
+                       and "embed" not in name and "lm_head" not in name and "wte" not in name and "wpe" not in name)
     num_heads = model.hf_model.config.num_attention_heads
     attention = 2 * model.num_layers * num_heads * model.head_dim * num_tokens * (num_tokens + 1)  # QK^T, PV
     return 2.0 * layer_params * num_tokens + attention

@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.local_prefill_tokens < 0:
             raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
         pool_events = PoolEvents()
-        cores = service_share(args.share_cores, "decode", args.listen, engine_threads(args), args.device)
+        cores = service_share(args.share_cores, "decode", engine_threads(args), args.device)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
                         on_pool_change=pool_events.changed, cores=cores)

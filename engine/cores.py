@@ -40,15 +40,16 @@ _POLL_S = 0.001
 _WANT_AT = 16  # the byte of a lock file that says its owner is waiting for its cores ("1") or not ("0")
 
 
-def service_share(folder: str | None, service: str, listen: str, threads: int, device: str) -> CoreShare | None:
+def service_share(folder: str | None, service: str, threads: int, device: str) -> CoreShare | None:
     """A compute service's place in ``folder`` (--share-cores), under its name, host name (a container's own)
-    and port, computing on torch's threads; None when no folder is given, or on CUDA, where the GPU computes
-    and the budget is no share of the host's cores."""
+    and process id, computing on torch's threads; None when no folder is given, or on CUDA, where the GPU
+    computes and the budget is no share of the host's cores. A restarted service comes back under another
+    name: the first peer to look removes the files of the one that died."""
     if not folder or str(device).startswith("cuda"):
         return None
     import torch  # only a service that computes on the CPU sets torch's threads
 
-    name = f"{service}-{socket.gethostname()}-{listen.rpartition(':')[2]}"
+    name = f"{service}-{socket.gethostname()}-{os.getpid()}"
     share = CoreShare(folder, name, threads, torch.set_num_threads)
     log.info("sharing cores with the services in %s: %d threads of its own, more while they are idle", folder,
              threads)
@@ -67,16 +68,16 @@ class CoreShare:
         self.threads = threads
         self._set_threads = set_threads
         self._alive = _lock_alive(self.folder / f"{name}.alive")
-        path = self.folder / f"{name}.lock"
-        self._own = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._own, fcntl.LOCK_EX)  # a lock file is rewritten only by its holder
-        os.ftruncate(self._own, 0)
-        os.pwrite(self._own, f"{threads}\n".encode().ljust(_WANT_AT, b" ") + b"0", 0)
-        fcntl.flock(self._own, fcntl.LOCK_UN)
-        self._holding = False  # our own lock: held while the engine has work
+        self._own = os.open(self.folder / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         self._peers: dict[str, int] = {}  # file name -> fd, opened as they appear
         self._borrowed: list[int] = []  # fds of the peers' locks taken for this step
         self._current = threads
+        self._owed = False  # our cores were not given back in time: our file says we want them until they are
+        # Held from the start (the model is loaded, the pool and the packed weights are being made on our
+        # cores) until the engine first has nothing to do. The file is rewritten only by its lock's holder.
+        self._holding = self._take_back()
+        os.ftruncate(self._own, 0)
+        os.pwrite(self._own, f"{threads}\n".encode().ljust(_WANT_AT, b" ") + (b"1" if self._owed else b"0"), 0)
 
     @property
     def current(self) -> int:
@@ -85,14 +86,10 @@ class CoreShare:
 
     def busy(self) -> None:
         """Before a step: hold our own lock (taking our cores back from a peer, waiting at most one of its
-        steps) and every idle peer's; compute on our budget plus theirs."""
+        steps, TAKE_BACK_WAIT_S at worst) and every idle peer's; compute on our budget plus theirs."""
         if not self._holding:
             self._holding = self._take_back()
-        extra = 0
-        for fd, threads in self._idle_peers():
-            self._borrowed.append(fd)
-            extra += threads
-        self._apply(self.threads + extra)
+        self._apply(self.threads + self._borrow_idle_peers())
 
     def step_done(self) -> None:
         """After a step: give back the peers' locks (their service may start at once)."""
@@ -103,6 +100,9 @@ class CoreShare:
     def idle(self) -> None:
         """Nothing to compute: let go of our own lock, so that peers may compute on our cores."""
         self.step_done()
+        if self._owed:
+            os.pwrite(self._own, b"0", _WANT_AT)
+            self._owed = False
         if self._holding:
             fcntl.flock(self._own, fcntl.LOCK_UN)
             self._holding = False
@@ -115,29 +115,40 @@ class CoreShare:
 
     def _take_back(self) -> bool:
         """Our own lock, waiting for the peer that borrowed it to end its step; while we wait our file says
-        so, and a peer that reads it does not borrow again."""
+        so, and a peer that reads it does not borrow again. Past TAKE_BACK_WAIT_S we compute anyway (a peer
+        stuck in a step must not stop this service); the file keeps saying so, and each later step only
+        tries the lock once, until we hold it or go idle."""
         if _try_lock(self._own):
+            self._clear_owed()
             return True
+        if self._owed:
+            return False
         os.pwrite(self._own, b"1", _WANT_AT)
-        try:
-            deadline = time.monotonic() + TAKE_BACK_WAIT_S
-            while not _try_lock(self._own):
-                if time.monotonic() > deadline:
-                    log.warning("a peer in %s held this service's cores for over %.0f s; computing anyway",
-                                self.folder, TAKE_BACK_WAIT_S)
-                    return False
-                time.sleep(_POLL_S)
-            return True
-        finally:
-            os.pwrite(self._own, b"0", _WANT_AT)
+        deadline = time.monotonic() + TAKE_BACK_WAIT_S
+        while not _try_lock(self._own):
+            if time.monotonic() > deadline:
+                log.warning("a peer in %s held this service's cores for over %.0f s; computing anyway until it "
+                            "gives them back", self.folder, TAKE_BACK_WAIT_S)
+                self._owed = True
+                return False
+            time.sleep(_POLL_S)
+        os.pwrite(self._own, b"0", _WANT_AT)
+        return True
 
-    def _idle_peers(self) -> list[tuple[int, int]]:
-        """(fd, threads) of each peer whose lock this call took."""
-        taken = []
+    def _clear_owed(self) -> None:
+        if self._owed:
+            os.pwrite(self._own, b"0", _WANT_AT)
+            self._owed = False
+
+    def _borrow_idle_peers(self) -> int:
+        """Take the lock of each idle peer (into ``_borrowed`` at once); the threads of their budgets."""
         try:
             names = sorted(p.name for p in os.scandir(self.folder) if p.name.endswith(".lock"))
         except OSError:
-            return []
+            return 0
+        for gone in set(self._peers) - set(names):  # removed: a later file of that name is another
+            os.close(self._peers.pop(gone))
+        extra = 0
         for name in names:
             if name == f"{self.name}.lock":
                 continue
@@ -149,14 +160,18 @@ class CoreShare:
                     continue
             if not _try_lock(fd):
                 continue
+            if os.fstat(fd).st_nlink == 0:  # removed and made again since we opened it: open the new one next step
+                os.close(self._peers.pop(name))
+                continue
             if self._remove_if_gone(name):
                 continue
             threads, wanted = _read(fd)
             if threads and not wanted:
-                taken.append((fd, threads))
+                self._borrowed.append(fd)
+                extra += threads
             else:
                 fcntl.flock(fd, fcntl.LOCK_UN)
-        return taken
+        return extra
 
     def _remove_if_gone(self, name: str) -> bool:
         """Whether the service of the lock file ``name`` has exited (its alive file is free or missing); then

@@ -116,10 +116,10 @@ class ModelRunner:
         pos = torch.tensor(positions, device=device)
         decode = None
         shared = None
+        n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and device.type == "cpu" else 0
+        self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
         if decode_rows:
-            n = shared_blocks(decode_tables, decode_lens, bs) if device.type == "cpu" else 0
             if n:
-                self.shared_kv.use(self._shared_key(decode_seqs[0], n))
                 shared = torch.tensor(decode_tables[0][:n], device=device)
                 decode_tables = [t[n:] for t in decode_tables]
                 decode_lens = [length - n * bs for length in decode_lens]

@@ -21,9 +21,13 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch has oneDNN's linear kernels for ``device`` and ``dtype`` (a CPU, fp32 or bf16)."""
-    return (device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether this torch has oneDNN's linear kernels for ``device`` and ``dtype`` on this CPU (fp32, or bf16
+    where the CPU has its instructions)."""
+    if not (device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    # bf16 needs AVX-512 (or AVX-NE-CONVERT): elsewhere oneDNN refuses it, and MKL's path stays
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(torch.nn.Module):

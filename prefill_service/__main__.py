@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         health_listen=args.health_listen, tls=tls,
                         name="prefill")
         metrics = PrefillMetrics(server.registry)
-        cores = service_share(args.share_cores, "prefill", args.listen, engine_threads(args), args.device)
+        cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes

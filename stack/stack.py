@@ -497,7 +497,9 @@ class Stack:
         budgets = self.thread_budgets()
         if name not in budgets:
             return []
-        share = ["--share-cores", str(self.cores_dir)] if len(budgets) > 1 else []
+        cores = self.config.cores if self.config.cores is not None else host_cores()
+        # not on one core, where each already has a thread of its own on it
+        share = ["--share-cores", str(self.cores_dir)] if len(budgets) > 1 and sum(budgets.values()) <= cores else []
         return ["--threads", str(budgets[name]), *share]
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,11 +10,17 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from engine import cores
 from engine.cores import CoreShare, service_share
 
 
 def share(folder: Path, name: str, threads: int, calls: list[int] | None = None) -> CoreShare:
-    return CoreShare(folder, name, threads, (calls if calls is not None else []).append)
+    """A service that has started and has nothing to compute yet (it holds its cores until then)."""
+    s = CoreShare(folder, name, threads, (calls if calls is not None else []).append)
+    s.idle()
+    return s
 
 
 def test_a_service_alone_computes_on_its_budget(tmp_path: Path) -> None:
@@ -103,17 +110,75 @@ def test_files_without_a_running_service_or_a_budget_are_not_borrowed(tmp_path: 
     decode.busy()
     assert decode.current == 1 and not (tmp_path / "gone.lock").exists()
     decode.step_done()
-    junk = share(tmp_path, "junk", 1)  # a running service whose file says no number
+    junk = share(tmp_path, "junk", 1)  # a running, idle service whose file says no number
     (tmp_path / "junk.lock").write_text("many\n")
     decode.busy()
     assert decode.current == 1
     junk.close()
 
 
-def test_a_service_shares_only_on_a_cpu_and_under_its_host_and_port(tmp_path: Path) -> None:
-    assert service_share(None, "decode", "0.0.0.0:50051", 1, "cpu") is None
-    assert service_share(str(tmp_path), "decode", "0.0.0.0:50051", 1, "cuda:0") is None  # the GPU computes
-    share = service_share(str(tmp_path), "decode", "0.0.0.0:50051", 1, "cpu")
-    assert share is not None and share.name == f"decode-{socket.gethostname()}-50051"
+def test_a_service_shares_only_on_a_cpu_and_under_its_host_and_process(tmp_path: Path) -> None:
+    assert service_share(None, "decode", 1, "cpu") is None
+    assert service_share(str(tmp_path), "decode", 1, "cuda:0") is None  # the GPU computes
+    share = service_share(str(tmp_path), "decode", 1, "cpu")
+    assert share is not None and share.name == f"decode-{socket.gethostname()}-{os.getpid()}"
     assert (tmp_path / f"{share.name}.lock").read_bytes().split()[0] == b"1"
     share.close()
+
+
+def test_a_starting_service_holds_its_cores_until_it_is_first_idle(tmp_path: Path) -> None:
+    starting = CoreShare(tmp_path, "prefill-2", 1, lambda n: None)  # loading its model, making its pool
+    decode = share(tmp_path, "decode-1", 1)
+    decode.busy()
+    assert decode.current == 1
+    decode.step_done()
+    starting.idle()
+    decode.busy()
+    assert decode.current == 2
+
+
+def test_cores_not_given_back_in_time_stay_wanted_and_are_taken_without_waiting_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cores, "TAKE_BACK_WAIT_S", 0.05)
+    decode = share(tmp_path, "decode-1", 1)
+    prefill = share(tmp_path, "prefill-2", 1)
+    prefill.busy()  # a long step on decode's core
+    assert prefill.current == 2
+    began = time.monotonic()
+    decode.busy()  # waits, then computes anyway
+    decode.step_done()
+    decode.busy()  # the next step does not wait again
+    assert time.monotonic() - began < 1.0
+    prefill.step_done()
+    prefill.busy()  # decode's file says it wants its core: prefill does not take it again
+    assert prefill.current == 1
+    decode.busy()
+    assert decode._holding
+    decode.idle()
+    prefill.step_done()
+    prefill.busy()
+    assert prefill.current == 2
+
+
+def test_a_peer_made_again_under_its_name_is_not_borrowed_through_the_old_file(tmp_path: Path) -> None:
+    """Three services: one dies, another removes its files, it comes back under the same name; the third,
+    which had the old file open, must not lend itself the new one's cores while it computes."""
+    r = share(tmp_path, "decode-1", 1)
+    p = share(tmp_path, "prefill-2", 2)
+    r.busy()
+    assert r.current == 3  # r has p's file open now
+    r.step_done()
+    p.close()  # p dies
+    q = share(tmp_path, "prefill-3", 1)
+    q.busy()  # q finds p gone and removes its files
+    q.step_done()
+    q.busy()
+    p_again = CoreShare(tmp_path, "prefill-2", 2, lambda n: None)
+    p_again.busy()
+    r.busy()
+    assert r.current == 1
+    r.step_done()
+    p_again.idle()
+    q.idle()
+    r.busy()
+    assert r.current == 4  # the new file, opened afresh

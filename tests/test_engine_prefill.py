@@ -30,6 +30,7 @@ from tests.engine_fixtures import (
     oracle,
     random_tokens,
     run,
+    stock_model,
     tiny_model,
 )
 
@@ -84,8 +85,9 @@ def test_the_pool_holds_hugging_face_keys_and_values_token_major(cold: Cold) -> 
     assert save.kv.shape == (8, m.num_layers, 2, BLOCK, m.num_kv_heads, m.head_dim) and save.kv.dtype == m.dtype
     assert len(cold.store.blocks) == 7  # full blocks only: a tail is request-scoped
     cache = DynamicCache(config=m.hf_model.config)
-    with torch.inference_mode():
-        m.hf_model(input_ids=torch.tensor([PROMPT]), use_cache=True, **{m.cache_keyword: cache})
+    with torch.inference_mode():  # Hugging Face's own model: an engine's runs through its packed layers
+        stock_model(m.path, m.dtype, m.device)(input_ids=torch.tensor([PROMPT]), use_cache=True,
+                                               **{m.cache_keyword: cache})
     kv = _tokens(save.kv)[:, :, :61]
     for layer, cache_layer in enumerate(cache.layers):
         keys, values = layer_kv(cache_layer)  # [1, kv_heads, tokens, head_dim]

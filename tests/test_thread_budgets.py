@@ -187,3 +187,4 @@ def test_ups_compute_services_share_one_folder_of_cores(tmp_path: Path, monkeypa
                       "--share-cores") is None
     assert flag_value(stack(tmp_path, 8, extra_decode_args=["--device", "cuda"]).prefill_spec("a:1").args,
                       "--share-cores") is None
+    assert flag_value(stack(tmp_path, 1).decode_spec("a:1", "b:2").args, "--share-cores") is None  # 1 + 1 already
