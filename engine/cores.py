@@ -59,16 +59,21 @@ def service_share(folder: str | None, service: str, threads: int, device: str) -
 class CoreShare:
     """One compute service's place in a host's shared folder of budgets (``folder``/``name``.lock)."""
 
-    def __init__(self, folder: str | Path, name: str, threads: int, set_threads: Callable[[int], None]) -> None:
+    def __init__(self, folder: str | Path, name: str, threads: int, set_threads: Callable[[int], None],
+                 cores: int | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # its services' user's alone
         self.name = name
         self.threads = threads
         self._set_threads = set_threads
+        # never more threads than this process's cores (default: its affinity), whatever a file in the folder says
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._most = max(threads, cores)
         self._alive = _lock_alive(self.folder / f"{name}.alive")
-        self._own = os.open(self.folder / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self._own = os.open(self.folder / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         self._peers: dict[str, int] = {}  # file name -> fd, opened as they appear
         self._borrowed: list[int] = []  # fds of the peers' locks taken for this step
         self._current = threads
@@ -194,6 +199,7 @@ class CoreShare:
                 os.close(alive)
 
     def _apply(self, threads: int) -> None:
+        threads = min(threads, self._most)
         if threads != self._current:
             self._set_threads(threads)
             self._current = threads
@@ -203,7 +209,7 @@ def _lock_alive(path: Path) -> int:
     """``path`` opened and share-locked for the life of this process; if a peer removed it as stale between
     our open and our lock, the file there now is another: open again."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:

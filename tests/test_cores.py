@@ -16,9 +16,10 @@ from engine import cores
 from engine.cores import CoreShare, service_share
 
 
-def share(folder: Path, name: str, threads: int, calls: list[int] | None = None) -> CoreShare:
-    """A service that has started and has nothing to compute yet (it holds its cores until then)."""
-    s = CoreShare(folder, name, threads, (calls if calls is not None else []).append)
+def share(folder: Path, name: str, threads: int, calls: list[int] | None = None, cores: int = 64) -> CoreShare:
+    """A service that has started and has nothing to compute yet (it holds its cores until then), on a host of
+    `cores` cores."""
+    s = CoreShare(folder, name, threads, (calls if calls is not None else []).append, cores)
     s.idle()
     return s
 
@@ -127,7 +128,7 @@ def test_a_service_shares_only_on_a_cpu_and_under_its_host_and_process(tmp_path:
 
 
 def test_a_starting_service_holds_its_cores_until_it_is_first_idle(tmp_path: Path) -> None:
-    starting = CoreShare(tmp_path, "prefill-2", 1, lambda n: None)  # loading its model, making its pool
+    starting = CoreShare(tmp_path, "prefill-2", 1, lambda n: None, 64)  # loading its model, making its pool
     decode = share(tmp_path, "decode-1", 1)
     decode.busy()
     assert decode.current == 1
@@ -173,7 +174,7 @@ def test_a_peer_made_again_under_its_name_is_not_borrowed_through_the_old_file(t
     q.busy()  # q finds p gone and removes its files
     q.step_done()
     q.busy()
-    p_again = CoreShare(tmp_path, "prefill-2", 2, lambda n: None)
+    p_again = CoreShare(tmp_path, "prefill-2", 2, lambda n: None, 64)
     p_again.busy()
     r.busy()
     assert r.current == 1
@@ -182,3 +183,11 @@ def test_a_peer_made_again_under_its_name_is_not_borrowed_through_the_old_file(t
     q.idle()
     r.busy()
     assert r.current == 4  # the new file, opened afresh
+
+
+def test_a_file_claiming_more_threads_than_the_cores_lends_no_more_than_the_cores(tmp_path: Path) -> None:
+    greedy = share(tmp_path, "prefill-2", 4000)
+    decode = share(tmp_path, "decode-1", 1, cores=4)
+    decode.busy()
+    assert decode.current == 4
+    greedy.close()
