@@ -59,6 +59,11 @@ def parser() -> argparse.ArgumentParser:
     add_admission_flags(ap, seqs=DEFAULT_MAX_WAITING_SEQS, tokens=DEFAULT_MAX_WAITING_TOKENS)
     add_engine_flags(ap, budget_cpu=256, budget_cuda=512,
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
+    ap.add_argument("--long-prompt-chunk", type=int, default=None, metavar="N",
+                    help="while streams run, a prompt this service computes that needs more than one step "
+                         "(--max-num-batched-tokens) gets at most N tokens a step, so the streams' steps stay "
+                         "short; a chat turn that fits one step is not held back. 0: no cap (default 64 on CPU, "
+                         "0 on CUDA, whose steps cost about the same up to hundreds of tokens)")
     ap.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
                     help="compute a prompt here, in this service's batched step, when the part of it that neither "
                          "this service's KV pool nor the store holds is at most N tokens (a chat's next turn), "
@@ -68,6 +73,20 @@ def parser() -> argparse.ArgumentParser:
                          "(default: none, the call has the caller's deadline)")
     add_auth_flags(ap)
     return ap
+
+
+# A 2,000-token prompt computed here among 16 streams raised their ITL p99 2.5-2.6x in chunks of 64, 3-5x
+# in decode's CPU steps of 256 (BENCHMARKS.md, "Decode throughput and chunked prefill").
+DEFAULT_LONG_PROMPT_CHUNK_CPU = 64
+
+
+def long_prompt_chunk(args: argparse.Namespace) -> int:
+    """--long-prompt-chunk, or its default for --device (CPU 64, CUDA 0: no cap)."""
+    if args.long_prompt_chunk is not None:
+        if args.long_prompt_chunk < 0:
+            raise ValueError(f"--long-prompt-chunk must be >= 0, got {args.long_prompt_chunk}")
+        return int(args.long_prompt_chunk)
+    return 0 if str(args.device).startswith("cuda") else DEFAULT_LONG_PROMPT_CHUNK_CPU
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool_events = PoolEvents()
         cores = service_share(args.share_cores, "decode", engine_threads(args), args.device)
         engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs),
+                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs,
+                                               long_prompt_chunk(args)),
                         on_pool_change=pool_events.changed, cores=cores)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)

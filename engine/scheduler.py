@@ -32,8 +32,14 @@ from protos.block_hash import BlockHash
 class SchedulerConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
+    # While sequences decode, a prompt with more tokens left than one step holds (a document, a cold system
+    # prompt) gets at most this many a step, so the streams' steps stay short; one that fits a step (a chat
+    # turn) is computed in that step. 0: no cap (vLLM's long_prefill_token_threshold is the same idea).
+    long_prompt_chunk: int = 0
 
     def __post_init__(self) -> None:
+        if self.long_prompt_chunk < 0:
+            raise ValueError(f"long_prompt_chunk must be at least 0, got {self.long_prompt_chunk}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -107,10 +113,11 @@ class Scheduler:
             if seq.status is Status.RUNNING and self._grow(seq, out):
                 out.scheduled.append((seq, 1))
                 budget -= 1
+        streams = bool(out.scheduled)
         for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]:
             self._coalesce(seq, out)  # spends no budget, and frees the blocks it had reserved for them
             if budget:
-                budget -= self._schedule_prompt(seq, budget, out)
+                budget -= self._schedule_prompt(seq, self._chunk(seq, budget, streams), out)
         while budget and self.waiting and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.saving or not self._admit(seq):
@@ -121,10 +128,17 @@ class Scheduler:
             if seq.status is Status.LOADING:
                 out.to_load.append(seq)
             else:
-                budget -= self._schedule_prompt(seq, budget, out)
+                budget -= self._schedule_prompt(seq, self._chunk(seq, budget, streams), out)
         out.num_prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                                     for s, n in out.scheduled)
         return out
+
+    def _chunk(self, seq: Sequence, budget: int, streams: bool) -> int:
+        """The most of ``seq``'s prompt this step may take (SchedulerConfig.long_prompt_chunk)."""
+        cap = self.config.long_prompt_chunk
+        if cap and streams and len(seq.token_ids) - seq.num_computed_tokens > self.config.max_num_batched_tokens:
+            return min(budget, cap)
+        return budget
 
     def _schedule_prompt(self, seq: Sequence, budget: int, out: Schedule) -> int:
         """Schedule up to ``budget`` of ``seq``'s next tokens, stopping before blocks another sequence is

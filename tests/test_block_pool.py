@@ -463,3 +463,21 @@ def test_no_block_is_leaked_by_cancellations_failures_and_preemptions() -> None:
 def test_a_token_budget_below_the_sequence_cap_is_refused() -> None:
     with pytest.raises(ValueError, match="must be at least max_num_seqs"):
         SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=64)
+
+
+def test_while_streams_decode_a_long_prompt_is_capped_and_one_that_fits_a_step_is_not() -> None:
+    sched = Scheduler(_pool(64), 4, SchedulerConfig(16, 8, long_prompt_chunk=4))
+    stream = _seq(2)
+    sched.add(stream)
+    _step(sched, _schedule(sched))  # its prompt, then it decodes
+    turn, document = _seq(10, 100), _seq(40, 200)  # a chat turn fits a step of 16; the document does not
+    sched.add(turn)
+    sched.add(document)
+    plan = _schedule(sched)
+    assert plan.scheduled == [(stream, 1), (turn, 10), (document, 4)]
+    _step(sched, plan)
+    assert _schedule(sched).scheduled == [(stream, 1), (turn, 1), (document, 4)]  # the turn decodes too now
+    sched.finish(stream)
+    sched.finish(turn)
+    plan = _schedule(sched)  # no stream left decoding: the document takes the budget
+    assert plan.scheduled == [(document, 16)]
