@@ -137,7 +137,8 @@ def run(engine: Engine, seqs: Sequence[KVSequence]) -> list[Outcome]:
 def stock_model(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
     """The model at ``path`` as Hugging Face loads it, for the oracle: an engine runs its own copy through its
     own kernels (engine.packed_linear), so ``model.hf_model`` is no oracle once an engine has it."""
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
 
 
 def oracle(model: Model, token_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:

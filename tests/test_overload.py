@@ -22,7 +22,7 @@ import pytest
 from client import AsyncClient, Client
 from client.client import KVServeError, Result
 from client.metrics import parse_metrics
-from stack.stack import Service, Stack, StackConfig, start_service, stop_service
+from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, start_service, stop_service
 from tests.processes import HealthProbe, free_port_run, free_ports, rss_anon
 from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
 
@@ -241,8 +241,14 @@ def test_a_decode_replica_killed_mid_stream_is_continued_on_the_other(deployment
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
         for t in threads:
             t.start()
-        for _ in threads:
+        for _ in range(3):
             assert under_way.acquire(timeout=120)
+        # Kill A while it streams: waiting for every stream to be under way let the first ones finish first.
+        a_metrics = (deployment.node.config.metrics_base_port or 0) + METRICS_OFFSETS["decode"]
+        deadline = time.monotonic() + 60
+        while deployment.metric(a_metrics, "kvserve_decode_running_requests") < 1:
+            assert time.monotonic() < deadline, "no stream reached replica A"
+            time.sleep(0.005)
         deployment.node.service("decode").process.kill()
         for t in threads:
             t.join()
