@@ -54,7 +54,7 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
-        self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.numel() * cache.kv.element_size() // 4)
+        self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
