@@ -134,11 +134,12 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, budget: int, streams: bool) -> int:
-        """The most of ``seq``'s prompt this step may take (SchedulerConfig.long_prompt_chunk)."""
+        """The most of ``seq``'s prompt this step may take (SchedulerConfig.long_prompt_chunk): a prompt is long
+        by what it had left when first scheduled, so its last chunk, which would fit a step, is capped too."""
+        if seq.long_prompt is None:
+            seq.long_prompt = len(seq.token_ids) - seq.num_computed_tokens > self.config.max_num_batched_tokens
         cap = self.config.long_prompt_chunk
-        if cap and streams and len(seq.token_ids) - seq.num_computed_tokens > self.config.max_num_batched_tokens:
-            return min(budget, cap)
-        return budget
+        return min(budget, cap) if cap and streams and seq.long_prompt else budget
 
     def _schedule_prompt(self, seq: Sequence, budget: int, out: Schedule) -> int:
         """Schedule up to ``budget`` of ``seq``'s next tokens, stopping before blocks another sequence is

@@ -105,6 +105,9 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks registered in the pool under their hash
     num_computed_tokens: int = 0
+    # more prompt left, when first scheduled, than one step holds: chunked to the scheduler's long_prompt_chunk
+    # while streams decode, to its last chunk; None until then
+    long_prompt: bool | None = None
     status: Status = Status.WAITING
     aborting: str | None = None  # "save" or "drop", set while LOADING
     saving: bool = False  # a preemption's save is in flight; not admitted until it lands

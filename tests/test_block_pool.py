@@ -477,7 +477,11 @@ def test_while_streams_decode_a_long_prompt_is_capped_and_one_that_fits_a_step_i
     assert plan.scheduled == [(stream, 1), (turn, 10), (document, 4)]
     _step(sched, plan)
     assert _schedule(sched).scheduled == [(stream, 1), (turn, 1), (document, 4)]  # the turn decodes too now
-    sched.finish(stream)
     sched.finish(turn)
+    for _ in range(7):  # 4 + 7 * 4 = 32 of its 40: the 8 left would fit a step, and still go 4 a step
+        _step(sched, _schedule(sched))
+    assert document.num_computed_tokens == 32
+    assert _schedule(sched).scheduled == [(stream, 1), (document, 4)]
+    sched.finish(stream)
     plan = _schedule(sched)  # no stream left decoding: the document takes the budget
-    assert plan.scheduled == [(document, 16)]
+    assert plan.scheduled == [(document, 8)]
