@@ -11,10 +11,11 @@ The stack started here runs decode with --local-prefill-tokens 0, so that this p
 measured: by default decode would compute so few new tokens itself (docs/DESIGN.md, "Local prefill").
 Each measurement has a fresh prefix under a fresh cache salt; `--repeats` of them, after an untimed one.
 
-Baseline, measured in the same run before the stack starts (`python -m bench.prefill baselines`
-in a subprocess): the same model in one process over a DynamicCache of a prefix of the same length,
-computing the new tokens and the first token ("in-process reuse"), then one decode step; the same
-repeats after an untimed one.
+Baseline, measured in the same run before the stack starts and again after it stops (`python -m
+bench.prefill baselines` in a subprocess, alone on the cores): the same model in one process over a
+DynamicCache of a prefix of the same length, computing the new tokens and the first token ("in-process
+reuse"), then one decode step; the same repeats each time, after an untimed one, and the p50 over both,
+so that the machine's drift over the run weighs on both sides.
 
 Figures: TTFT p50, min and max of both, and the gap from the first token to the second (the stack's
 decode fetching the prompt's blocks, against one decode step); the server's own TTFT and prefill time
@@ -140,10 +141,12 @@ TIMING_COLUMNS = [
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    with Progress(3 + 1 + args.repeats, "handoff: in-process baseline", quiet=args.quiet) as progress:
-        baseline = ttft_baselines(args.model, [(args.prefix_tokens, args.new_tokens)], args.repeats, full=False,
-                                  untimed=1, device=args.device, dtype=args.dtype)
-        base = baseline["turns"][0]
+    def in_process() -> dict[str, Any]:
+        return ttft_baselines(args.model, [(args.prefix_tokens, args.new_tokens)], args.repeats, full=False,
+                              untimed=1, device=args.device, dtype=args.dtype)
+
+    with Progress(4 + 1 + args.repeats, "handoff: in-process baseline", quiet=args.quiet) as progress:
+        baseline = in_process()
         progress.step(label="handoff: starting the stack")
         # The hand-off itself: with the stack's default --local-prefill-tokens, decode would compute these
         # few new tokens itself and prefill would never be asked.
@@ -160,6 +163,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append(measure(client, writer, target, args, rng))
                     progress.step()
             metrics = bool(target.metrics_urls)
+        progress.step(label="handoff: in-process baseline again")
+        after = in_process()  # the machine's drift over the run, on both sides
+    base = {k: baseline["turns"][0][k] + after["turns"][0][k] for k in ("reuse_s", "decode_step_s")}
     totals: dict[str, float] = {}
     for r in runs:
         for k, v in r.pop("metrics").items():
@@ -242,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     add_record_key_flag(ap)
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="in the store (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=32, help="computed after it (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=5, help="(default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=9,
+                    help="of the stack, and of the baseline before it and after it (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="of the random prompts (default %(default)s)")
     add_output_flags(ap)
     args = ap.parse_args(argv)
