@@ -45,6 +45,7 @@ class PromptChunk:
     # [num_tokens, context_len] bool, query i seeing keys 0 .. context_len - num_tokens + i; None: that causal
     # mask aligned to the lower right, applied by the kernel (see chunk_mask)
     mask: torch.Tensor | None
+    sampled: bool = False  # the step samples a token from its last token's logits (the prompt's end)
 
 
 class SharedPrefixKV:
@@ -96,6 +97,10 @@ class StepBatch:
     # [blocks] long: the leading blocks every decode row shares (a common system prompt), read once for all
     decode_shared: torch.Tensor | None = None
     shared_kv: SharedPrefixKV | None = None  # those blocks' keys and values, kept across steps
+    # The model's last layer, where only the rows whose logits are sampled are computed (past it nothing reads
+    # the others): a chunk's attention for its sampled last token alone, none for one that samples nothing.
+    # Its keys and values are written for every token all the same. -1: every row, as in every layer.
+    last_layer: int = -1
 
 
 class PagedCache:
@@ -202,17 +207,24 @@ def paged_attention(
             )  # [decodes, kv_heads, heads per kv head, head_dim]
         out[batch.decode_rows] = o.reshape(n, heads, d)
     for c in batch.chunks:
-        q = query[:, :, c.start : c.start + c.num_tokens]  # [1, heads, n, head_dim]
+        start, end = c.start, c.start + c.num_tokens
+        if layer == batch.last_layer:  # the chunk's rows past this layer: its sampled last one, if any
+            out[start:end] = 0
+            if not c.sampled:
+                continue
+            start = end - 1  # which sees every key: no mask
+        causal = end - start > 1
+        q = query[:, :, start:end]  # [1, heads, n, head_dim]
         if c.context_len == c.num_tokens:  # no earlier context: the chunk's own keys, causal
-            k, v = key[:, :, c.start : c.start + c.num_tokens], value[:, :, c.start : c.start + c.num_tokens]
-            o = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            k, v = key[:, :, c.start : end], value[:, :, c.start : end]
+            o = scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scaling, enable_gqa=gqa)
         else:
             table = c.block_table[None]
             k = _gather(k_cache, table)[:, :, : c.context_len]  # [1, kv_heads, context, head_dim]
             v = _gather(v_cache, table)[:, :, : c.context_len]
-            mask = c.mask if c.mask is not None else causal_lower_right(c.num_tokens, c.context_len)
+            mask = (c.mask if c.mask is not None else causal_lower_right(c.num_tokens, c.context_len)) if causal else None
             o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        out[c.start : c.start + c.num_tokens] = o[0].transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out[None], None
 
 
