@@ -61,8 +61,8 @@ def parser() -> argparse.ArgumentParser:
                      why="smaller keeps the running streams' inter-token latency flat while a prompt is recomputed here, larger recomputes it sooner")
     ap.add_argument("--long-prompt-chunk", type=int, default=None, metavar="N",
                     help="while streams run, a prompt this service computes that needs more than one step "
-                         "(--max-num-batched-tokens) gets at most N tokens a step, so the streams' steps stay "
-                         "short; a chat turn that fits one step is not held back. 0: no cap (default 64 on CPU, "
+                         "(--max-num-batched-tokens) gets at most N tokens a step, its last chunk too, so the streams' "
+                         "steps stay short; a chat turn that fits one step is not held back. 0: no cap (default 64 on CPU, "
                          "0 on CUDA, whose steps cost about the same up to hundreds of tokens)")
     ap.add_argument("--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS, metavar="N",
                     help="compute a prompt here, in this service's batched step, when the part of it that neither "

@@ -41,7 +41,7 @@ class LastLayerRows:
     """Hooks on the MLP of the model's last layer that, within ``only(rows)``, run it over those rows alone
     (the tokens whose logits the step samples) and give zeros for the others, which nothing past the last
     layer reads. With paged_attention's ``StepBatch.last_layer`` this spares a prompt chunk's last layer
-    but for one row: an eighth of a chunk's compute in an 8-layer model. One per model (``of``), its rows
+    but for one row: most of an eighth of a chunk's compute in an 8-layer model. One per model (``of``), its rows
     per thread: engines may share a model."""
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
