@@ -44,7 +44,7 @@ class LastLayerRows:
     but for one row: most of an eighth of a chunk's compute in an 8-layer model. One per model (``of``), its rows
     per thread: engines may share a model."""
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: Any) -> None:
         self.layer = int(hf_model.config.num_hidden_layers) - 1
         self._step = threading.local()
         mlp = self._mlp(hf_model)
@@ -53,7 +53,7 @@ class LastLayerRows:
             mlp.register_forward_hook(self._widen)
 
     @classmethod
-    def of(cls, hf_model: torch.nn.Module) -> LastLayerRows:
+    def of(cls, hf_model: Any) -> LastLayerRows:
         rows = hf_model.__dict__.get("_kvserve_last_layer_rows")
         if rows is None:
             rows = hf_model.__dict__["_kvserve_last_layer_rows"] = cls(hf_model)
