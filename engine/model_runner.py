@@ -40,23 +40,31 @@ def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> 
 class LastLayerRows:
     """Hooks on the MLP of the model's last layer that, within ``only(rows)``, run it over those rows alone
     (the tokens whose logits the step samples) and give zeros for the others, which nothing past the last
-    layer reads. With paged_attention's ``StepBatch.last_layer`` this spares a prompt chunk's last layer
-    but for one row: most of an eighth of a chunk's compute in an 8-layer model. One per model (``of``), its rows
-    per thread: engines may share a model."""
+    layer reads. With paged_attention's ``StepBatch.last_layer`` this spares a prompt chunk's attention and
+    MLP in the last layer but for one row (its projections and norms still run for every row): most of an
+    eighth of a chunk's compute in an 8-layer model. One per MLP module (``of``), its rows per thread:
+    engines may share a model. An MLP called otherwise than on one [1, tokens, hidden] tensor is left whole."""
 
-    def __init__(self, hf_model: Any) -> None:
-        self.layer = int(hf_model.config.num_hidden_layers) - 1
+    def __init__(self, mlp: torch.nn.Module | None, layer: int) -> None:
+        self.layer = layer
         self._step = threading.local()
-        mlp = self._mlp(hf_model)
         if mlp is not None:
             mlp.register_forward_pre_hook(self._narrow)
             mlp.register_forward_hook(self._widen)
 
     @classmethod
     def of(cls, hf_model: Any) -> LastLayerRows:
-        rows = hf_model.__dict__.get("_kvserve_last_layer_rows")
+        """The hooks of ``hf_model``'s last layer (the highest attention ``layer_idx``, as paged_attention
+        counts them), registered once: on the MLP of the module that holds that attention."""
+        layer = max((m.layer_idx for m in hf_model.modules() if isinstance(getattr(m, "layer_idx", None), int)),
+                    default=-1)
+        mlp = next((m.mlp for m in hf_model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)
+                    and any(getattr(c, "layer_idx", None) == layer for c in m.children())), None)
+        if mlp is None:
+            return cls(None, layer)  # attention alone is narrowed
+        rows = mlp.__dict__.get("_kvserve_last_layer_rows")
         if rows is None:
-            rows = hf_model.__dict__["_kvserve_last_layer_rows"] = cls(hf_model)
+            rows = mlp.__dict__["_kvserve_last_layer_rows"] = cls(mlp, layer)
         return rows
 
     @contextlib.contextmanager
@@ -67,28 +75,21 @@ class LastLayerRows:
         finally:
             self._step.rows = None
 
-    def _mlp(self, hf_model: torch.nn.Module) -> torch.nn.Module | None:
-        """The ``mlp`` of the module whose attention is the last layer's (LlamaDecoderLayer, GPT2Block...)."""
-        for module in hf_model.modules():
-            mlp = getattr(module, "mlp", None)
-            if isinstance(mlp, torch.nn.Module) and any(
-                    getattr(child, "layer_idx", None) == self.layer for child in module.children()):
-                return mlp
-        return None
-
     def _narrow(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         rows = getattr(self._step, "rows", None)
-        if rows is None:
+        self._step.shape = None
+        if rows is None or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
             return None
         self._step.shape = tuple(args[0].shape)  # [1, tokens, hidden]
-        return (args[0][:, rows], *args[1:])
+        return (args[0][:, rows],)
 
-    def _widen(self, module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
-        rows = getattr(self._step, "rows", None)
-        if rows is None:
+    def _widen(self, module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> torch.Tensor | None:
+        shape = getattr(self._step, "shape", None)
+        if shape is None:
             return None
-        full = out.new_zeros((*self._step.shape[:-1], out.shape[-1]))
-        full[:, rows] = out
+        self._step.shape = None
+        full = out.new_zeros((*shape[:-1], out.shape[-1]))
+        full[:, self._step.rows] = out
         return full
 
 

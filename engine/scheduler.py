@@ -32,9 +32,10 @@ from protos.block_hash import BlockHash
 class SchedulerConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
-    # While sequences decode, a prompt with more tokens left than one step holds (a document, a cold system
-    # prompt) gets at most this many a step, so the streams' steps stay short; one that fits a step (a chat
-    # turn) is computed in that step. 0: no cap (vLLM's long_prefill_token_threshold is the same idea).
+    # While sequences decode, a prompt with more tokens left, when its first chunk is scheduled, than one step
+    # holds (a document, a cold system prompt) gets at most this many a step, its last chunk too, so the
+    # streams' steps stay short; one that fits a step (a chat turn) is computed in that step. 0: no cap
+    # (vLLM's long_prefill_token_threshold is the same idea).
     long_prompt_chunk: int = 0
 
     def __post_init__(self) -> None:
@@ -134,21 +135,26 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, budget: int, streams: bool) -> int:
-        """The most of ``seq``'s prompt this step may take (SchedulerConfig.long_prompt_chunk): a prompt is long
-        by what it had left when first scheduled, so its last chunk, which would fit a step, is capped too."""
-        if seq.long_prompt is None:
-            seq.long_prompt = len(seq.token_ids) - seq.num_computed_tokens > self.config.max_num_batched_tokens
+        """The most of ``seq``'s prompt this step may take (SchedulerConfig.long_prompt_chunk)."""
         cap = self.config.long_prompt_chunk
-        return min(budget, cap) if cap and streams and seq.long_prompt else budget
+        return min(budget, cap) if cap and streams and self._long(seq) else budget
+
+    def _long(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt had more tokens left than one step holds when its first chunk was scheduled
+        (until then: has now), so that its last chunk, which would fit a step, is capped too."""
+        if seq.long_prompt is not None:
+            return seq.long_prompt
+        return len(seq.token_ids) - seq.num_computed_tokens > self.config.max_num_batched_tokens
 
     def _schedule_prompt(self, seq: Sequence, budget: int, out: Schedule) -> int:
         """Schedule up to ``budget`` of ``seq``'s next tokens, stopping before blocks another sequence is
-        computing; how many (0: it waits for them)."""
+        computing; how many (0: it waits for them, and may take them from the pool after)."""
         end = min(len(seq.token_ids), seq.num_computed_tokens + budget)
         if seq.hash_root is not None:
             end = min(end, self._claim(seq))
         n = end - seq.num_computed_tokens
         if n:
+            seq.long_prompt = self._long(seq)
             out.scheduled.append((seq, n))
         return n
 
@@ -256,6 +262,7 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_registered_blocks = 0
+        seq.long_prompt = None  # what it has left when admitted again decides
         seq.stats.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

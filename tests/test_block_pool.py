@@ -485,3 +485,27 @@ def test_while_streams_decode_a_long_prompt_is_capped_and_one_that_fits_a_step_i
     sched.finish(stream)
     plan = _schedule(sched)  # no stream left decoding: the document takes the budget
     assert plan.scheduled == [(document, 8)]
+
+
+def test_a_prompt_is_long_by_what_it_has_left_when_its_first_tokens_are_scheduled() -> None:
+    """A prompt waiting for blocks another is computing is judged once it gets tokens: the shared part then
+    comes from the pool, and what is left may fit a step. A preempted one is judged again."""
+    sched = Scheduler(_pool(64), 4, SchedulerConfig(16, 8, long_prompt_chunk=4))
+    stream = _seq(2)
+    sched.add(stream)
+    _step(sched, _schedule(sched))
+    first = _seq(48, 1000, cached=True)
+    second = _seq(40, 1000, cached=True)
+    second.token_ids += list(range(5000, 5008))  # the same 40 tokens, then 8 of its own
+    sched.add(first)
+    sched.add(second)
+    for _ in range(10):  # first computes the 40 shared tokens 4 a step; second waits for them
+        plan = _schedule(sched)
+        assert (first, 4) in plan.scheduled and all(s is not second for s, _ in plan.scheduled)
+        _step(sched, plan)
+    assert first.long_prompt is True and second.long_prompt is None
+    plan = _schedule(sched)  # second takes the 40 from the pool; its 8 fit a step
+    assert (second, 8) in plan.scheduled and second.long_prompt is False
+    out = Schedule()
+    sched.preempt(first, out)
+    assert first.long_prompt is None

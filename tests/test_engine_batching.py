@@ -14,7 +14,7 @@ import torch
 
 from engine.engine import RequestTooLarge, StepStats
 from engine.model import load_model
-from engine.model_runner import MIN_SHARED_BLOCKS, shared_blocks
+from engine.model_runner import MIN_SHARED_BLOCKS, LastLayerRows, shared_blocks
 from engine.sampling import SamplingParams
 from engine.sequence import Finished
 from engine.sequence import Sequence as KVSequence
@@ -343,24 +343,32 @@ def test_a_shared_prompts_kept_keys_and_values_are_read_only_while_the_same_prom
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_last_layer_computes_only_the_sampled_rows(arch: str) -> None:
     """A prompt chunk's last layer runs its MLP over the rows whose logits are sampled: none for a chunk in
-    the middle of a prompt, one for the chunk that ends it, one per decode row; every other layer over every
-    token. The tokens still equal the oracle's (KV of every token is written in every layer)."""
+    the middle of a prompt, one for the chunk that ends it, one per decode row beside it; every other layer
+    over every token. The tokens still equal the oracle's (KV of every token is written in every layer)."""
     model = tiny_model(arch)
-    engine = make_engine(model, BLOCK, 64, max_num_batched_tokens=16, max_num_seqs=4)
-    runner = engine.runner.last_layer_rows
     layers = [m for m in model.hf_model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)]
+    first_mlp, last_mlp = layers[0].mlp, layers[-1].mlp
     seen: dict[str, list[int]] = {"first": [], "last": []}
-    first_mlp, last_mlp = layers[0].mlp, runner._mlp(model.hf_model)
-    assert last_mlp is layers[-1].mlp
     hooks = [first_mlp.register_forward_pre_hook(lambda _m, a: seen["first"].append(a[0].shape[1])),
              last_mlp.register_forward_pre_hook(lambda _m, a: seen["last"].append(a[0].shape[1]))]
     try:
-        seq = make_seq(model, random_tokens(40, seed=7), 3)
-        (outcome,) = run(engine, [seq])
+        engine = make_engine(model, BLOCK, 64, max_num_batched_tokens=16, max_num_seqs=4)
+        assert engine.runner.last_layer_rows is LastLayerRows.of(model.hf_model)  # its hooks registered once
+        alone = make_seq(model, random_tokens(40, seed=7), 3)
+        (outcome,) = run(engine, [alone])
+        # 40 prompt tokens in steps of 16, 16 and 8 (the first token sampled there), then 2 decode steps
+        assert (seen["first"], seen["last"]) == ([16, 16, 8, 1, 1], [0, 0, 1, 1, 1])
+        assert_matches_oracle(model, alone, outcome)
+
+        seen["first"].clear()
+        seen["last"].clear()
+        short, long = make_seq(model, random_tokens(6, seed=8), 5), make_seq(model, random_tokens(40, seed=9), 3)
+        outcomes = run(engine, [short, long])
+        # short's 6 tokens and 10 of long's; short decoding beside 15 of long's, twice (long's first token
+        # sampled in the second); then both decode, every row sampled
+        assert (seen["first"], seen["last"]) == ([16, 16, 16, 2, 2], [1, 1, 2, 2, 2])
+        for seq, out in zip([short, long], outcomes, strict=True):
+            assert_matches_oracle(model, seq, out)
     finally:
         for h in hooks:
             h.remove()
-    # 40 prompt tokens in steps of 16, 16 and 8 (the first token sampled there), then 2 decode steps
-    assert seen["first"] == [16, 16, 8, 1, 1]
-    assert seen["last"] == [0, 0, 1, 1, 1]
-    assert_matches_oracle(model, seq, outcome)
