@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-# A 2,000-token prompt computed here among 16 streams raised their ITL p99 2.5-2.6x in chunks of 64, 3-5x
-# in decode's CPU steps of 256 (BENCHMARKS.md, "Decode throughput and chunked prefill").
+# A 2,000-token prompt computed here among 16 streams raised their ITL p99 3-5x in decode's CPU steps of 256,
+# 1.6-2.2x capped at 64 a step to its last chunk (BENCHMARKS.md, "Decode throughput and chunked prefill").
 DEFAULT_LONG_PROMPT_CHUNK_CPU = 64
 
 

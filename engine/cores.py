@@ -105,9 +105,7 @@ class CoreShare:
     def idle(self) -> None:
         """Nothing to compute: let go of our own lock, so that peers may compute on our cores."""
         self.step_done()
-        if self._owed:
-            os.pwrite(self._own, b"0", _WANT_AT)
-            self._owed = False
+        self._clear_owed()
         if self._holding:
             fcntl.flock(self._own, fcntl.LOCK_UN)
             self._holding = False
