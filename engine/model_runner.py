@@ -16,7 +16,15 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.packed_linear import pack_linear_layers
-from engine.paged_attention import PagedCache, PromptChunk, SharedPrefixKV, StepBatch, chunk_mask, install
+from engine.paged_attention import (
+    OwnKV,
+    PagedCache,
+    PromptChunk,
+    SharedPrefixKV,
+    StepBatch,
+    chunk_mask,
+    install,
+)
 from engine.sampling import sample_batch
 from engine.sequence import Sequence
 
@@ -115,6 +123,7 @@ class ModelRunner:
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
+        self.own_kv = OwnKV(max_bytes=cache.kv.nbytes // 2)
         self.last_layer_rows = LastLayerRows.of(model.hf_model)
 
     @torch.inference_mode()
@@ -178,20 +187,32 @@ class ModelRunner:
         pos = torch.tensor(positions, device=device)
         decode = None
         shared = None
-        n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and device.type == "cpu" else 0
+        cpu = device.type == "cpu"
+        n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and cpu else 0
         self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
+        own = None
         if decode_rows:
             if n:
                 shared = torch.tensor(decode_tables[0][:n], device=device)
                 decode_tables = [t[n:] for t in decode_tables]
                 decode_lens = [length - n * bs for length in decode_lens]
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
+            order = self.own_kv.prepare(self.cache, [s.seq_id for s in decode_seqs], decode_tables, decode_lens,
+                                        n) if cpu else None
+            if order is not None:  # the rows in the order of their slots there
+                own = self.own_kv
+                decode_rows, decode_lens = [decode_rows[i] for i in order], [decode_lens[i] for i in order]
+                keys, tables = own.width, None
+            else:
+                width = max(len(t) for t in decode_tables)
+                keys = width * bs
+                tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
-            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            mask = (torch.arange(keys, device=device)[None, :] < lens[:, None])[:, None, None, :]
             if n:  # the CPU flash kernel's additive mask, in the query's dtype
                 mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype, device=device).masked_fill(~mask, -torch.inf)
             decode = (torch.tensor(decode_rows, device=device), tables, mask)
+        else:
+            self.own_kv.drop()
         batch = StepBatch(
             cache=self.cache,
             slot_blocks=torch.tensor(slot_blocks, device=device),
@@ -202,6 +223,7 @@ class ModelRunner:
             chunks=tuple(chunks),
             decode_shared=shared,
             shared_kv=self.shared_kv,
+            own_kv=own,
             last_layer=self.last_layer_rows.layer if len(logit_rows) < len(ids) else -1,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)
