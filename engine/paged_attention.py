@@ -90,11 +90,13 @@ class OwnKV:
     tokens the gather was a quarter of a decode step, and SDPA read what it had just copied.
 
     One tensor [layers, 2, slots, kv_heads, capacity, head_dim]: the step's rows in slots ``0 .. rows - 1``,
-    in the order ``prepare`` gives them. A row that joins (its prompt just computed, or back after a step
-    without it, or the shared blocks changed) is copied in from the pool once; the rows that stay move down
-    into the slots of those that left. Past a row's tokens its slot holds zeros: the mask hides those keys,
-    but a NaN left there by another row would still turn the row's output into NaN. At most ``max_bytes``;
-    a step whose rows need more gathers them as before. CPU only, as SharedPrefixKV."""
+    in the order ``prepare`` gives them. A row that joins (its prompt just computed, back after a step
+    without it, or when the number of shared blocks changed, which moves where its own tokens start) is
+    copied in from the pool once; the rows that stay move down into the slots of those that left. Past a
+    row's tokens its slot holds zeros: the mask hides those keys, but a NaN left there by another row would
+    still turn the row's output into NaN. It grows with headroom up to ``max_bytes`` (for a moment, while the
+    rows are copied into a larger one, both are held) and is kept once grown; a step whose rows need more
+    gathers them as before. CPU only, as SharedPrefixKV."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -114,7 +116,8 @@ class OwnKV:
                 base: int) -> list[int] | None:
         """Slots for this step's decode rows (sequence ids ``seqs``; their blocks past ``base`` shared ones, and
         their own tokens, this step's included): the rows' indices in slot order, or None when they do not fit
-        ``max_bytes`` (nothing kept). Rows that decoded in the previous step keep their slot; rows gone free theirs."""
+        ``max_bytes`` (nothing kept). Rows that decoded in the previous step keep their keys and values (packed
+        down into the slots of rows gone); the others are copied in."""
         if base != self.base:
             self.base = base
             self.drop()
@@ -124,6 +127,7 @@ class OwnKV:
         assert self.buf is not None
         slot_of = {seq: slot for slot, seq in enumerate(self.seqs)}
         kept = [i for i, seq in enumerate(seqs) if seq in slot_of and self.lens[slot_of[seq]] == lens[i] - 1]
+        self.drop()  # until the slots below are filled: a failure half-way keeps nothing
         # the kept rows first, packed to slots 0 .. kept - 1 in the order of the slots they hold (a row past that
         # moves down into a free one: one copy); then the rows joining, copied in from the pool
         order = sorted(kept, key=lambda i: slot_of[seqs[i]])
@@ -154,25 +158,19 @@ class OwnKV:
         return k[:rows, :, : self.width], v[:rows, :, : self.width]
 
     def _fit(self, cache: KVCache, rows: int, width: int) -> bool:
-        """Room for ``rows`` rows of ``width`` tokens (grown with headroom, the kept rows copied over)."""
+        """Room for ``rows`` rows of ``width`` tokens: the dimension short of it grows by a quarter at least (rows
+        gain a token a step), the kept rows copied over. False when that passes ``max_bytes``: the step gathers."""
         _, layers, _, bs, heads, dim = cache.kv.shape
-        if self.buf is not None and self.buf.shape[2] >= rows and self.buf.shape[4] >= width:
+        have_slots, have_capacity = (self.buf.shape[2], self.buf.shape[4]) if self.buf is not None else (0, 0)
+        if rows <= have_slots and width <= have_capacity:
             return True
-        per_token = layers * 2 * heads * dim * cache.kv.dtype.itemsize
-        slots, capacity = rows, -(-width // bs) * bs
-        if self.buf is not None:  # grow by a quarter at least: rows gain a token a step
-            slots = max(slots, self.buf.shape[2] + self.buf.shape[2] // 4)
-            capacity = max(capacity, -(-(self.buf.shape[4] * 5 // 4) // bs) * bs)
-        if slots * capacity * per_token > self.max_bytes:  # no headroom: nothing kept is copied over
-            self.buf = None
-            self.drop()
-            slots, capacity = rows, -(-width // bs) * bs
-            if slots * capacity * per_token > self.max_bytes:
-                return False
+        slots = have_slots if rows <= have_slots else max(rows, have_slots * 5 // 4)
+        capacity = have_capacity if width <= have_capacity else -(-max(width, have_capacity * 5 // 4) // bs) * bs
+        if slots * capacity * layers * 2 * heads * dim * cache.kv.dtype.itemsize > self.max_bytes:
+            return False
         buf = torch.zeros((layers, 2, slots, heads, capacity, dim), dtype=cache.kv.dtype, device=cache.kv.device)
-        if self.buf is not None and self.seqs:
-            held = len(self.seqs)
-            buf[:, :, :held, :, : self.buf.shape[4]] = self.buf[:, :, :held]
+        if self.buf is not None:
+            buf[:, :, :have_slots, :, :have_capacity] = self.buf
         self.buf = buf
         return True
 

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from engine.engine import Engine, RequestTooLarge, StepStats
+from engine.kv_cache import KVCache
 from engine.model import Model, load_model
 from engine.model_runner import MIN_SHARED_BLOCKS, LastLayerRows, shared_blocks
+from engine.paged_attention import OwnKV
 from engine.sampling import SamplingParams
 from engine.sequence import Finished
 from engine.sequence import Sequence as KVSequence
@@ -406,6 +408,29 @@ def test_decode_rows_read_their_own_keys_and_values_kept_across_steps(arch: str)
     copied, steps = _streams_with_own_kv(model, room=True)
     assert 4 <= copied <= 12 < steps
     assert _streams_with_own_kv(model, room=False)[0] == 0
+
+
+def test_own_kv_keeps_nothing_after_a_step_that_failed_to_fill_it() -> None:
+    """A row copied in failing half-way through OwnKV.prepare (the step then fails, and the engine retries each
+    row alone) leaves nothing kept: a row that had moved to another slot is copied in again from the pool,
+    never read from where another row's keys now lie."""
+    cache = KVCache(8, num_layers=2, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    tables = {a: [2 * a, 2 * a + 1] for a in range(4)}  # rows 0..3, 8 tokens of blocks each
+    own = OwnKV(max_bytes=1 << 20)
+    assert own.prepare(cache, [0, 1, 2], [tables[a] for a in (0, 1, 2)], [5, 5, 5], base=0) == [0, 1, 2]
+    copy_in = own._copy_in
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    own._copy_in = fail  # type: ignore[method-assign,assignment]
+    with pytest.raises(RuntimeError):  # rows 1 and 2 move down to slots 0 and 1, then row 3's copy fails
+        own.prepare(cache, [1, 2, 3], [tables[a] for a in (1, 2, 3)], [6, 6, 5], base=0)
+    own._copy_in = copy_in  # type: ignore[method-assign]
+    own.prepare(cache, [1], [tables[1]], [6], base=0)  # row 1 retried alone
+    pool = cache.kv.index_select(0, torch.tensor(tables[1])).permute(1, 2, 4, 0, 3, 5).flatten(3, 4)
+    assert own.buf is not None and torch.equal(own.buf[:, :, 0, :, :5], pool[:, :, :, :5])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
