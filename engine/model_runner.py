@@ -31,13 +31,16 @@ from engine.sequence import Sequence
 MIN_SHARED_BLOCKS = 8  # fewer shared blocks than this are read per row: a second attention call costs more
 
 
-def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int, before: list[int] | None = None) -> int:
     """How many leading blocks every decode row's table holds in common (a prompt they share, from the pool's
     prefix cache), when at least MIN_SHARED_BLOCKS and two rows; else 0. Only blocks wholly before each
-    row's last token: the block a row writes this step is its own."""
-    if len(tables) < 2:
-        return 0
+    row's last token: the block a row writes this step is its own. One row alone keeps ``before``, the
+    blocks shared in the step before, if it holds them: the last stream of a round over a system prompt
+    goes on reading it apart, and its own keys and values (OwnKV) keep starting where they did."""
     limit = min((length - 1) // block_size for length in lens)
+    if len(tables) < 2:
+        k = len(before or [])
+        return k if k and k <= limit and tables[0][:k] == before else 0
     first = tables[0]
     n = 0
     while n < limit and all(t[n] == first[n] for t in tables):
@@ -124,6 +127,7 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
         self.own_kv = OwnKV(max_bytes=cache.kv.nbytes // 2)
+        self._shared: list[int] = []  # the blocks the decode rows shared in the latest step
         self.last_layer_rows = LastLayerRows.of(model.hf_model)
 
     @torch.inference_mode()
@@ -188,7 +192,8 @@ class ModelRunner:
         decode = None
         shared = None
         cpu = device.type == "cpu"
-        n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and cpu else 0
+        n = shared_blocks(decode_tables, decode_lens, bs, self._shared) if decode_rows and cpu else 0
+        self._shared = decode_tables[0][:n] if n else []
         self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
         own = None
         if decode_rows:

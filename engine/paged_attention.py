@@ -93,8 +93,8 @@ class OwnKV:
     in the order ``prepare`` gives them. A row that joins (its prompt just computed, back after a step
     without it, or when the number of shared blocks changed, which moves where its own tokens start) is
     copied in from the pool once; the rows that stay move down into the slots of those that left. Past a
-    row's tokens its slot holds zeros: the mask hides those keys, but a NaN left there by another row would
-    still turn the row's output into NaN. It grows with headroom up to ``max_bytes`` (for a moment, while the
+    row's tokens its slot holds zeros (cleared as far as an earlier row wrote): the mask hides those keys,
+    but a NaN left there by another row would still turn the row's output into NaN. It grows with headroom up to ``max_bytes`` (for a moment, while the
     rows are copied into a larger one, both are held) and is kept once grown; a step whose rows need more
     gathers them as before. CPU only, as SharedPrefixKV."""
 
@@ -107,6 +107,7 @@ class OwnKV:
         self.width = 0  # this step's longest row
         self._slots: torch.Tensor | None = None  # this step's rows: their slots and the new token's place
         self._positions: torch.Tensor | None = None
+        self._written: list[int] = []  # per slot: past this, zeros (rows wrote only below it)
 
     def drop(self) -> None:
         """No row is kept (a step without decode rows: a row decoding after it may have been recomputed)."""
@@ -134,13 +135,17 @@ class OwnKV:
         for slot, i in enumerate(order):
             held = slot_of[seqs[i]]
             if held != slot:
-                self.buf[:, :, slot] = self.buf[:, :, held]
+                end = max(self._written[held], self._written[slot])
+                self.buf[:, :, slot, :, :end] = self.buf[:, :, held, :, :end]
+                self._written[slot] = self._written[held]
         kept_set = set(kept)
         joined = [i for i in range(len(seqs)) if i not in kept_set]
         for slot, i in enumerate(joined, start=len(order)):
             self._copy_in(cache, slot, tables[i], lens[i] - 1)
         order += joined
         self.seqs, self.lens = [seqs[i] for i in order], [lens[i] for i in order]
+        for slot, length in enumerate(self.lens):  # this step writes each row's token at length - 1
+            self._written[slot] = max(self._written[slot], length)
         self.width = max(lens)
         device = self.buf.device
         self._slots = torch.arange(len(order), device=device)
@@ -172,21 +177,22 @@ class OwnKV:
         if self.buf is not None:
             buf[:, :, :have_slots, :, :have_capacity] = self.buf
         self.buf = buf
+        self._written += [0] * (slots - have_slots)
         return True
 
     def _copy_in(self, cache: KVCache, slot: int, table: list[int], num_tokens: int) -> None:
-        """The first ``num_tokens`` own tokens of a row, from its blocks in the pool, into ``slot``; zeros after."""
+        """The first ``num_tokens`` own tokens of a row, from its blocks in the pool, into ``slot``; zeros after,
+        as far as another row wrote there."""
         assert self.buf is not None
-        self.buf[:, :, slot, :, num_tokens:] = 0
-        if not num_tokens:
-            return
         bs = cache.block_size
         blocks = -(-num_tokens // bs)
-        src = cache.kv.index_select(0, torch.tensor(table[:blocks], device=cache.kv.device))
-        layers, _, _, heads, dim = src.shape[1:]
-        # [blocks, layers, 2, bs, heads, dim] -> [layers, 2, heads, blocks * bs, dim]
-        src = src.permute(1, 2, 4, 0, 3, 5).reshape(layers, 2, heads, blocks * bs, dim)
-        self.buf[:, :, slot, :, :num_tokens] = src[:, :, :, :num_tokens]
+        if blocks:
+            src = cache.kv.index_select(0, torch.tensor(table[:blocks], device=cache.kv.device))
+            # [blocks, layers, 2, bs, heads, dim] -> [layers, 2, heads, blocks, bs, dim], one copy
+            self.buf[:, :, slot, :, : blocks * bs].unflatten(3, (blocks, bs)).copy_(src.permute(1, 2, 4, 0, 3, 5))
+        end = max(blocks * bs, self._written[slot])
+        self.buf[:, :, slot, :, num_tokens:end] = 0
+        self._written[slot] = num_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -204,6 +204,10 @@ def test_shared_blocks_are_the_common_leading_full_blocks() -> None:
     a, b = [*common, 1, 2], [*common, 3]
     assert shared_blocks([a, b], [len(a) * BLOCK, len(b) * BLOCK], BLOCK) == m + 2
     assert shared_blocks([a], [len(a) * BLOCK], BLOCK) == 0  # one row: nothing to share
+    # ... but the last row of those that shared blocks in the step before keeps reading them apart
+    assert shared_blocks([a], [len(a) * BLOCK], BLOCK, before=a[:m]) == m
+    assert shared_blocks([b], [len(b) * BLOCK], BLOCK, before=[9, *a[1:m]]) == 0  # it does not hold them
+    assert shared_blocks([a], [m * BLOCK], BLOCK, before=a[:m]) == 0  # the last of them is the one it writes
     assert shared_blocks([a, b], [len(a) * BLOCK, (m + 2) * BLOCK], BLOCK) == m + 1  # b's last block is its own
     assert shared_blocks([a, [*common[: m - 1], 7, 8, 9]], [len(a) * BLOCK, 99 * BLOCK], BLOCK) == 0  # too few
 
