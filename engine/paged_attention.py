@@ -83,6 +83,9 @@ class SharedPrefixKV:
         return kv
 
 
+MIN_SLOTS, MIN_TOKENS = 8, 256  # OwnKV's smallest tensor: rows, and tokens a row
+
+
 class OwnKV:
     """Each decode row's own keys and values (its tokens past the blocks every row shares), kept contiguous
     from one step to the next, so that a step reads them in place instead of gathering them from the pool's
@@ -92,11 +95,12 @@ class OwnKV:
     One tensor [layers, 2, slots, kv_heads, capacity, head_dim]: the step's rows in slots ``0 .. rows - 1``,
     in the order ``prepare`` gives them. A row that joins (its prompt just computed, back after a step
     without it, or when the number of shared blocks changed, which moves where its own tokens start) is
-    copied in from the pool once; the rows that stay move down into the slots of those that left. Past a
+    copied in from the pool once; a row that stays keeps its slot, but one past the number kept, which moves
+    into the slot of a row that left (so a row leaving costs one copy, not a shift of those after it). Past a
     row's tokens its slot holds zeros (cleared as far as an earlier row wrote): the mask hides those keys,
-    but a NaN left there by another row would still turn the row's output into NaN. It grows with headroom up to ``max_bytes`` (for a moment, while the
-    rows are copied into a larger one, both are held) and is kept once grown; a step whose rows need more
-    gathers them as before. CPU only, as SharedPrefixKV."""
+    but a NaN left there by another row would still turn the row's output into NaN. It grows with headroom
+    up to ``max_bytes`` (for a moment, while the rows are copied into a larger one, both are held) and is
+    kept once grown; a step whose rows need more gathers them as before. CPU only, as SharedPrefixKV."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -117,8 +121,8 @@ class OwnKV:
                 base: int) -> list[int] | None:
         """Slots for this step's decode rows (sequence ids ``seqs``; their blocks past ``base`` shared ones, and
         their own tokens, this step's included): the rows' indices in slot order, or None when they do not fit
-        ``max_bytes`` (nothing kept). Rows that decoded in the previous step keep their keys and values (packed
-        down into the slots of rows gone); the others are copied in."""
+        ``max_bytes`` (nothing kept). Rows that decoded in the previous step keep their keys and values (those
+        past the kept rows' count moved into the slots of rows gone); the others are copied in."""
         if base != self.base:
             self.base = base
             self.drop()
@@ -129,15 +133,23 @@ class OwnKV:
         slot_of = {seq: slot for slot, seq in enumerate(self.seqs)}
         kept = [i for i, seq in enumerate(seqs) if seq in slot_of and self.lens[slot_of[seq]] == lens[i] - 1]
         self.drop()  # until the slots below are filled: a failure half-way keeps nothing
-        # the kept rows first, packed to slots 0 .. kept - 1 in the order of the slots they hold (a row past that
-        # moves down into a free one: one copy); then the rows joining, copied in from the pool
-        order = sorted(kept, key=lambda i: slot_of[seqs[i]])
-        for slot, i in enumerate(order):
+        # the kept rows in slots 0 .. kept - 1: each in the slot it holds, but a row past them, which moves into the
+        # slot of a row gone (one copy); then the rows joining, copied in from the pool
+        order: list[int] = [-1] * len(kept)
+        movers = []
+        for i in kept:
             held = slot_of[seqs[i]]
-            if held != slot:
-                end = max(self._written[held], self._written[slot])
-                self.buf[:, :, slot, :, :end] = self.buf[:, :, held, :, :end]
-                self._written[slot] = self._written[held]
+            if held < len(kept):
+                order[held] = i
+            else:
+                movers.append(i)
+        free = [slot for slot, i in enumerate(order) if i < 0]
+        for slot, i in zip(free, movers, strict=True):
+            held = slot_of[seqs[i]]
+            end = max(self._written[held], self._written[slot])
+            self.buf[:, :, slot, :, :end] = self.buf[:, :, held, :, :end]
+            self._written[slot] = self._written[held]
+            order[slot] = i
         kept_set = set(kept)
         joined = [i for i in range(len(seqs)) if i not in kept_set]
         for slot, i in enumerate(joined, start=len(order)):
@@ -163,15 +175,22 @@ class OwnKV:
         return k[:rows, :, : self.width], v[:rows, :, : self.width]
 
     def _fit(self, cache: KVCache, rows: int, width: int) -> bool:
-        """Room for ``rows`` rows of ``width`` tokens: the dimension short of it grows by a quarter at least (rows
-        gain a token a step), the kept rows copied over. False when that passes ``max_bytes``: the step gathers."""
+        """Room for ``rows`` rows of ``width`` tokens: the dimension short of it doubles (to MIN_SLOTS slots and
+        MIN_TOKENS tokens at least; by a quarter when that would pass ``max_bytes``), the kept rows copied over:
+        a few reallocations while streams start and grow, not one every few steps. False when even that passes
+        ``max_bytes``: the step gathers."""
         _, layers, _, bs, heads, dim = cache.kv.shape
         have_slots, have_capacity = (self.buf.shape[2], self.buf.shape[4]) if self.buf is not None else (0, 0)
         if rows <= have_slots and width <= have_capacity:
             return True
-        slots = have_slots if rows <= have_slots else max(rows, have_slots * 5 // 4)
-        capacity = have_capacity if width <= have_capacity else -(-max(width, have_capacity * 5 // 4) // bs) * bs
-        if slots * capacity * layers * 2 * heads * dim * cache.kv.dtype.itemsize > self.max_bytes:
+        per_slot_token = layers * 2 * heads * dim * cache.kv.dtype.itemsize
+        for grow, least_slots, least_tokens in ((2.0, MIN_SLOTS, MIN_TOKENS), (1.25, 0, 0)):
+            slots = have_slots if rows <= have_slots else max(rows, int(have_slots * grow), least_slots)
+            capacity = have_capacity if width <= have_capacity else max(width, int(have_capacity * grow), least_tokens)
+            capacity = -(-capacity // bs) * bs
+            if slots * capacity * per_slot_token <= self.max_bytes:
+                break
+        else:
             return False
         buf = torch.zeros((layers, 2, slots, heads, capacity, dim), dtype=cache.kv.dtype, device=cache.kv.device)
         if self.buf is not None:
