@@ -16,31 +16,20 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.packed_linear import pack_linear_layers
-from engine.paged_attention import (
-    OwnKV,
-    PagedCache,
-    PromptChunk,
-    SharedPrefixKV,
-    StepBatch,
-    chunk_mask,
-    install,
-)
+from engine.paged_attention import PagedCache, PromptChunk, SharedPrefixKV, StepBatch, chunk_mask, install
 from engine.sampling import sample_batch
 from engine.sequence import Sequence
 
 MIN_SHARED_BLOCKS = 8  # fewer shared blocks than this are read per row: a second attention call costs more
 
 
-def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int, before: list[int] | None = None) -> int:
+def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
     """How many leading blocks every decode row's table holds in common (a prompt they share, from the pool's
     prefix cache), when at least MIN_SHARED_BLOCKS and two rows; else 0. Only blocks wholly before each
-    row's last token: the block a row writes this step is its own. One row alone keeps ``before``, the
-    blocks shared in the step before, if it holds them: the last stream of a round over a system prompt
-    goes on reading it apart, and its own keys and values (OwnKV) keep starting where they did."""
-    limit = min((length - 1) // block_size for length in lens)
+    row's last token: the block a row writes this step is its own."""
     if len(tables) < 2:
-        k = len(before or [])
-        return k if k and k <= limit and tables[0][:k] == before else 0
+        return 0
+    limit = min((length - 1) // block_size for length in lens)
     first = tables[0]
     n = 0
     while n < limit and all(t[n] == first[n] for t in tables):
@@ -126,8 +115,6 @@ class ModelRunner:
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
-        self.own_kv = OwnKV(max_bytes=cache.kv.nbytes // 2)
-        self._shared: list[int] = []  # the blocks the decode rows shared in the latest step
         self.last_layer_rows = LastLayerRows.of(model.hf_model)
 
     @torch.inference_mode()
@@ -191,33 +178,20 @@ class ModelRunner:
         pos = torch.tensor(positions, device=device)
         decode = None
         shared = None
-        cpu = device.type == "cpu"
-        n = shared_blocks(decode_tables, decode_lens, bs, self._shared) if decode_rows and cpu else 0
-        self._shared = decode_tables[0][:n] if n else []
+        n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and device.type == "cpu" else 0
         self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
-        own = None
         if decode_rows:
             if n:
                 shared = torch.tensor(decode_tables[0][:n], device=device)
                 decode_tables = [t[n:] for t in decode_tables]
                 decode_lens = [length - n * bs for length in decode_lens]
-            order = self.own_kv.prepare(self.cache, [s.seq_id for s in decode_seqs], decode_tables, decode_lens,
-                                        n) if cpu else None
-            if order is not None:  # the rows in the order of their slots there
-                own = self.own_kv
-                decode_rows, decode_lens = [decode_rows[i] for i in order], [decode_lens[i] for i in order]
-                keys, tables = own.width, None
-            else:
-                width = max(len(t) for t in decode_tables)
-                keys = width * bs
-                tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
-            mask = (torch.arange(keys, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
             if n:  # the CPU flash kernel's additive mask, in the query's dtype
                 mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype, device=device).masked_fill(~mask, -torch.inf)
             decode = (torch.tensor(decode_rows, device=device), tables, mask)
-        else:
-            self.own_kv.drop()
         batch = StepBatch(
             cache=self.cache,
             slot_blocks=torch.tensor(slot_blocks, device=device),
@@ -228,7 +202,6 @@ class ModelRunner:
             chunks=tuple(chunks),
             decode_shared=shared,
             shared_kv=self.shared_kv,
-            own_kv=own,
             last_layer=self.last_layer_rows.layer if len(logit_rows) < len(ids) else -1,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)

@@ -8,9 +8,7 @@ carry it through the unchanged model code:
   keys and values, which it writes into the sequences' cache slots;
 - ``paged_attention``, registered as the attention implementation ``kvserve_paged``: it reads
   each sequence's keys and values through its block table and runs SDPA, decode rows (one query
-  each) as one batched call and each prompt chunk on its own with its causal offset. On a CPU the
-  blocks every decode row shares (SharedPrefixKV) and each row's own (OwnKV) are kept contiguous
-  between steps, so that a step does not gather them again.
+  each) as one batched call and each prompt chunk on its own with its causal offset.
 
 Called without a step (Hugging Face ``generate`` on the same model, the oracle), the attention
 is plain SDPA with the usual masks. Hugging Face's own ``PagedAttentionCache`` is not used: its
@@ -83,137 +81,6 @@ class SharedPrefixKV:
         return kv
 
 
-MIN_SLOTS, MIN_TOKENS = 8, 256  # OwnKV's smallest tensor: rows, and tokens a row
-
-
-class OwnKV:
-    """Each decode row's own keys and values (its tokens past the blocks every row shares), kept contiguous
-    from one step to the next, so that a step reads them in place instead of gathering them from the pool's
-    blocks: a row that decoded in the previous step only appends its new token. At 11 streams of 750-900 own
-    tokens the gather was a quarter of a decode step, and SDPA read what it had just copied.
-
-    One tensor [layers, 2, slots, kv_heads, capacity, head_dim]: the step's rows in slots ``0 .. rows - 1``,
-    in the order ``prepare`` gives them. A row that joins (its prompt just computed, back after a step
-    without it, or when the number of shared blocks changed, which moves where its own tokens start) is
-    copied in from the pool once; a row that stays keeps its slot, but one past the number kept, which moves
-    into the slot of a row that left (so a row leaving costs one copy, not a shift of those after it). Past a
-    row's tokens its slot holds zeros (cleared as far as an earlier row wrote): the mask hides those keys,
-    but a NaN left there by another row would still turn the row's output into NaN. It grows with headroom
-    up to ``max_bytes`` (for a moment, while the rows are copied into a larger one, both are held) and is
-    kept once grown; a step whose rows need more gathers them as before. CPU only, as SharedPrefixKV."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.buf: torch.Tensor | None = None
-        self.base = 0  # the shared blocks that the rows' own tokens follow
-        self.seqs: list[int] = []  # the sequence in each slot, as of the latest step
-        self.lens: list[int] = []  # its own tokens there after that step
-        self.width = 0  # this step's longest row
-        self._slots: torch.Tensor | None = None  # this step's rows: their slots and the new token's place
-        self._positions: torch.Tensor | None = None
-        self._written: list[int] = []  # per slot: past this, zeros (rows wrote only below it)
-
-    def drop(self) -> None:
-        """No row is kept (a step without decode rows: a row decoding after it may have been recomputed)."""
-        self.seqs, self.lens = [], []
-
-    def prepare(self, cache: KVCache, seqs: list[int], tables: list[list[int]], lens: list[int],
-                base: int) -> list[int] | None:
-        """Slots for this step's decode rows (sequence ids ``seqs``; their blocks past ``base`` shared ones, and
-        their own tokens, this step's included): the rows' indices in slot order, or None when they do not fit
-        ``max_bytes`` (nothing kept). Rows that decoded in the previous step keep their keys and values (those
-        past the kept rows' count moved into the slots of rows gone); the others are copied in."""
-        if base != self.base:
-            self.base = base
-            self.drop()
-        if not self._fit(cache, len(seqs), max(lens)):
-            self.drop()
-            return None
-        assert self.buf is not None
-        slot_of = {seq: slot for slot, seq in enumerate(self.seqs)}
-        kept = [i for i, seq in enumerate(seqs) if seq in slot_of and self.lens[slot_of[seq]] == lens[i] - 1]
-        self.drop()  # until the slots below are filled: a failure half-way keeps nothing
-        # the kept rows in slots 0 .. kept - 1: each in the slot it holds, but a row past them, which moves into the
-        # slot of a row gone (one copy); then the rows joining, copied in from the pool
-        order: list[int] = [-1] * len(kept)
-        movers = []
-        for i in kept:
-            held = slot_of[seqs[i]]
-            if held < len(kept):
-                order[held] = i
-            else:
-                movers.append(i)
-        free = [slot for slot, i in enumerate(order) if i < 0]
-        for slot, i in zip(free, movers, strict=True):
-            held = slot_of[seqs[i]]
-            end = max(self._written[held], self._written[slot])
-            self.buf[:, :, slot, :, :end] = self.buf[:, :, held, :, :end]
-            self._written[slot] = self._written[held]
-            order[slot] = i
-        kept_set = set(kept)
-        joined = [i for i in range(len(seqs)) if i not in kept_set]
-        for slot, i in enumerate(joined, start=len(order)):
-            self._copy_in(cache, slot, tables[i], lens[i] - 1)
-        order += joined
-        self.seqs, self.lens = [seqs[i] for i in order], [lens[i] for i in order]
-        for slot, length in enumerate(self.lens):  # this step writes each row's token at length - 1
-            self._written[slot] = max(self._written[slot], length)
-        self.width = max(lens)
-        device = self.buf.device
-        self._slots = torch.arange(len(order), device=device)
-        self._positions = torch.tensor(self.lens, device=device) - 1
-        return order
-
-    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the rows' new keys and values ([kv_heads, rows, head_dim], in slot order) in ``layer``; its
-        keys and values of every row: [rows, kv_heads, width, head_dim] each."""
-        assert self.buf is not None
-        rows = len(self.seqs)
-        k, v = self.buf[layer, 0], self.buf[layer, 1]  # [slots, kv_heads, capacity, head_dim]
-        k[self._slots, :, self._positions] = key.transpose(0, 1)
-        v[self._slots, :, self._positions] = value.transpose(0, 1)
-        return k[:rows, :, : self.width], v[:rows, :, : self.width]
-
-    def _fit(self, cache: KVCache, rows: int, width: int) -> bool:
-        """Room for ``rows`` rows of ``width`` tokens: the dimension short of it doubles (to MIN_SLOTS slots and
-        MIN_TOKENS tokens at least; by a quarter when that would pass ``max_bytes``), the kept rows copied over:
-        a few reallocations while streams start and grow, not one every few steps. False when even that passes
-        ``max_bytes``: the step gathers."""
-        _, layers, _, bs, heads, dim = cache.kv.shape
-        have_slots, have_capacity = (self.buf.shape[2], self.buf.shape[4]) if self.buf is not None else (0, 0)
-        if rows <= have_slots and width <= have_capacity:
-            return True
-        per_slot_token = layers * 2 * heads * dim * cache.kv.dtype.itemsize
-        for grow, least_slots, least_tokens in ((2.0, MIN_SLOTS, MIN_TOKENS), (1.25, 0, 0)):
-            slots = have_slots if rows <= have_slots else max(rows, int(have_slots * grow), least_slots)
-            capacity = have_capacity if width <= have_capacity else max(width, int(have_capacity * grow), least_tokens)
-            capacity = -(-capacity // bs) * bs
-            if slots * capacity * per_slot_token <= self.max_bytes:
-                break
-        else:
-            return False
-        buf = torch.zeros((layers, 2, slots, heads, capacity, dim), dtype=cache.kv.dtype, device=cache.kv.device)
-        if self.buf is not None:
-            buf[:, :, :have_slots, :, :have_capacity] = self.buf
-        self.buf = buf
-        self._written += [0] * (slots - have_slots)
-        return True
-
-    def _copy_in(self, cache: KVCache, slot: int, table: list[int], num_tokens: int) -> None:
-        """The first ``num_tokens`` own tokens of a row, from its blocks in the pool, into ``slot``; zeros after,
-        as far as another row wrote there."""
-        assert self.buf is not None
-        bs = cache.block_size
-        blocks = -(-num_tokens // bs)
-        if blocks:
-            src = cache.kv.index_select(0, torch.tensor(table[:blocks], device=cache.kv.device))
-            # [blocks, layers, 2, bs, heads, dim] -> [layers, 2, heads, blocks, bs, dim], one copy
-            self.buf[:, :, slot, :, : blocks * bs].unflatten(3, (blocks, bs)).copy_(src.permute(1, 2, 4, 0, 3, 5))
-        end = max(blocks * bs, self._written[slot])
-        self.buf[:, :, slot, :, num_tokens:end] = 0
-        self._written[slot] = num_tokens
-
-
 @dataclass(frozen=True, slots=True)
 class StepBatch:
     """Where one packed forward writes and reads KV; built once per step, read by every layer."""
@@ -222,17 +89,14 @@ class StepBatch:
     slot_blocks: torch.Tensor  # [tokens] long: the cache block of each new token
     slot_offsets: torch.Tensor  # [tokens] long: its position in that block
     decode_rows: torch.Tensor | None  # [decodes] long: packed index of each single-token sequence
-    # [decodes, max_blocks] long, padded with block 0: each decode row's blocks past the shared ones; None when
-    # own_kv holds their keys and values
+    # [decodes, max_blocks] long, padded with block 0: each decode row's blocks past the shared ones
     decode_tables: torch.Tensor | None
-    # [decodes, 1, 1, keys]: keys in context, bool; additive (0 or -inf) with decode_shared. keys: max_blocks *
-    # block_size, or own_kv.width
+    # [decodes, 1, 1, max_blocks * block_size]: keys in context, bool; additive (0 or -inf) with decode_shared
     decode_mask: torch.Tensor | None
     chunks: tuple[PromptChunk, ...]
     # [blocks] long: the leading blocks every decode row shares (a common system prompt), read once for all
     decode_shared: torch.Tensor | None = None
     shared_kv: SharedPrefixKV | None = None  # those blocks' keys and values, kept across steps
-    own_kv: OwnKV | None = None  # the decode rows' own keys and values, kept across steps (their order)
     # The model's last layer, where only the rows whose logits are sampled are computed (past it nothing reads
     # the others): a chunk's attention for its sampled last token alone, none for one that samples nothing.
     # Its keys and values are written for every token all the same. -1: every row, as in every layer.
@@ -279,15 +143,14 @@ def _gather(cache_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _shared_prefix_attention(module: torch.nn.Module, q: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, batch: StepBatch,
-                             scale: float | None) -> torch.Tensor:
+                             v_cache: torch.Tensor, batch: StepBatch, scale: float | None) -> torch.Tensor:
     """Decode attention when every row shares its leading blocks (users over one system prompt): the shared
     keys are gathered and read once, by all rows' queries together, each row's own keys by its query
     alone, and the two parts merged by their log-sum-exp (cascade attention, as FlashInfer does it). At
     4 streams of 2.5k tokens over a 2.3k-token prompt that reads 4.3k keys a layer instead of 10k.
-    q: [decodes, kv_heads, heads per kv head, head_dim], k_own and v_own: [decodes, kv_heads, keys, head_dim] ->
-    the same as q. CPU only (SDPA's flash kernel there returns the log-sum-exp)."""
-    assert batch.decode_shared is not None and batch.shared_kv is not None
+    q: [decodes, kv_heads, heads per kv head, head_dim] -> the same. CPU only (SDPA's flash kernel there
+    returns the log-sum-exp)."""
+    assert batch.decode_shared is not None and batch.decode_tables is not None and batch.shared_kv is not None
     n, kv_heads, group, d = q.shape
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     k_shared, v_shared = batch.shared_kv.get(layer, k_cache, v_cache, batch.decode_shared)
@@ -295,7 +158,8 @@ def _shared_prefix_attention(module: torch.nn.Module, q: torch.Tensor, k_cache: 
     o_shared, lse_shared = _flash_cpu(rows, k_shared, v_shared, None, scale)
     o_shared = o_shared.reshape(kv_heads, n, group, d).transpose(0, 1)
     lse_shared = lse_shared.reshape(kv_heads, n, group).transpose(0, 1)
-    o_own, lse_own = _flash_cpu(q, k_own, v_own, batch.decode_mask, scale)
+    tables = batch.decode_tables
+    o_own, lse_own = _flash_cpu(q, _gather(k_cache, tables), _gather(v_cache, tables), batch.decode_mask, scale)
     lse = torch.logaddexp(lse_shared, lse_own)
     out = (o_shared * torch.exp(lse_shared - lse)[..., None] + o_own * torch.exp(lse_own - lse)[..., None])
     return out.to(q.dtype)
@@ -329,19 +193,18 @@ def paged_attention(
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
     if batch.decode_rows is not None:
+        assert batch.decode_tables is not None
         # One query per sequence: the query heads that share a KV head are that head's query rows, so
         # SDPA reads each KV head once instead of repeating it per query head (enable_gqa copies it).
         n, heads, kv_heads, d = batch.decode_rows.numel(), query.shape[1], key.shape[1], query.shape[3]
         q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
-        if batch.own_kv is not None:
-            k_own, v_own = batch.own_kv.update(layer, key[0, :, batch.decode_rows], value[0, :, batch.decode_rows])
-        else:
-            assert batch.decode_tables is not None
-            k_own, v_own = _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables)
         if batch.decode_shared is not None:
-            o = _shared_prefix_attention(module, q, k_cache, v_cache, k_own, v_own, batch, scaling)
-        else:  # [decodes, kv_heads, heads per kv head, head_dim]
-            o = scaled_dot_product_attention(q, k_own, v_own, attn_mask=batch.decode_mask, scale=scaling)
+            o = _shared_prefix_attention(module, q, k_cache, v_cache, batch, scaling)
+        else:
+            o = scaled_dot_product_attention(
+                q, _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables),
+                attn_mask=batch.decode_mask, scale=scaling,
+            )  # [decodes, kv_heads, heads per kv head, head_dim]
         out[batch.decode_rows] = o.reshape(n, heads, d)
     for c in batch.chunks:
         start, end = c.start, c.start + c.num_tokens

@@ -8,16 +8,13 @@ Every run ends with the pool intact and no block left in use (``tests.engine_fix
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
-from engine.engine import Engine, RequestTooLarge, StepStats
-from engine.kv_cache import KVCache
-from engine.model import Model, load_model
+from engine.engine import RequestTooLarge, StepStats
+from engine.model import load_model
 from engine.model_runner import MIN_SHARED_BLOCKS, LastLayerRows, shared_blocks
-from engine.paged_attention import OwnKV
 from engine.sampling import SamplingParams
 from engine.sequence import Finished
 from engine.sequence import Sequence as KVSequence
@@ -204,10 +201,6 @@ def test_shared_blocks_are_the_common_leading_full_blocks() -> None:
     a, b = [*common, 1, 2], [*common, 3]
     assert shared_blocks([a, b], [len(a) * BLOCK, len(b) * BLOCK], BLOCK) == m + 2
     assert shared_blocks([a], [len(a) * BLOCK], BLOCK) == 0  # one row: nothing to share
-    # ... but the last row of those that shared blocks in the step before keeps reading them apart
-    assert shared_blocks([a], [len(a) * BLOCK], BLOCK, before=a[:m]) == m
-    assert shared_blocks([b], [len(b) * BLOCK], BLOCK, before=[9, *a[1:m]]) == 0  # it does not hold them
-    assert shared_blocks([a], [m * BLOCK], BLOCK, before=a[:m]) == 0  # the last of them is the one it writes
     assert shared_blocks([a, b], [len(a) * BLOCK, (m + 2) * BLOCK], BLOCK) == m + 1  # b's last block is its own
     assert shared_blocks([a, [*common[: m - 1], 7, 8, 9]], [len(a) * BLOCK, 99 * BLOCK], BLOCK) == 0  # too few
 
@@ -345,96 +338,6 @@ def test_a_shared_prompts_kept_keys_and_values_are_read_only_while_the_same_prom
     assert engine.runner._shared_key(one, n) != engine.runner._shared_key(other, n)
     one.block_hashes = []  # never hashed: not kept
     assert engine.runner._shared_key(one, n) is None
-
-
-def _own_kv_matches_the_pool(engine: Engine, seqs: list[KVSequence]) -> None:
-    """Each kept row's slot holds its own tokens' keys and values as the pool's blocks do, then zeros (but a row
-    that ended in this step: its blocks are no longer its own)."""
-    own, cache = engine.runner.own_kv, engine.kv_cache
-    assert own.buf is not None
-    by_id = {s.seq_id: s for s in seqs}
-    for slot, (seq_id, length) in enumerate(zip(own.seqs, own.lens, strict=True)):
-        seq = by_id[seq_id]
-        if not seq.block_table:
-            continue
-        first = own.base * BLOCK
-        blocks = torch.tensor(seq.block_table[own.base: -(-(first + length) // BLOCK)])
-        pool = cache.kv.index_select(0, blocks).permute(1, 2, 4, 0, 3, 5).flatten(3, 4)[:, :, :, :length]
-        assert torch.equal(own.buf[:, :, slot, :, :length], pool)
-        assert not own.buf[:, :, slot, :, length:].any()
-
-
-def _streams_with_own_kv(model: Model, room: bool) -> tuple[int, int]:
-    """Three streams over a shared prompt and a fourth, without it, joining later, with OwnKV given room for
-    them or none; each stream equal to the oracle. (rows copied into OwnKV, steps)."""
-    engine = make_engine(model, BLOCK, num_blocks=128)
-    own = engine.runner.own_kv
-    own.max_bytes = engine.kv_cache.kv.nbytes if room else 1
-    root = engine.namespace().root()
-    system = random_tokens(MIN_SHARED_BLOCKS * BLOCK + 5, seed=90)
-    seqs = [make_seq(model, [*system, *random_tokens(3 + 7 * i, seed=91 + i)], 6 + 5 * i, hash_root=root)
-            for i in range(3)]
-    seqs.append(make_seq(model, random_tokens(30, seed=95), 8))  # shares no block with them
-    copied = 0
-    copy_in = own._copy_in
-
-    def counted(*args: Any) -> None:
-        nonlocal copied
-        copied += 1
-        copy_in(*args)
-
-    own._copy_in = counted  # type: ignore[method-assign,assignment]
-    for seq in seqs[:3]:
-        engine.add(seq)
-    steps = 0
-    while not all(s.status.name == "FINISHED" for s in seqs):
-        if steps == 12:
-            engine.add(seqs[3])
-        engine.step()
-        steps += 1
-        if own.seqs:
-            _own_kv_matches_the_pool(engine, seqs)
-    for seq, outcome in zip(seqs, finish(engine, seqs), strict=True):
-        assert_matches_oracle(model, seq, outcome)
-    engine.stop()
-    if not room:
-        assert own.buf is None
-    return copied, steps
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_decode_rows_read_their_own_keys_and_values_kept_across_steps(arch: str) -> None:
-    """Decode rows' own keys and values are kept contiguous from step to step (OwnKV): a row is copied in when it
-    starts decoding and when the blocks all rows share change (here: a row without them joins), not at each step;
-    rows that finish give their slots up; the kept values always equal the pool's; every stream equals the
-    oracle. With no room for them, the rows are gathered from the pool as before, with the same tokens."""
-    model = tiny_model(arch)
-    copied, steps = _streams_with_own_kv(model, room=True)
-    assert 4 <= copied <= 12 < steps
-    assert _streams_with_own_kv(model, room=False)[0] == 0
-
-
-def test_own_kv_keeps_nothing_after_a_step_that_failed_to_fill_it() -> None:
-    """A row copied in failing half-way through OwnKV.prepare (the step then fails, and the engine retries each
-    row alone) leaves nothing kept: a row that had moved to another slot is copied in again from the pool,
-    never read from where another row's keys now lie."""
-    cache = KVCache(8, num_layers=2, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32)
-    cache.kv.copy_(torch.randn(cache.kv.shape))
-    tables = {a: [2 * a, 2 * a + 1] for a in range(4)}  # rows 0..3, 8 tokens of blocks each
-    own = OwnKV(max_bytes=1 << 20)
-    assert own.prepare(cache, [0, 1, 2], [tables[a] for a in (0, 1, 2)], [5, 5, 5], base=0) == [0, 1, 2]
-    copy_in = own._copy_in
-
-    def fail(*args: Any) -> None:
-        raise RuntimeError("out of memory")
-
-    own._copy_in = fail  # type: ignore[method-assign,assignment]
-    with pytest.raises(RuntimeError):  # rows 1 and 2 move down to slots 0 and 1, then row 3's copy fails
-        own.prepare(cache, [1, 2, 3], [tables[a] for a in (1, 2, 3)], [6, 6, 5], base=0)
-    own._copy_in = copy_in  # type: ignore[method-assign]
-    own.prepare(cache, [1], [tables[1]], [6], base=0)  # row 1 retried alone
-    pool = cache.kv.index_select(0, torch.tensor(tables[1])).permute(1, 2, 4, 0, 3, 5).flatten(3, 4)
-    assert own.buf is not None and torch.equal(own.buf[:, :, 0, :, :5], pool[:, :, :, :5])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
