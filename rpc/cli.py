@@ -264,6 +264,9 @@ _GIL_SWITCH_INTERVAL_S = 0.0005
 # glibc's mallopt parameters; 32 MiB is the ceiling of glibc's own adaptive threshold on 64-bit.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_BUFFER_MAX = 32 << 20
+# Entries in each of oneDNN's two caches of compiled kernels (ideep's, which torch's linear layers use, and
+# oneDNN's own): see prepare_engine_process.
+ONEDNN_CACHE_ENTRIES = 256
 
 
 def prepare_engine_process(args: argparse.Namespace | int) -> None:
@@ -286,12 +289,21 @@ def prepare_engine_process(args: argparse.Namespace | int) -> None:
       threshold has seen that size freed, and each fresh mapping is faulted in page by page: over a
       decode service's first 16 streams, half a million page faults made each step 40 % slower.
       Other C libraries are left as they are.
+    - oneDNN's kernel caches: at most ONEDNN_CACHE_ENTRIES each, instead of 1024 (LRU_CACHE_CAPACITY and
+      ONEDNN_PRIMITIVE_CACHE_CAPACITY, unless the environment sets them). A prepacked linear layer
+      (engine.packed_linear) compiles a kernel for each row count it sees, about 0.4 MiB each; a step's
+      row count varies with its batch, so the default caches filled to 420 MiB in every engine process,
+      which a service's memory grew by, storm after storm, until they were full. At 256 they hold 106 MiB
+      and the kernels for 64 recent row counts; a row count past them costs about 0.5 ms per layer
+      shape (four in a llama), once per step.
     """
     nice = args if isinstance(args, int) else int(args.nice)
     if not isinstance(args, int):
         set_thread_budget(engine_threads(args), source="--threads" if args.threads
                           else f"default for --device {args.device}")
     os.nice(nice)
+    for cache in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read at the first oneDNN kernel
+        os.environ.setdefault(cache, str(ONEDNN_CACHE_ENTRIES))
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         try:

@@ -145,6 +145,49 @@ def test_each_service_hands_its_flags_to_prepare_engine_process(module: str) -> 
     assert "prepare_engine_process(args)" in source
 
 
+KERNEL_CACHE = """
+import ctypes
+import os
+import torch
+from engine.packed_linear import can_pack
+from rpc.cli import prepare_engine_process
+prepare_engine_process(0)
+assert can_pack(torch.device("cpu"), torch.float32)
+
+class MallInfo(ctypes.Structure):  # glibc's mallinfo2: uordblks is the bytes malloc has handed out
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo
+weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k)) for n, k in ((512, 512), (2048, 512), (512, 2048))]
+inputs = {k: torch.randn(600, k) for k in (512, 2048)}
+before = libc.mallinfo2().uordblks
+for rows in range(1, 600):  # a kernel compiled for each row count, as varying batches make them
+    for w in weights:
+        torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]][:rows], w, None, "none", [], "")
+print(os.environ["LRU_CACHE_CAPACITY"], (libc.mallinfo2().uordblks - before) >> 20)
+"""
+CACHES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads glibc's malloc counters")
+def test_an_engine_process_bounds_the_kernels_onednn_keeps() -> None:
+    """A step's row count varies with its batch, and oneDNN compiles and keeps a kernel for each: by default
+    up to 1024 of them (420 MiB), which a decode service's memory grew by, storm after storm.
+    prepare_engine_process caps the caches, unless the environment sets them."""
+    def run(**env: str) -> tuple[str, int]:
+        done = subprocess.run([sys.executable, "-c", KERNEL_CACHE], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={**{k: v for k, v in os.environ.items() if k not in CACHES}, **env})
+        assert done.returncode == 0, done.stderr
+        capacity, grew_mib = done.stdout.split()
+        return capacity, int(grew_mib)
+
+    capacity, grew_mib = run()
+    assert capacity == "256" and grew_mib < 160, grew_mib  # about 105 MiB held, against 420 uncapped
+    assert run(**dict.fromkeys(CACHES, "32"))[0] == "32"
+
+
 # -- the deployment files ----------------------------------------------------------------------------------
 
 def compose_env(path: Path, service: str) -> dict[str, str]:
