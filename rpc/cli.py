@@ -289,21 +289,24 @@ def prepare_engine_process(args: argparse.Namespace | int) -> None:
       threshold has seen that size freed, and each fresh mapping is faulted in page by page: over a
       decode service's first 16 streams, half a million page faults made each step 40 % slower.
       Other C libraries are left as they are.
-    - oneDNN's kernel caches: at most ONEDNN_CACHE_ENTRIES each, instead of 1024 (LRU_CACHE_CAPACITY and
-      ONEDNN_PRIMITIVE_CACHE_CAPACITY, unless the environment sets them). A prepacked linear layer
+    - oneDNN's kernel caches: at most ONEDNN_CACHE_ENTRIES each, instead of 1024 (LRU_CACHE_CAPACITY, and
+      ONEDNN_PRIMITIVE_CACHE_CAPACITY or its older name DNNL_..., unless the environment sets them; a kernel
+      lives while either cache holds it, so the larger cap decides the memory). A prepacked linear layer
       (engine.packed_linear) compiles a kernel for each row count it sees, about 0.4 MiB each; a step's
       row count varies with its batch, so the default caches filled to 420 MiB in every engine process,
-      which a service's memory grew by, storm after storm, until they were full. At 256 they hold 106 MiB
-      and the kernels for 64 recent row counts; a row count past them costs about 0.5 ms per layer
-      shape (four in a llama), once per step.
+      which a service's memory grew by, storm after storm, until they were full. At 256 they hold about
+      105 MiB, the kernels of 64 recent row counts for each of a llama's four layer shapes; a row count
+      past them costs about 0.5 ms per shape, once per step. Call this before the model loads: packing
+      its weights is the process's first oneDNN kernel.
     """
     nice = args if isinstance(args, int) else int(args.nice)
     if not isinstance(args, int):
         set_thread_budget(engine_threads(args), source="--threads" if args.threads
                           else f"default for --device {args.device}")
     os.nice(nice)
-    for cache in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read at the first oneDNN kernel
-        os.environ.setdefault(cache, str(ONEDNN_CACHE_ENTRIES))
+    for names in (["LRU_CACHE_CAPACITY"], ["ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"]):
+        if not any(os.environ.get(name) for name in names):  # oneDNN reads them at its first kernel; "" is unset
+            os.environ[names[0]] = str(ONEDNN_CACHE_ENTRIES)
     sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
     if sys.platform == "linux":
         try:

@@ -66,15 +66,31 @@ class RequestProbe:
         return sorted(t for status, t in self.outcomes if status == "RESOURCE_EXHAUSTED")
 
     def __enter__(self) -> RequestProbe:
-        self._process = subprocess.Popen([sys.executable, "-m", "tests.test_overload", self.addr, str(self.every_s)],
-                                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self._process.stdout is not None and self._process.stdout.readline() == "ready\n"
+        process = self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.test_overload", self.addr, str(self.every_s)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stdout = process.stdout
+        assert stdout is not None
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        if ready != ["ready\n"]:  # it failed or hangs: it must not send requests into the tests after this one
+            process.kill()
+            process.communicate()
+            raise RuntimeError(f"the request probe did not start ({ready}, exit code {process.returncode})")
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._process is not None
-        out, _ = self._process.communicate(timeout=300)  # closing its stdin stops it
-        self.outcomes = [(status, t) for status, t in json.loads(out)]
+        try:
+            out, _ = self._process.communicate(timeout=300)  # closing its stdin stops it
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            out, _ = self._process.communicate()
+        if self._process.returncode != 0 or not out.strip():
+            raise RuntimeError(f"the request probe failed (exit code {self._process.returncode})")
+        self.outcomes = [(status, t) for status, t in json.loads(out.strip().splitlines()[-1])]
 
 
 def probe_requests(addr: str, every_s: float) -> None:
@@ -98,6 +114,8 @@ def probe_requests(addr: str, every_s: float) -> None:
                 outcomes.append(("OK", time.perf_counter() - t))
             except KVServeError as exc:
                 outcomes.append((exc.code.name, time.perf_counter() - t))
+            except Exception as exc:  # reported as the outcome it is: the test allows only OK and a refusal
+                outcomes.append((type(exc).__name__, time.perf_counter() - t))
             i += 1
     print(json.dumps(outcomes))
 
