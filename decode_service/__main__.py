@@ -27,6 +27,7 @@ from protos.kvserve.v1 import decode_pb2_grpc
 from rpc.admission import Admission
 from rpc.auth import AuthConfigError, add_auth_flags, auth_from_args
 from rpc.cli import (
+    EnginePriority,
     add_admission_flags,
     add_engine_flags,
     add_model_flags,
@@ -106,22 +107,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger("decode").warning(
                 "auth is on over plaintext: bearer tokens cross the network readable by anyone on the path; "
                 "serve TLS with --tls-cert/--tls-key (`kvserve certs` makes them) unless this port is loopback only")
+    priority = EnginePriority(args.engine_nice)
     try:
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        if args.local_prefill_tokens < 0:
+            raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
+        pool_events = PoolEvents()
+        with priority.starting():  # before the server, whose threads keep their priority
+            model = load_model(args.model, device=args.device, dtype=args.dtype)
+            cores = service_share(args.share_cores, "decode", engine_threads(args), args.device)
+            engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                            config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs,
+                                                   long_prompt_chunk(args)),
+                            on_pool_change=pool_events.changed, cores=cores)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen,
                         interceptors=auth.interceptors() if auth else (),
                         tls=tls, require_client_cert=False,  # the front door: tenants show tokens, not certificates
                         exempt=[LOAD_METHOD], name="decode")  # a router's poll answers however busy decode is
         metrics = DecodeMetrics(server.registry)
-        if args.local_prefill_tokens < 0:
-            raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
-        pool_events = PoolEvents()
-        cores = service_share(args.share_cores, "decode", engine_threads(args), args.device)
-        engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs,
-                                               long_prompt_chunk(args)),
-                        on_pool_change=pool_events.changed, cores=cores)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"decode: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -138,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
                DecodeReplicaServicer(front, engine, store, metrics, pool_events), REPLICA_SERVICE_NAME, internal=True)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
-    return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
+    return serve(server, "decode", before_stop=[service.stop], on_stop=[store.close],
+                 main_loop=priority.run(engine.run))
 
 
 if __name__ == "__main__":

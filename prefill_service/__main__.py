@@ -22,6 +22,7 @@ from prefill_service.service import (
 from protos.kvserve.v1 import prefill_pb2_grpc
 from rpc.admission import Admission
 from rpc.cli import (
+    EnginePriority,
     add_admission_flags,
     add_engine_flags,
     add_model_flags,
@@ -60,15 +61,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("prefill", args.log_level)
     tls = tls_from_args(args, "prefill")
     prepare_engine_process(args)
+    priority = EnginePriority(args.engine_nice)
     try:
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        with priority.starting():  # before the server, whose threads keep their priority
+            model = load_model(args.model, device=args.device, dtype=args.dtype)
+            cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
+            engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                            config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores)
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen, tls=tls,
                         name="prefill")
         metrics = PrefillMetrics(server.registry)
-        cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
-        engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores)
     except (OSError, ValueError) as exc:  # missing folder, refused model (UnsupportedModelError), bad sizes
         print(f"prefill: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -77,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              admission=Admission("prefill", args.max_waiting_seqs, args.max_waiting_tokens))
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
-    return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close], main_loop=engine.run)
+    return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close],
+                 main_loop=priority.run(engine.run))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rpc.server import Server, run_until_signal
@@ -158,6 +159,11 @@ def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:
                    help="deadline of each KV store call; past it the request recomputes (default %(default)s)")
 
 
+# How far below a service's gRPC threads its engine's threads run (--engine-nice, EnginePriority): BENCHMARKS.md,
+# "Overload".
+ENGINE_NICE = 10
+
+
 def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda: int, why: str) -> None:
     """The flags of the batched engine (prefill, decode): KV pool size and what one step may hold.
     The token budget's default depends on the device (see `engine_token_budget`)."""
@@ -182,6 +188,10 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
     p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="0-19",
                    help="lower this service's CPU priority by this much at start (Unix nice), against other "
                         "work on the host that has no budget of its own (default 0)")
+    p.add_argument("--engine-nice", type=int, default=ENGINE_NICE, choices=range(20), metavar="0-19",
+                   help="the engine's threads run this much below the service's other threads in CPU priority "
+                        "(Unix nice, Linux): busy cores then delay no call's intake, and a request the service "
+                        "cannot take is refused at once (default %(default)s; 0: the same priority)")
     p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
 
 
@@ -315,6 +325,53 @@ def prepare_engine_process(args: argparse.Namespace | int) -> None:
             libc.mallopt(_M_TRIM_THRESHOLD, 2 * _HEAP_BUFFER_MAX)
         except (AttributeError, OSError):
             pass
+
+
+class EnginePriority:
+    """--engine-nice: the engine's threads run `nice` steps below the service's other threads in CPU priority
+    (Linux, where nice is per thread; elsewhere it would lower the whole process, so nothing changes there).
+
+    On cores that the engines keep busy, the threads that take calls (gRPC's completion-queue thread, which
+    takes each new call, request and token sent, and the worker that admits or refuses it) waited for a core
+    behind a step: with 600 streams arriving within a second on 2 cores, refusals reached their callers up to
+    0.9 s late. Lowered, a step gives its core at once to a thread that takes a call, and has it back when that
+    thread waits again: the engine loses only the intake's own CPU time. The engine's threads are its loop
+    (`run`), the threads that start while `starting()` is open (torch's OpenMP workers, which loading the model
+    starts), and those that these start later, which inherit it (more OpenMP workers, the KV I/O threads)."""
+
+    def __init__(self, nice: int) -> None:
+        self.nice = nice if sys.platform == "linux" else 0
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Lowers the threads started within (nothing of the gRPC server's may start there)."""
+        before = _thread_ids()
+        try:
+            yield
+        finally:
+            for tid in _thread_ids() - before:
+                self._lower(tid)
+
+    def run(self, loop: Callable[[], None]) -> Callable[[], None]:
+        """`loop` (the engine's step loop), run lowered on the thread that calls it."""
+
+        def run() -> None:
+            self._lower(threading.get_native_id())
+            loop()
+
+        return run
+
+    def _lower(self, tid: int) -> None:
+        if self.nice:
+            with contextlib.suppress(OSError):  # the thread has ended
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux, or no /proc
+        return set()
 
 
 def set_thread_budget(threads: int, source: str = "--threads") -> None:

@@ -6,18 +6,20 @@ default is one thread."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rpc.cli import CUDA_THREADS, default_threads, engine_threads, env_args
+from rpc.cli import CUDA_THREADS, EnginePriority, default_threads, engine_threads, env_args
 from stack.stack import Stack, StackConfig, flag_value, thread_budgets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,3 +256,80 @@ def test_ups_compute_services_share_one_folder_of_cores(tmp_path: Path, monkeypa
     assert flag_value(stack(tmp_path, 8, extra_decode_args=["--device", "cuda"]).prefill_spec("a:1").args,
                       "--share-cores") is None
     assert flag_value(stack(tmp_path, 1).decode_spec("a:1", "b:2").args, "--share-cores") is None  # 1 + 1 already
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread on Linux only")
+def test_the_engines_threads_run_below_the_others() -> None:
+    """EnginePriority lowers the threads started while `starting()` is open and the thread that runs the engine's
+    loop, and what that thread starts inherits it; the thread that made them keeps its priority."""
+    priority = EnginePriority(3)
+    with priority.starting():
+        ready, stop = threading.Event(), threading.Event()
+        worker = threading.Thread(target=lambda: (ready.set(), stop.wait(30)))
+        worker.start()
+        ready.wait(30)
+    seen: dict[str, int] = {}
+
+    def loop() -> None:
+        seen["loop"] = _nice(threading.get_native_id())
+        child = threading.Thread(target=lambda: seen.setdefault("started by it", _nice(threading.get_native_id())))
+        child.start()
+        child.join()
+
+    base = _nice(threading.get_native_id())
+    try:
+        assert worker.native_id is not None and _nice(worker.native_id) == min(19, base + 3)
+        engine = threading.Thread(target=priority.run(loop))
+        engine.start()
+        engine.join(30)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert seen == {"loop": min(19, base + 3), "started by it": min(19, base + 3)}
+    assert _nice(threading.get_native_id()) == base
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread on Linux only")
+def test_a_services_compute_runs_below_the_threads_that_take_calls(tmp_path: Path) -> None:
+    """A decode service on 2 threads computes a prompt: the threads that did (its engine's loop and torch's OpenMP
+    worker, which loading the model started) run --engine-nice (10) below the service; gRPC's threads, which take
+    calls and refuse them, keep its priority."""
+    from client import Client
+    from stack.stack import start_service, stop_service
+    from tests.stack_fixtures import model_dir
+
+    decode = start_service("decode", "decode_service", [
+        "--model", str(model_dir("llama")), "--listen", "127.0.0.1:0", "--insecure", "--threads", "2",
+        "--kvstore", "127.0.0.1:1", "--prefill", "127.0.0.1:1", "--local-prefill-tokens", "4096",
+        "--store-timeout-s", "0.5"], tmp_path / "decode.log")
+    pid = decode.process.pid
+    try:
+        before = _thread_cpu(pid)
+        with Client(decode.addr, timeout_s=120, token="") as c:
+            for k in range(4):  # enough compute to tell its threads from the others
+                c.generate(token_ids=[(7 * i + k) % 250 + 3 for i in range(1500)], max_tokens=4, ignore_eos=True)
+        used = {tid: cpu - before.get(tid, 0) for tid, cpu in _thread_cpu(pid).items()}
+        nices = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in used}
+    finally:
+        stop_service(decode)
+    service = min(nices.values())
+    computed = [tid for tid, cpu in used.items() if cpu >= max(used.values()) / 4]
+    assert pid in computed and len(computed) >= 2, used  # the engine's loop (the main thread) and the OpenMP worker
+    assert all(nices[tid] == service + 10 for tid in computed), (used, nices)
+    # gRPC's threads: its event engine's, its completion-queue thread, the workers
+    assert sum(1 for n in nices.values() if n == service) >= 4, nices
+
+
+def _thread_cpu(pid: int) -> dict[int, int]:
+    """Each thread's CPU time so far, in clock ticks."""
+    cpu = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
+            cpu[int(tid)] = int(fields[11]) + int(fields[12])
+    return cpu
