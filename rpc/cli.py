@@ -190,8 +190,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
                         "work on the host that has no budget of its own (default 0)")
     p.add_argument("--engine-nice", type=int, default=ENGINE_NICE, choices=range(20), metavar="0-19",
                    help="the engine's threads run this much below the service's other threads in CPU priority "
-                        "(Unix nice, Linux): busy cores then delay no call's intake, and a request the service "
-                        "cannot take is refused at once (default %(default)s; 0: the same priority)")
+                        "(Unix nice, Linux): on busy cores a call is then taken, or refused, sooner "
+                        "(default %(default)s; 0: the same priority)")
     p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
 
 
@@ -345,12 +345,12 @@ class EnginePriority:
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
         """Lowers the threads started within (nothing of the gRPC server's may start there)."""
-        before = _thread_ids()
+        before = _thread_ids() if self.nice else set()
         try:
             yield
         finally:
-            for tid in _thread_ids() - before:
-                self._lower(tid)
+            if self.nice:
+                self._lower_started(before)
 
     def run(self, loop: Callable[[], None]) -> Callable[[], None]:
         """`loop` (the engine's step loop), run lowered on the thread that calls it."""
@@ -361,16 +361,28 @@ class EnginePriority:
 
         return run
 
+    def _lower_started(self, before: set[int]) -> None:
+        log = logging.getLogger("rpc.cli")
+        if not before:  # a process has a thread: /proc is not there
+            log.warning("--engine-nice: /proc/self/task is not readable, so torch's threads keep the service's "
+                        "priority; only the engine's loop is lowered")
+            return
+        started = _thread_ids() - before
+        for tid in started:
+            self._lower(tid)
+        log.info("the engine's threads run %d below the service's (--engine-nice): its loop, and %d started as the "
+                 "model loaded", self.nice, len(started))
+
     def _lower(self, tid: int) -> None:
-        if self.nice:
-            with contextlib.suppress(OSError):  # the thread has ended
+        if self.nice:  # the kernel stops at 19: a service already at --nice 10 or more keeps a smaller gap
+            with contextlib.suppress(ProcessLookupError):  # the thread has ended
                 os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
 
 
 def _thread_ids() -> set[int]:
     try:
         return {int(tid) for tid in os.listdir("/proc/self/task")}
-    except OSError:  # not Linux, or no /proc
+    except OSError:
         return set()
 
 
