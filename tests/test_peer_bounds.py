@@ -67,7 +67,9 @@ def test_a_store_claiming_a_huge_block_is_refused_before_its_bytes_are_buffered(
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20  # a chunk or two in flight, never the claimed terabyte
-    assert servicer.sent <= 4 << 20
+    # The client hangs up at the first chunk; the store goes on sending into gRPC's flow-control window until
+    # the cancellation reaches it, a few chunks more on a loaded machine (5 MiB was seen): never the gigabyte.
+    assert servicer.sent <= 16 << 20
 
 
 def _response(**fields: object) -> prefill_pb2.PrefillResponse:
