@@ -147,8 +147,12 @@ class KVConnector:
         """Run ``work`` on an I/O thread, then what it returns on the step thread; ``on_cancel`` instead if the
         engine stops before ``work`` starts."""
         self.num_in_flight += 1
+        # `on_cancel` is dropped once `work` starts: the future keeps its callbacks, and one that still held it
+        # (through it, the sequence, whose `last_save` is this future) would keep the sequence in a cycle.
+        cancel = [on_cancel] if on_cancel is not None else []
 
         def run() -> None:
+            cancel.clear()
             done = _nothing
             try:
                 done = work()
@@ -156,8 +160,8 @@ class KVConnector:
                 self._post(functools.partial(self._done, done))
 
         future = self.io.submit(run)
-        if on_cancel is not None:
-            future.add_done_callback(lambda f: on_cancel() if f.cancelled() else None)
+        if cancel:
+            future.add_done_callback(lambda f: cancel[0]() if cancel and f.cancelled() else None)
         return future
 
     def _done(self, then: Callable[[], None]) -> None:

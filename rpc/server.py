@@ -125,11 +125,13 @@ class CallLimit:
         self.limit = limit
         self.service = service
         self.active = 0
+        self.arrived = 0  # calls that came since the start, taken or refused
         self._lock = threading.Lock()
 
     def enter(self) -> Callable[[], None]:
         """Counts a call in; returns its release (idempotent). ResourceExhausted when `limit` are in."""
         with self._lock:
+            self.arrived += 1
             if self.active >= self.limit:
                 raise ResourceExhausted(
                     f"the {self.service} service is serving its limit of {self.limit} calls at once "

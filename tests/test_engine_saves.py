@@ -4,8 +4,11 @@ save. A sequence outside the prefix cache is saved when it leaves, as before."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import abc
 
+import pytest
 import torch
 
 from engine.engine import Engine
@@ -61,6 +64,27 @@ def test_a_sequence_outside_the_prefix_cache_is_saved_when_it_leaves() -> None:
     engine.add(seq)
     finish(engine, [seq])
     assert [(s.first_block, s.num_tokens) for s in source.saves] == [(0, 2 * BLOCK + 3 + 3 * BLOCK - 1)]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_saved_sequence_is_freed_as_soon_as_it_is_let_go(prefix_cache: bool) -> None:
+    """Nothing the engine keeps of a sequence it saved refers back to it (a future's done-callback did, through
+    the sequence's `last_save`): it is freed when its caller lets go, not at the next full collection, which
+    the services hold off while calls come (rpc.cli.collect_when_quiet)."""
+    engine, source = _setup()
+    seq = make_seq(engine.model, random_tokens(2 * BLOCK + 3, seed=65), 3 * BLOCK, source=source,
+                   hash_root=engine.namespace().root() if prefix_cache else None)
+    engine.add(seq)
+    finish(engine, [seq])
+    wait_until(lambda: engine.connector.num_in_flight == 0)
+    assert seq.last_save is not None and source.saves
+    gone = weakref.ref(seq.events)  # the sequence's own (a Sequence takes no weak reference)
+    gc.disable()
+    try:
+        del seq
+        assert gone() is None, "the sequence is kept in a reference cycle"
+    finally:
+        gc.enable()
 
 
 def test_finished_follows_the_saves_in_flight_even_with_nothing_left_to_save() -> None:

@@ -8,6 +8,8 @@ go to BENCHMARKS.md, "Overload".
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -17,7 +19,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +56,8 @@ def prompt(i: int) -> list[int]:
 class RequestProbe:
     """One more client, in a process and on a connection of its own, sending a request every `every_s` while a
     storm runs: how soon its requests are answered or refused, as a client that is not itself busy sees it. The
-    storm's own client multiplexes hundreds of streams in one Python process on the same cores; what it
-    measures includes its own event loop's delays (a thread beside it, sharing its GIL, measured the same)."""
+    storm's own client multiplexes hundreds of streams in one process on the same cores; what it measures
+    includes its own event loop's delays."""
 
     def __init__(self, addr: str, every_s: float = 0.05) -> None:
         self.addr, self.every_s = addr, every_s
@@ -103,7 +105,7 @@ def probe_requests(addr: str, every_s: float) -> None:
 
     threading.Thread(target=until_stdin_closes, daemon=True).start()
     outcomes: list[tuple[str, float]] = []
-    with Client(addr, timeout_s=150, token="", busy_retries=0) as c:
+    with Client(addr, timeout_s=150, token="", busy_retries=0) as c, no_collector_pauses():
         next(iter(c.stream(token_ids=prompt(49_999), max_tokens=1, ignore_eos=True)))  # connected, warm
         print("ready", flush=True)
         i = 0
@@ -120,19 +122,42 @@ def probe_requests(addr: str, every_s: float) -> None:
     print(json.dumps(outcomes))
 
 
+@contextlib.contextmanager
+def no_collector_pauses() -> Iterator[None]:
+    """A load generator's own garbage collection, off while it measures: a full collection in a process
+    that imported torch held the GIL 0.14-0.26 s, and every answer that arrived meanwhile looked that late."""
+    gc.freeze()  # what the imports built, out of the collector's sight
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 @dataclass(frozen=True)
 class Outcome:
     index: int
     status: str  # "OK" or the status name
     seconds: float  # from sending to the result or the error
-    result: Result | None = None
+    token_ids: list[int] | None = None  # when OK
     details: str = ""
 
 
-async def storm(addr: str, n: int, deadline_s: float, ramp_s: float = 0.0) -> list[Outcome]:
+def storm(addr: str, n: int, deadline_s: float, ramp_s: float = 0.0) -> list[Outcome]:
     """`n` streams from 8 channels, none retried, each completing or failing on its own; they start evenly over
     `ramp_s` (a storm of n / ramp_s arrivals a second: all n sent in the same instant queue behind each
-    other in the Python gRPC server, which refuses about a thousand calls a second)."""
+    other in the Python gRPC server, which refuses about a thousand calls a second).
+
+    The streams come from a process of their own that does nothing else (`_storm`), as a load generator
+    would: what they measure is the server's time, not this process's threads' and collections'."""
+    done = subprocess.run([sys.executable, "-m", "tests.test_overload", "storm", addr, str(n), str(deadline_s),
+                           str(ramp_s)], cwd=ROOT, capture_output=True, text=True, timeout=deadline_s + 120)
+    if done.returncode != 0:
+        raise RuntimeError(f"the storm's process failed (exit code {done.returncode}): {done.stderr[-2000:]}")
+    return [Outcome(*fields) for fields in json.loads(done.stdout)]
+
+
+async def _storm(addr: str, n: int, deadline_s: float, ramp_s: float) -> list[Outcome]:
     clients = [AsyncClient(addr, timeout_s=deadline_s, token="", busy_retries=0) for _ in range(8)]
 
     async def one(i: int) -> Outcome:
@@ -140,12 +165,13 @@ async def storm(addr: str, n: int, deadline_s: float, ramp_s: float = 0.0) -> li
         t = time.perf_counter()
         try:
             r = await clients[i % 8].generate(token_ids=prompt(i), max_tokens=NEW_TOKENS, ignore_eos=True)
-            return Outcome(i, "OK", time.perf_counter() - t, r)
+            return Outcome(i, "OK", time.perf_counter() - t, list(r.token_ids))
         except KVServeError as exc:
             return Outcome(i, exc.code.name, time.perf_counter() - t, details=exc.details)
 
     try:
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        with no_collector_pauses():
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
     finally:
         for c in clients:
             await c.close()
@@ -201,14 +227,14 @@ def test_a_storm_of_streams_is_served_or_refused_at_once_and_health_answers(depl
     socket = deployment.node.setting("decode", "--health-listen") or ""
     # Warm-up, the same storm: pools, allocator arenas, thread stacks, and oneDNN's kernels for the batches'
     # row counts (bounded, rpc.cli.prepare_engine_process): what is left to grow would grow with every storm.
-    asyncio.run(storm(decode.addr, STREAMS, 150, ramp_s=1.0))
+    storm(decode.addr, STREAMS, 150, ramp_s=1.0)
     before = rss_anon(decode.process.pid)
     with HealthProbe(decode.addr, timeout_s=PROBE_TIMEOUT_S) as probe, \
             HealthProbe(socket, timeout_s=PROBE_TIMEOUT_S) as own, \
             HealthProbe(socket, every_s=2, command=True, timeout_s=PROBE_TIMEOUT_S) as cli, \
             RequestProbe(decode.addr) as one:
         t = time.perf_counter()
-        outcomes = asyncio.run(storm(decode.addr, STREAMS, 150, ramp_s=1.0))
+        outcomes = storm(decode.addr, STREAMS, 150, ramp_s=1.0)
         took = time.perf_counter() - t
     after = rss_anon(decode.process.pid)
     counts = Counter(o.status for o in outcomes)
@@ -227,26 +253,26 @@ def test_a_storm_of_streams_is_served_or_refused_at_once_and_health_answers(depl
     assert counts["OK"] > 0
     assert not probe.failures and not own.failures and not cli.failures, (probe.summary(), own.summary(), cli.summary())
     assert after - before < 96 << 20, f"decode's memory grew by {(after - before) >> 20} MiB"
-    check_greedy([o for o in outcomes if o.result is not None][:: max(1, counts["OK"] // 4)])
+    check_greedy([o for o in outcomes if o.token_ids is not None][:: max(1, counts["OK"] // 4)])
 
 
 def check_greedy(outcomes: list[Outcome]) -> None:
     for o in outcomes:
-        assert o.result is not None
+        assert o.token_ids is not None
         want, logits = oracle(ARCH, prompt(o.index), NEW_TOKENS)
-        assert_greedy_matches(list(o.result.token_ids), want, logits)
+        assert_greedy_matches(o.token_ids, want, logits)
 
 
 def test_the_router_over_two_busy_replicas_serves_every_request(deployment: Deployment) -> None:
     """Both replicas past their limits: requests the router sends are served, or refused as RESOURCE_EXHAUSTED
     when both refuse; none is UNAVAILABLE (busy is not dead), and a request the client retries completes."""
     with HealthProbe(deployment.router.addr, timeout_s=PROBE_TIMEOUT_S) as probe:
-        storm_outcomes = asyncio.run(storm(deployment.router.addr, STREAMS * 2 // 3, 150, ramp_s=1.0))
+        storm_outcomes = storm(deployment.router.addr, STREAMS * 2 // 3, 150, ramp_s=1.0)
     counts = Counter(o.status for o in storm_outcomes)
     print(f"\nrouter, {STREAMS * 2 // 3} streams over two replicas: {dict(counts)}; {probe.summary()}")
     assert set(counts) <= {"OK", "RESOURCE_EXHAUSTED"}, [o for o in storm_outcomes if o.status != "OK"][:3]
     assert counts["OK"] > 0 and not probe.failures
-    check_greedy([o for o in storm_outcomes if o.result is not None][:: max(1, counts["OK"] // 4)])
+    check_greedy([o for o in storm_outcomes if o.token_ids is not None][:: max(1, counts["OK"] // 4)])
 
 
 LONG = 64  # tokens each stream generates in the migration test: the kill lands mid-stream
@@ -340,4 +366,8 @@ def test_prefill_killed_under_load_fails_no_request(deployment: Deployment) -> N
 
 
 if __name__ == "__main__":
-    probe_requests(sys.argv[1], float(sys.argv[2]))
+    if sys.argv[1] == "storm":  # storm()'s process: its outcomes, as JSON
+        outcomes = asyncio.run(_storm(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])))
+        print(json.dumps([astuple(o) for o in outcomes]))
+    else:
+        probe_requests(sys.argv[1], float(sys.argv[2]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import signal
@@ -272,3 +273,44 @@ def test_bytes_that_are_not_the_request_message_get_invalid_argument(tmp_path: P
             assert f"not a valid kvserve.v1.{method}Request message" in info.value.details(), info.value.details()
         stats = channel.unary_unary("/kvserve.v1.KVStore/Stats")(b"", timeout=5)  # an empty message is valid
         assert isinstance(stats, bytes)
+
+
+COLLECTIONS = """
+import gc, json, sys, time
+from rpc.cli import collect_when_quiet
+
+full = []
+gc.callbacks.append(lambda phase, info: full.append(1) if phase == "stop" and info["generation"] == 2 else None)
+calls = [0]
+collect_when_quiet(lambda: calls[0], every_s=0.05, at_most=300)
+kept = []
+
+def young():
+    return gc.get_stats()[1]["collections"]
+
+def churn(arriving, seconds=0.0, young_ones=0):  # cycles that live a while, so they age into the old generation
+    end, until = time.monotonic() + seconds, young() + young_ones
+    while time.monotonic() < end or young() < until:
+        cycle = []
+        cycle.append(cycle)
+        kept.append(cycle)
+        if len(kept) > 500:
+            kept.clear()
+        calls[0] += arriving
+    return len(full)
+
+print(json.dumps([churn(1, young_ones=150), churn(0, seconds=0.5), churn(1, young_ones=1000)]))
+"""
+
+
+def test_full_collections_wait_for_a_moment_without_calls() -> None:
+    """rpc.cli.collect_when_quiet (in a process of its own: it sets the collector's thresholds). While calls
+    keep coming, allocations run young collections only, and a full one once `at_most` young ones have passed;
+    it runs as soon as a check finds that no call came."""
+    done = subprocess.run([sys.executable, "-c", COLLECTIONS], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120, check=True)
+    busy, then_quiet, busy_again = json.loads(done.stdout)
+    assert busy == 0, "a full collection ran while calls came, before 300 young ones"
+    assert then_quiet >= 1, "no full collection in half a second without calls"
+    # 1,000 young collections while calls come, a full one after each 300 (checked every 0.05 s)
+    assert 2 <= busy_again - then_quiet <= 4, (busy, then_quiet, busy_again)
