@@ -20,6 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from http_api.app import Front
 from rpc.cli import (
     STOP_MARGIN_S,
+    collect_when_quiet,
     configure_logging,
     env_epilog,
     exit_with_parent,
@@ -166,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = uvicorn.Config(front.app(ready), http=protocol, log_config=None, access_log=False,
                             ssl_certfile=cert, ssl_keyfile=key, timeout_graceful_shutdown=GRACE_S,
                             server_header=False)
-    gc.freeze()  # as every service: no collection scans what start-up made (rpc.cli.serve)
+    gc.freeze()  # as every service: no collection scans what start-up made, and full ones wait (rpc.cli.serve)
+    collect_when_quiet(lambda: front.arrived)
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     finally:  # what is left of the stop is bounded, as in every service (rpc.cli.serve)

@@ -148,6 +148,7 @@ class Front:
         self.metrics = Metrics(self.registry)
         self.created = int(time.time())
         self.active = 0
+        self.arrived = 0  # generation requests, refused ones included (rpc.cli.collect_when_quiet)
         self._channel: grpc.aio.Channel | None = None
 
     @asynccontextmanager
@@ -218,6 +219,7 @@ class Front:
         """One generation: the body read (within `client_timeout_s`) and checked, then at most `max_requests` at
         once from there to the last byte of the answer."""
         t0 = time.perf_counter()
+        self.arrived += 1
         endpoint = request.url.path
         status, counted, streaming = 500, False, False
 

@@ -276,41 +276,51 @@ def test_bytes_that_are_not_the_request_message_get_invalid_argument(tmp_path: P
 
 
 COLLECTIONS = """
-import gc, json, sys, time
+import gc, json, time
 from rpc.cli import collect_when_quiet
 
-full = []
-gc.callbacks.append(lambda phase, info: full.append(1) if phase == "stop" and info["generation"] == 2 else None)
-calls = [0]
-collect_when_quiet(lambda: calls[0], every_s=0.05, at_most=300)
-kept = []
+gc.set_threshold(100, 10)  # generation-1 collections come fast; Python's full one after ten of them
+phase, calls, kept, full = ["busy"], [0], [], []
+gc.callbacks.append(lambda stage, info: full.append((phase[0], gc.get_count()[2]))
+                    if stage == "start" and info["generation"] == 2 else None)
+collect_when_quiet(lambda: calls[0], every_s=0.05, at_most=30)
 
-def young():
+def gen1():
     return gc.get_stats()[1]["collections"]
 
-def churn(arriving, seconds=0.0, young_ones=0):  # cycles that live a while, so they age into the old generation
-    end, until = time.monotonic() + seconds, young() + young_ones
-    while time.monotonic() < end or young() < until:
+def churn(name, collections=0, seconds=0.0):  # calls arriving, and cycles that age into the old generation
+    phase[0] = name
+    end, until = time.monotonic() + seconds, gen1() + collections
+    while time.monotonic() < end or gen1() < until:
         cycle = []
         cycle.append(cycle)
         kept.append(cycle)
         if len(kept) > 500:
             kept.clear()
-        calls[0] += arriving
-    return len(full)
+        calls[0] += 1
 
-print(json.dumps([churn(1, young_ones=150), churn(0, seconds=0.5), churn(1, young_ones=1000)]))
+def quiet(name):
+    phase[0] = name
+    time.sleep(0.5)
+
+churn("busy", collections=20)
+quiet("quiet after 20")
+churn("busy", collections=5)
+quiet("quiet after 5")
+churn("storm", seconds=1.0)
+print(json.dumps(full))
 """
 
 
 def test_full_collections_wait_for_a_moment_without_calls() -> None:
     """rpc.cli.collect_when_quiet (in a process of its own: it sets the collector's thresholds). While calls
-    keep coming, allocations run young collections only, and a full one once `at_most` young ones have passed;
-    it runs as soon as a check finds that no call came."""
+    keep coming, a full collection runs only once `at_most` generation-1 collections have passed; when none
+    comes, once Python would have run one (ten of them)."""
     done = subprocess.run([sys.executable, "-c", COLLECTIONS], cwd=Path(__file__).resolve().parents[1],
-                          capture_output=True, text=True, timeout=120, check=True)
-    busy, then_quiet, busy_again = json.loads(done.stdout)
-    assert busy == 0, "a full collection ran while calls came, before 300 young ones"
-    assert then_quiet >= 1, "no full collection in half a second without calls"
-    # 1,000 young collections while calls come, a full one after each 300 (checked every 0.05 s)
-    assert 2 <= busy_again - then_quiet <= 4, (busy, then_quiet, busy_again)
+                          capture_output=True, text=True, timeout=60, check=True)
+    full = json.loads(done.stdout)  # (phase, generation-1 collections since the last full one) at each
+    assert not [f for f in full if f[0] == "busy"], f"a full collection while calls came, before 30: {full}"
+    assert [f[0] for f in full if f[0].startswith("quiet")] == ["quiet after 20"], \
+        f"one full collection in half a second without calls, only with ten or more waiting: {full}"
+    storm = [pending for name, pending in full if name == "storm"]
+    assert len(storm) >= 2 and min(storm) >= 30, f"under a second of calls, a full collection after each 30: {full}"

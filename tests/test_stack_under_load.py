@@ -31,7 +31,10 @@ ARCH = "llama"
 CLIENTS, TURNS, NEW_TOKENS = 64, 5, 4
 SYSTEM = tokens(4 * BLOCK_SIZE, seed=4242)
 DURATION_S = float(os.environ.get("KVSERVE_LOAD_S", "0"))  # 0: one round
-# A resident-memory rise beyond this after warm-up is growth, not noise (allocator pools, caches).
+# A resident-memory rise beyond this is growth, not noise (allocator pools, caches). Under KVSERVE_LOAD_S it is
+# measured over the second half of the run: the caches that are bounded but slow to fill (oneDNN's kernels, one
+# per batch row count, up to about 106 MiB: rpc.cli.prepare_engine_process) grew decode by 89-93 MiB over 120 s
+# after the warm-up round alone.
 RSS_SLACK_BYTES = 96 << 20
 
 
@@ -98,12 +101,14 @@ def test_many_clients_many_turns(stack: ProcessStack) -> None:
     ttfts: list[float] = []
     with TierWatch(stack.store.addr) as watch, HealthProbe(stack.decode[ARCH].addr) as probe:
         run_round(stack.decode[ARCH].addr, 0, [])  # warm-up: pools, allocator arenas, thread stacks
-        base = {name: rss_anon(p.process.pid) for name, p in procs.items()}
+        warm = base = {name: rss_anon(p.process.pid) for name, p in procs.items()}
         start = time.monotonic()
         deadline, round_id = start + DURATION_S, 1
         while True:
             finals = run_round(stack.decode[ARCH].addr, round_id, ttfts)
             round_id += 1
+            if base is warm and time.monotonic() >= start + DURATION_S / 2 and DURATION_S:
+                base = {name: rss_anon(p.process.pid) for name, p in procs.items()}
             if time.monotonic() >= deadline:
                 break
         took = time.monotonic() - start
@@ -114,13 +119,13 @@ def test_many_clients_many_turns(stack: ProcessStack) -> None:
           f"after warm-up TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, p99 {ttfts[len(ttfts) * 99 // 100]:.2f} s, "
           f"{len(ttfts) * NEW_TOKENS / took:.1f} tokens/s; {probe.summary()}; "
           f"tiers at most {', '.join(f'{k} {v:.0%}' for k, v in watch.fullest.items())} full over "
-          f"{watch.samples} samples; anonymous RSS after warm-up (MiB): "
-          + ", ".join(f"{n} {base[n] / 2**20:.0f} -> {after[n] / 2**20:.0f}" for n in procs))
+          f"{watch.samples} samples; anonymous RSS after warm-up, at half time, at the end (MiB): "
+          + ", ".join(f"{n} {warm[n] / 2**20:.0f} -> {base[n] / 2**20:.0f} -> {after[n] / 2**20:.0f}" for n in procs))
 
     assert not probe.failures, probe.summary()
     assert watch.samples > 0 and not watch.over, f"tiers over capacity: {watch.over[:5]}"
     grown = {name: after[name] - base[name] for name in procs if after[name] - base[name] > RSS_SLACK_BYTES}
-    assert not grown, f"resident memory grew after warm-up (bytes): {grown}"
+    assert not grown, f"resident memory grew (bytes): {grown}"
     for final in finals[:: CLIENTS // 4]:  # four conversations of the last round, against the oracle
         prompt, answer = final[:-NEW_TOKENS], final[-NEW_TOKENS:]
         want, logits = oracle(ARCH, prompt, NEW_TOKENS)
