@@ -280,6 +280,7 @@ import gc, json, time
 from rpc.cli import collect_when_quiet
 
 gc.set_threshold(100, 10)  # generation-1 collections come fast; Python's full one after ten of them
+gc.collect()  # none pending from the imports
 phase, calls, kept, full = ["busy"], [0], [], []
 gc.callbacks.append(lambda stage, info: full.append((phase[0], gc.get_count()[2]))
                     if stage == "start" and info["generation"] == 2 else None)
