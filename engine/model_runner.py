@@ -16,7 +16,16 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.packed_linear import pack_linear_layers
-from engine.paged_attention import PagedCache, PromptChunk, SharedPrefixKV, StepBatch, chunk_mask, install
+from engine.paged_attention import (
+    PagedCache,
+    PromptChunk,
+    SharedPrefixKV,
+    StepBatch,
+    chunk_mask,
+    context_rows,
+    install,
+    onednn_chunk,
+)
 from engine.sampling import sample_batch
 from engine.sequence import Sequence
 
@@ -170,8 +179,12 @@ class ModelRunner:
                 decode_lens.append(end)
                 decode_seqs.append(seq)
             else:
-                chunks.append(PromptChunk(row, n, end, torch.tensor(table, device=device),
-                                          chunk_mask(start, end, device), sampled=end == len(seq.token_ids)))
+                block_table, sampled_here = torch.tensor(table, device=device), end == len(seq.token_ids)
+                if onednn_chunk(n, end, self.cache.kv.dtype, device):
+                    rows = context_rows(self.cache, block_table, end)
+                    chunks.append(PromptChunk(row, n, end, block_table, None, sampled_here, rows))
+                else:
+                    chunks.append(PromptChunk(row, n, end, block_table, chunk_mask(start, end, device), sampled_here))
             if end == len(seq.token_ids):
                 logit_rows.append(row + n - 1)
                 sampled.append(seq)

@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
+from engine import paged_attention
 from engine.engine import RequestTooLarge, StepStats
+from engine.kv_cache import KVCache
 from engine.model import load_model
 from engine.model_runner import MIN_SHARED_BLOCKS, LastLayerRows, shared_blocks
 from engine.sampling import SamplingParams
@@ -372,3 +374,65 @@ def test_the_last_layer_computes_only_the_sampled_rows(arch: str) -> None:
     finally:
         for h in hooks:
             h.remove()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tokens", "context", "scores"), [
+    (8, 4, 48, 130, None),  # grouped-query heads, the queries of a KV head at once
+    (4, 1, 50, 77, 7 * 2 * 77),  # in slices of 7 queries (the cap on a KV head's scores at a time)
+    (6, 6, 60, 61, None),  # one token of earlier context
+])
+def test_a_chunks_attention_through_onednn_equals_sdpa(monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int,
+                                                       tokens: int, context: int, scores: int | None) -> None:
+    if scores is not None:
+        monkeypatch.setattr(paged_attention, "_SCORES_MAX_ELEMENTS", scores)
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(1, heads, tokens, 16, generator=g)
+    k, v = torch.randn(kv_heads, context, 16, generator=g), torch.randn(kv_heads, context, 16, generator=g)
+    mask = torch.arange(context)[None, :] <= torch.arange(context - tokens, context)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=0.3,
+                                                             enable_gqa=True)
+    got = paged_attention._context_attention(q, k, v, 0.3)
+    torch.testing.assert_close(got, want[0].transpose(0, 1))
+
+
+def test_context_rows_gather_a_layers_keys_and_values_head_by_head() -> None:
+    cache = KVCache(50, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cache.kv.normal_(generator=torch.Generator().manual_seed(0))
+    table = torch.tensor([7, 3, 41, 9])
+    rows = paged_attention.context_rows(cache, table, 14)  # the last block holds 2 of the context's tokens
+    for layer in range(3):
+        for kind in (0, 1):
+            by_slot = cache.layer(layer, kind)[table].reshape(16, 2, 8)[:14]  # [tokens, kv_heads, head_dim]
+            got = cache.kv.view(-1, 8)[paged_attention.layer_rows(cache, rows, layer, kind)].view(2, 14, 8)
+            assert torch.equal(got, by_slot.transpose(0, 1))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_chat_turn_over_its_history_runs_through_onednn_and_equals_hf_generate(
+        arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn's new tokens over the history in the pool, in chunks of the token budget beside a decoding stream:
+    each chunk of ONEDNN_CHUNK_MIN_TOKENS or more runs through oneDNN's matmuls, the shorter last one through
+    SDPA, and the tokens equal the oracle's."""
+    model = tiny_model(arch)
+    shapes: list[tuple[int, int]] = []
+    context_attention = paged_attention._context_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        shapes.append((q.shape[2], k.shape[1]))  # (chunk tokens, context)
+        return context_attention(q, k, v, scale)
+
+    monkeypatch.setattr(paged_attention, "_context_attention", spy)
+    engine = make_engine(model, BLOCK, 128, max_num_batched_tokens=64)
+    root = engine.namespace().root()
+    first = make_seq(model, random_tokens(90, seed=60), MAX_NEW, hash_root=root)
+    run(engine, [first])
+    shapes.clear()  # the first turn's second chunk (64 of 90) ran through it too
+    turn = make_seq(model, [*first.token_ids, *random_tokens(140, seed=61)], MAX_NEW, hash_root=root)
+    other = make_seq(model, random_tokens(5, seed=62), 3 * MAX_NEW)
+    outcomes = run(engine, [other, turn])
+    assert turn.stats.num_pool_hit_tokens == 96  # the 101 tokens with KV (90 and 11 generated): 12 full blocks
+    # 158 new tokens in steps of 64: 59 beside the other prompt's 5, 63 beside its decode row, then 36 (under 48:
+    # SDPA); each (tokens, context) in every layer but the last, which computes only a chunk's sampled row
+    assert shapes == [(59, 96 + 59)] * (model.num_layers - 1) + [(63, 96 + 59 + 63)] * (model.num_layers - 1)
+    for seq, outcome in zip([other, turn], outcomes, strict=True):
+        assert_matches_oracle(model, seq, outcome)
