@@ -9,7 +9,7 @@ carry it through the unchanged model code:
 - ``paged_attention``, registered as the attention implementation ``kvserve_paged``: it reads
   each sequence's keys and values through its block table and runs SDPA, decode rows (one query
   each) as one batched call and each prompt chunk on its own with its causal offset (on a CPU, a chunk
-  over earlier context as oneDNN matmuls instead: _context_attention).
+  over earlier context as oneDNN matmuls instead: context_attention).
 
 Called without a step (Hugging Face ``generate`` on the same model, the oracle), the attention
 is plain SDPA with the usual masks. Hugging Face's own ``PagedAttentionCache`` is not used: its
@@ -48,7 +48,7 @@ class PromptChunk:
     # mask aligned to the lower right, applied by the kernel (see chunk_mask)
     mask: torch.Tensor | None
     sampled: bool = False  # the step samples a token from its last token's logits (the prompt's end)
-    # [kv_heads * context_len] long, where the chunk runs through _context_attention (onednn_chunk; mask is
+    # [kv_heads * context_len] long, where the chunk runs through context_attention (onednn_chunk; mask is
     # then None): the rows of its context's keys and values (context_rows)
     kv_rows: torch.Tensor | None = None
 
@@ -179,14 +179,14 @@ def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 
 # A prompt chunk over earlier context runs as two oneDNN matmuls per KV head and a softmax between
-# (_context_attention) from this many tokens: over 3k tokens of context, 16 took 0.90 ms a layer against SDPA's
+# (context_attention) from this many tokens: over 3k tokens of context, 16 took 0.90 ms a layer against SDPA's
 # 0.68, 32 about the same as SDPA, 48 1.9 against 2.3 ms.
 ONEDNN_CHUNK_MIN_TOKENS = 48
-_SCORES_MAX_ELEMENTS = 1 << 22  # a KV head's scores at a time: 16 MiB in fp32, whatever the chunk and context
+SCORES_MAX_ELEMENTS = 1 << 22  # a KV head's scores at a time: 16 MiB in fp32, whatever the chunk and context
 
 
 def onednn_chunk(num_tokens: int, context_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a prompt chunk's attention runs through _context_attention: a chunk of at least
+    """Whether a prompt chunk's attention runs through context_attention: a chunk of at least
     ONEDNN_CHUNK_MIN_TOKENS over earlier context (a chunk that is its whole context stays with SDPA, which
     skips the masked half), fp32 on a CPU with oneDNN's kernels."""
     return (num_tokens >= ONEDNN_CHUNK_MIN_TOKENS and context_len > num_tokens and dtype == torch.float32
@@ -210,15 +210,15 @@ def layer_rows(cache: KVCache, rows: torch.Tensor, layer: int, kind: int) -> tor
     return rows + (layer * 2 + kind) * block_size * kv_heads
 
 
-def _context_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       scale: float | None) -> torch.Tensor:
+def context_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
+                      max_scores: int = SCORES_MAX_ELEMENTS) -> torch.Tensor:
     """A prompt chunk's attention over its context: q [1, heads, n, head_dim] the chunk's queries, the last at
     context position ctx - 1, each seeing the keys up to its own; keys, values [kv_heads, ctx, head_dim].
     Returns [n, heads, head_dim].
 
     SDPA's CPU kernel does its matmuls through MKL's GEMM, which on an AMD CPU takes its AVX2 code: 87 GFLOP/s
     a core here (Zen 5), where oneDNN's matmul runs at 240. So the scores are computed whole, a KV head (or a
-    slice of its queries: at most _SCORES_MAX_ELEMENTS scores) at a time: the queries of the heads that share
+    slice of its queries: at most ``max_scores`` scores) at a time: the queries of the heads that share
     the KV head as the rows of one matmul against its keys, the causal mask on the chunk's own keys, a softmax,
     and a matmul against the values. A step of a 232-token chat turn over 2.3k tokens beside 16 decoding streams:
     131 -> 106 ms (the engine alone, 2 threads)."""
@@ -229,7 +229,7 @@ def _context_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     values_t = values.transpose(1, 2).contiguous()  # [kv_heads, d, ctx]: the second matmul's weight
     causal = torch.full((n, n), -torch.inf, dtype=q.dtype, device=q.device).triu_(1)  # on the chunk's own keys
     out = q.new_empty(kv_heads, group, n, d)
-    step = max(1, _SCORES_MAX_ELEMENTS // (group * ctx))
+    step = max(1, max_scores // (group * ctx))
     for h in range(kv_heads):
         for i in range(0, n, step):
             j = min(n, i + step)
@@ -291,7 +291,7 @@ def paged_attention(
             flat = batch.cache.kv.view(-1, query.shape[3])  # [rows, head_dim]
             k, v = (flat.index_select(0, layer_rows(batch.cache, c.kv_rows, layer, kind))
                     .view(key.shape[1], c.context_len, -1) for kind in (0, 1))
-            out[start:end] = _context_attention(q, k, v, scaling)
+            out[start:end] = context_attention(q, k, v, scaling)
             continue
         if c.context_len == c.num_tokens:  # no earlier context: the chunk's own keys, causal
             k, v = key[:, :, c.start : end], value[:, :, c.start : end]

@@ -377,21 +377,19 @@ def test_the_last_layer_computes_only_the_sampled_rows(arch: str) -> None:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "tokens", "context", "scores"), [
-    (8, 4, 48, 130, None),  # grouped-query heads, the queries of a KV head at once
-    (4, 1, 50, 77, 7 * 2 * 77),  # in slices of 7 queries (the cap on a KV head's scores at a time)
-    (6, 6, 60, 61, None),  # one token of earlier context
+    (8, 4, 48, 130, paged_attention.SCORES_MAX_ELEMENTS),  # grouped-query heads, a KV head's queries at once
+    (4, 1, 50, 77, 7 * 4 * 77),  # in slices of 7 queries (the cap on a KV head's scores at a time), the last of 1
+    (6, 6, 60, 61, paged_attention.SCORES_MAX_ELEMENTS),  # one token of earlier context
 ])
-def test_a_chunks_attention_through_onednn_equals_sdpa(monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int,
-                                                       tokens: int, context: int, scores: int | None) -> None:
-    if scores is not None:
-        monkeypatch.setattr(paged_attention, "_SCORES_MAX_ELEMENTS", scores)
+def test_a_chunks_attention_through_onednn_equals_sdpa(heads: int, kv_heads: int, tokens: int, context: int,
+                                                       scores: int) -> None:
     g = torch.Generator().manual_seed(heads)
     q = torch.randn(1, heads, tokens, 16, generator=g)
     k, v = torch.randn(kv_heads, context, 16, generator=g), torch.randn(kv_heads, context, 16, generator=g)
     mask = torch.arange(context)[None, :] <= torch.arange(context - tokens, context)[:, None]
     want = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=0.3,
                                                              enable_gqa=True)
-    got = paged_attention._context_attention(q, k, v, 0.3)
+    got = paged_attention.context_attention(q, k, v, 0.3, max_scores=scores)
     torch.testing.assert_close(got, want[0].transpose(0, 1))
 
 
@@ -415,13 +413,13 @@ def test_a_chat_turn_over_its_history_runs_through_onednn_and_equals_hf_generate
     SDPA, and the tokens equal the oracle's."""
     model = tiny_model(arch)
     shapes: list[tuple[int, int]] = []
-    context_attention = paged_attention._context_attention
+    context_attention = paged_attention.context_attention
 
     def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         shapes.append((q.shape[2], k.shape[1]))  # (chunk tokens, context)
         return context_attention(q, k, v, scale)
 
-    monkeypatch.setattr(paged_attention, "_context_attention", spy)
+    monkeypatch.setattr(paged_attention, "context_attention", spy)
     engine = make_engine(model, BLOCK, 128, max_num_batched_tokens=64)
     root = engine.namespace().root()
     first = make_seq(model, random_tokens(90, seed=60), MAX_NEW, hash_root=root)
