@@ -227,14 +227,15 @@ def context_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     group = heads // kv_heads
     queries = (q[0] * (d**-0.5 if scale is None else scale)).view(kv_heads, group, n, d)
     values_t = values.transpose(1, 2).contiguous()  # [kv_heads, d, ctx]: the second matmul's weight
-    causal = torch.full((n, n), -torch.inf, dtype=q.dtype, device=q.device).triu_(1)  # on the chunk's own keys
     out = q.new_empty(kv_heads, group, n, d)
     step = max(1, max_scores // (group * ctx))
-    for h in range(kv_heads):
-        for i in range(0, n, step):
-            j = min(n, i + step)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        # queries i .. j - 1 on the chunk's own keys: query i + r sees own keys 0 .. i + r
+        causal = torch.full((j - i, n), -torch.inf, dtype=q.dtype, device=q.device).triu_(i + 1)
+        for h in range(kv_heads):
             scores = _matmul_t(queries[h, :, i:j].reshape(-1, d), keys[h]).view(group, j - i, ctx)
-            scores[:, :, ctx - n :].add_(causal[i:j])
+            scores[:, :, ctx - n :].add_(causal)
             probs = torch.softmax(scores, dim=-1).view(-1, ctx)
             out[h, :, i:j] = _matmul_t(probs, values_t[h]).view(group, j - i, d)
     return out.view(heads, n, d).transpose(0, 1)
