@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine import native
 from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.packed_linear import pack_linear_layers
@@ -124,6 +125,8 @@ class ModelRunner:
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
+        self.in_place_decode = (cache.kv.device.type == "cpu" and cache.kv.dtype == torch.float32
+                                and native.decode_kernel() is not None)
         self.last_layer_rows = LastLayerRows.of(model.hf_model)
 
     @torch.inference_mode()
@@ -201,10 +204,13 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
             lens = torch.tensor(decode_lens, device=device)
-            mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
-            if n:  # the CPU flash kernel's additive mask, in the query's dtype
-                mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype, device=device).masked_fill(~mask, -torch.inf)
-            decode = (torch.tensor(decode_rows, device=device), tables, mask)
+            mask = None
+            if not self.in_place_decode:
+                mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
+                if n:  # the CPU flash kernel's additive mask, in the query's dtype
+                    mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype,
+                                       device=device).masked_fill(~mask, -torch.inf)
+            decode = (torch.tensor(decode_rows, device=device), tables, mask, lens)
         batch = StepBatch(
             cache=self.cache,
             slot_blocks=torch.tensor(slot_blocks, device=device),
@@ -215,6 +221,7 @@ class ModelRunner:
             chunks=tuple(chunks),
             decode_shared=shared,
             shared_kv=self.shared_kv,
+            decode_lens=decode[3] if decode and self.in_place_decode else None,
             last_layer=self.last_layer_rows.layer if len(logit_rows) < len(ids) else -1,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)

@@ -8,8 +8,9 @@ carry it through the unchanged model code:
   keys and values, which it writes into the sequences' cache slots;
 - ``paged_attention``, registered as the attention implementation ``kvserve_paged``: it reads
   each sequence's keys and values through its block table and runs SDPA, decode rows (one query
-  each) as one batched call and each prompt chunk on its own with its causal offset (on a CPU, a chunk
-  over earlier context as oneDNN matmuls instead: context_attention).
+  each) as one batched call and each prompt chunk on its own with its causal offset (on a CPU, decode rows
+  through engine.native's kernel, which reads their blocks in place, and a chunk over earlier context as
+  oneDNN matmuls: context_attention).
 
 Called without a step (Hugging Face ``generate`` on the same model, the oracle), the attention
 is plain SDPA with the usual masks. Hugging Face's own ``PagedAttentionCache`` is not used: its
@@ -29,6 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from engine import native
 from engine.kv_cache import KVCache
 from engine.packed_linear import can_pack
 
@@ -102,6 +104,9 @@ class StepBatch:
     # [blocks] long: the leading blocks every decode row shares (a common system prompt), read once for all
     decode_shared: torch.Tensor | None = None
     shared_kv: SharedPrefixKV | None = None  # those blocks' keys and values, kept across steps
+    # [decodes] long: each decode row's tokens in decode_tables, where the rows' attention reads them in place
+    # (engine.native, on a CPU; decode_mask is then None)
+    decode_lens: torch.Tensor | None = None
     # The model's last layer, where only the rows whose logits are sampled are computed (past it nothing reads
     # the others): a chunk's attention for its sampled last token alone, none for one that samples nothing.
     # Its keys and values are written for every token all the same. -1: every row, as in every layer.
@@ -163,11 +168,24 @@ def _shared_prefix_attention(module: torch.nn.Module, q: torch.Tensor, k_cache: 
     o_shared, lse_shared = _flash_cpu(rows, k_shared, v_shared, None, scale)
     o_shared = o_shared.reshape(kv_heads, n, group, d).transpose(0, 1)
     lse_shared = lse_shared.reshape(kv_heads, n, group).transpose(0, 1)
-    tables = batch.decode_tables
-    o_own, lse_own = _flash_cpu(q, _gather(k_cache, tables), _gather(v_cache, tables), batch.decode_mask, scale)
+    o_own, lse_own = _own_attention(q, k_cache, v_cache, batch, layer, scale)
     lse = torch.logaddexp(lse_shared, lse_own)
     out = (o_shared * torch.exp(lse_shared - lse)[..., None] + o_own * torch.exp(lse_own - lse)[..., None])
     return out.to(q.dtype)
+
+
+def _own_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: StepBatch, layer: int,
+                   scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's attention over its blocks in ``decode_tables``: (output, log-sum-exp), read in place
+    by engine.native's kernel where the step has ``decode_lens``, else gathered for SDPA's CPU flash kernel."""
+    assert batch.decode_tables is not None
+    if batch.decode_lens is not None:  # set where the kernel is built (ModelRunner)
+        kernel = native.decode_kernel()
+        assert kernel is not None
+        return kernel(q, batch.cache.kv, layer, batch.decode_tables, batch.decode_lens,
+                      q.shape[-1] ** -0.5 if scale is None else scale)
+    tables = batch.decode_tables
+    return _flash_cpu(q, _gather(k_cache, tables), _gather(v_cache, tables), batch.decode_mask, scale)
 
 
 def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -273,6 +291,8 @@ def paged_attention(
         q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
         if batch.decode_shared is not None:
             o = _shared_prefix_attention(module, q, k_cache, v_cache, batch, scaling)
+        elif batch.decode_lens is not None:
+            o = _own_attention(q, k_cache, v_cache, batch, layer, scaling)[0]
         else:
             o = scaled_dot_product_attention(
                 q, _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables),

@@ -1,0 +1,170 @@
+/* Decode attention read where the keys and values lie in the paged KV cache (engine/native.py builds and
+ * loads this file; engine.paged_attention calls it for a step's decode rows on a CPU).
+ *
+ * Each decode row has one query per head. For each row and KV head, the queries of the heads that share that
+ * KV head (the group) walk the row's blocks in order: a block's scores, then an online softmax (a running
+ * maximum and sum, the output rescaled when the maximum grows), as a flash kernel does. Nothing is gathered:
+ * SDPA needs each row's keys and values copied out of their blocks first, a copy as large as what it reads.
+ *
+ * Layout of the cache: [blocks][layers][2 (keys, values)][block_size][kv_heads][head_dim], float32.
+ * Returned per row, KV head and group member: the output and the log-sum-exp of its scores (what
+ * cascade attention needs to merge this part with the shared prefix's).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* e^x for x <= 0 (a score minus the running maximum), vectorizable: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
+ * its Taylor polynomial to r^7 (relative error under 2e-7, about one float ulp), 2^n put in the exponent bits.
+ * Below -87 (e^x under the smallest normal float) it gives 0. */
+/* 16 floats, whatever vectors the CPU has (one AVX-512 register, two AVX2 ones): a dot product of head_dim
+ * (a multiple of 16) summed lane by lane, then across the lanes in four halvings. An `omp simd` reduction
+ * would sum the lanes one by one, for every key. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    v16 acc = *(const v16 *)a * *(const v16 *)b;
+    for (int64_t i = 16; i < n; i += 16)
+        acc += *(const v16 *)(a + i) * *(const v16 *)(b + i);
+    acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    acc += __builtin_shufflevector(acc, acc, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return acc[0];
+}
+
+#pragma omp declare simd
+static inline float exp_nonpositive(float x) {
+    const int under = x < -87.0f;
+    x = under ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return under ? 0.0f : p * scale.f;
+}
+
+/* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
+ * each of its queries (kv_heads * group of them, KV head major). Each token's keys (all heads, one contiguous
+ * run) are read once, in order, against every query, then its values likewise. */
+static void attend_blocks(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t first,
+                          int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                          int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m,
+                          float *l) {
+    const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
+    float s[queries][block_size];
+    for (int64_t i = 0; i < queries; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * queries * head_dim);
+    for (int64_t b = first; b < last; b++) {
+        const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
+        if (b + 1 < last) { /* the next block lies elsewhere: ask for its first keys and values now */
+            const float *next = kv + table[b + 1] * block_stride + layer_offset;
+            __builtin_prefetch(next);
+            __builtin_prefetch(next + half);
+        }
+        const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t i = 0; i < queries; i++) {
+                const float *qi = q + i * head_dim, *kt = k + t * slot + (i / group) * head_dim;
+                float dot = 0.0f;
+                if (head_dim % 16 == 0) {
+                    dot = dot16(qi, kt, head_dim);
+                } else {
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < head_dim; d++)
+                        dot += qi[d] * kt[d];
+                }
+                s[i][t] = dot * scale;
+            }
+        }
+        for (int64_t i = 0; i < queries; i++) {
+            float top = m[i];
+            for (int64_t t = 0; t < n; t++)
+                top = s[i][t] > top ? s[i][t] : top;
+            if (top > m[i]) { /* rescale what was summed under the old maximum */
+                const float c = exp_nonpositive(m[i] - top);
+                l[i] *= c;
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[i * head_dim + d] *= c;
+                m[i] = top;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                s[i][t] = exp_nonpositive(s[i][t] - top);
+                sum += s[i][t];
+            }
+            l[i] += sum;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t i = 0; i < queries; i++) {
+                const float p = s[i][t], *vt = v + t * slot + (i / group) * head_dim;
+                float *oi = o + i * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++)
+                    oi[d] += p * vt[d];
+            }
+        }
+    }
+}
+
+/* q [rows][kv_heads][group][head_dim]; tables [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group].
+ * A row's blocks are split in ranges, enough for every thread to have work with a single row, and the ranges'
+ * results merged by their maxima and sums. Returns 0, or -1 when out of memory. */
+int kvserve_decode_attention(const float *q, const float *kv, const int64_t *tables, const int64_t *lens,
+                             int64_t rows, int64_t width, int64_t layers, int64_t layer, int64_t block_size,
+                             int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *out,
+                             float *lse) {
+    const int64_t queries = kv_heads * group, half = block_size * kv_heads * head_dim;
+    const int64_t block_stride = layers * 2 * half, layer_offset = layer * 2 * half;
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = (2 * threads + rows - 1) / rows;
+    if (splits > width)
+        splits = width;
+    float *part = malloc(sizeof(float) * rows * splits * queries * (head_dim + 2));
+    if (part == NULL)
+        return -1;
+    float *part_m = part + rows * splits * queries * head_dim, *part_l = part_m + rows * splits * queries;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t p = 0; p < splits; p++) {
+            const int64_t blocks = (lens[r] + block_size - 1) / block_size, at = (r * splits + p) * queries;
+            attend_blocks(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
+                          blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group,
+                          head_dim, scale, part + at * head_dim, part_m + at, part_l + at);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < queries; i++) {
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t p = 0; p < splits; p++)
+                top = part_m[(r * splits + p) * queries + i] > top ? part_m[(r * splits + p) * queries + i] : top;
+            float *o = out + (r * queries + i) * head_dim;
+            memset(o, 0, sizeof(float) * head_dim);
+            for (int64_t p = 0; p < splits; p++) {
+                const int64_t at = (r * splits + p) * queries + i;
+                const float c = exp_nonpositive(part_m[at] - top);
+                sum += part_l[at] * c;
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += part[at * head_dim + d] * c;
+            }
+            for (int64_t d = 0; d < head_dim; d++)
+                o[d] /= sum;
+            lse[r * queries + i] = top + logf(sum);
+        }
+    }
+    free(part);
+    return 0;
+}

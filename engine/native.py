@@ -1,0 +1,117 @@
+"""Decode attention that reads the paged KV cache in place (engine/decode_attention.c), built with the host's C
+compiler when an engine first needs it and kept, by a hash of everything that went into it, in a folder of
+this user's: ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
+
+Without a compiler (a slim container image), or with ``KVSERVE_NATIVE_ATTENTION=0``, ``decode_kernel()`` is
+None and the engine gathers each decode row's blocks for SDPA as before: the same tokens, a slower step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+# -march=native: the build is for this host's CPU (its flags are part of the hash); OpenMP: torch's own runtime,
+# already loaded (libgomp.so.1), runs the kernel's loop on the threads torch computes on.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno")
+BUILD_TIMEOUT_S = 120
+
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],
+                        tuple[torch.Tensor, torch.Tensor]]
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVSERVE_CACHE_DIR"):
+        return Path(os.environ["KVSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvserve"
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _private(folder: Path) -> bool:
+    """Whether ``folder`` is ours alone: a library loaded from a folder others can write to runs their code."""
+    st = folder.stat()
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def build(compiler: str) -> Path:
+    """The kernel built for this host by `compiler`, in cache_dir(): found there when built before."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                        _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    folder = cache_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private(folder):
+        raise RuntimeError(f"{folder} is not private to this user (owner or permissions); set KVSERVE_CACHE_DIR")
+    lib = folder / f"decode_attention-{digest}.so"
+    if not lib.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                           text=True, timeout=BUILD_TIMEOUT_S)
+            os.replace(tmp, lib)  # whole or not at all, whoever builds it at the same time
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return lib
+
+
+@functools.cache
+def decode_kernel() -> DecodeKernel | None:
+    """The in-place decode attention, or None where it cannot be built here (said once, in the log)."""
+    if os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: decode attention gathers each row's KV for SDPA (a slower step)")
+        return None
+    try:
+        fn = ctypes.CDLL(str(build(compiler))).kvserve_decode_attention
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("could not build the decode attention kernel (%s): it gathers each row's KV for SDPA", detail)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+    fn.restype = ctypes.c_int
+
+    def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor, lens: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [rows, kv_heads, group, head_dim] float32 (one query per head); kv the cache's tensor
+        [blocks, layers, 2, block_size, kv_heads, head_dim]; tables [rows, width] long, each row's blocks in
+        order; lens [rows] long, its tokens in them. Returns the output like q, and the log-sum-exp
+        [rows, kv_heads, group]."""
+        rows, kv_heads, group, head_dim = q.shape
+        _, layers, _, block_size, _, _ = kv.shape
+        assert q.dtype == kv.dtype == torch.float32 and kv.is_contiguous()
+        assert tables.dtype == lens.dtype == torch.long and int(tables.max()) < kv.shape[0]
+        assert int(lens.min()) > 0 and int(lens.max()) <= tables.shape[1] * block_size
+        q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
+        out, lse = torch.empty_like(q), q.new_empty(rows, kv_heads, group)
+        if fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), lens.data_ptr(), rows, tables.shape[1], layers, layer,
+              block_size, kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr()):
+            raise MemoryError("decode attention: no memory for its partial results")
+        return out, lse
+
+    return attend
