@@ -56,9 +56,12 @@ def _private(folder: Path) -> bool:
 
 def build(compiler: str) -> Path:
     """The kernel built for this host by `compiler`, in cache_dir(): found there when built before."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    path = shutil.which(compiler)
+    if path is None:
+        raise RuntimeError(f"no compiler {compiler!r}")
+    binary = os.stat(os.path.realpath(path))  # the compiler itself, without running it at every start
+    compiler_id = f"{os.path.realpath(path)} {binary.st_size} {binary.st_mtime_ns}"
+    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler_id.encode(),
                                         _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     folder = cache_dir()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
