@@ -120,13 +120,24 @@ static void attend_blocks(const float *q, const float *kv, const int64_t *table,
     }
 }
 
-/* q [rows][kv_heads][group][head_dim]; tables [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group].
- * A row's blocks are split in ranges, enough for every thread to have work with a single row, and the ranges'
- * results merged by their maxima and sums. Returns 0, or -1 when out of memory. */
-int kvserve_decode_attention(const float *q, const float *kv, const int64_t *tables, const int64_t *lens,
-                             int64_t rows, int64_t width, int64_t layers, int64_t layer, int64_t block_size,
-                             int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *out,
-                             float *lse) {
+/* q [rows][kv_heads][group][head_dim]; kv [blocks][layers][2][block_size][kv_heads][head_dim]; tables
+ * [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group]. A row's blocks are split in ranges,
+ * enough for every thread to have work with a single row, and the ranges' results merged by their maxima and
+ * sums. Returns 0; -2, reading nothing, when a row's length or a block it reads is out of bounds; -1 when out
+ * of memory. */
+int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, const int64_t *tables,
+                             const int64_t *lens, int64_t rows, int64_t width, int64_t layers, int64_t layer,
+                             int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+                             float *out, float *lse) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (lens[r] < 1 || lens[r] > width * block_size)
+            return -2;
+        for (int64_t b = 0; b * block_size < lens[r]; b++)
+            if (tables[r * width + b] < 0 || tables[r * width + b] >= blocks)
+                return -2;
+    }
+    if (layer < 0 || layer >= layers)
+        return -2;
     const int64_t queries = kv_heads * group, half = block_size * kv_heads * head_dim;
     const int64_t block_stride = layers * 2 * half, layer_offset = layer * 2 * half;
     const int64_t threads = omp_get_max_threads();

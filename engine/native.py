@@ -58,7 +58,7 @@ def build(compiler: str) -> Path:
     """The kernel built for this host by `compiler`, in cache_dir(): found there when built before."""
     path = shutil.which(compiler)
     if path is None:
-        raise RuntimeError(f"no compiler {compiler!r}")
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     binary = os.stat(os.path.realpath(path))  # the compiler itself, without running it at every start
     compiler_id = f"{os.path.realpath(path)} {binary.st_size} {binary.st_mtime_ns}"
     digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler_id.encode(),
@@ -85,18 +85,14 @@ def decode_kernel() -> DecodeKernel | None:
     """The in-place decode attention, or None where it cannot be built here (said once, in the log)."""
     if os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler: decode attention gathers each row's KV for SDPA (a slower step)")
-        return None
     try:
-        fn = ctypes.CDLL(str(build(compiler))).kvserve_decode_attention
+        fn = ctypes.CDLL(str(build(os.environ.get("CC") or "cc"))).kvserve_decode_attention
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build the decode attention kernel (%s): it gathers each row's KV for SDPA", detail)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+    fn.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
     fn.restype = ctypes.c_int
 
     def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor, lens: torch.Tensor,
@@ -108,12 +104,15 @@ def decode_kernel() -> DecodeKernel | None:
         rows, kv_heads, group, head_dim = q.shape
         _, layers, _, block_size, _, _ = kv.shape
         assert q.dtype == kv.dtype == torch.float32 and kv.is_contiguous()
-        assert tables.dtype == lens.dtype == torch.long and int(tables.max()) < kv.shape[0]
-        assert int(lens.min()) > 0 and int(lens.max()) <= tables.shape[1] * block_size
-        q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
+        assert tables.dtype == lens.dtype == torch.long and tables.is_contiguous() and lens.is_contiguous()
+        q = q.contiguous()
         out, lse = torch.empty_like(q), q.new_empty(rows, kv_heads, group)
-        if fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), lens.data_ptr(), rows, tables.shape[1], layers, layer,
-              block_size, kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr()):
+        # the kernel checks the lengths and the blocks it would read against the cache's bounds
+        rc = fn(q.data_ptr(), kv.data_ptr(), kv.shape[0], tables.data_ptr(), lens.data_ptr(), rows, tables.shape[1],
+                layers, layer, block_size, kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr())
+        if rc == -2:
+            raise ValueError("decode attention: a row's length or block is outside its table or the cache")
+        if rc:
             raise MemoryError("decode attention: no memory for its partial results")
         return out, lse
 

@@ -61,6 +61,20 @@ def test_in_place_attention_equals_sdpa_over_the_gathered_blocks(lens: list[int]
 
 
 @needs_kernel
+@pytest.mark.parametrize(("lens", "table"), [
+    ([0], [3]),  # a row with no token
+    ([17], [3]),  # more tokens than its one block holds
+    ([5], [8]),  # a block past the cache's end
+    ([5], [-1]),
+])
+def test_the_kernel_reads_nothing_out_of_bounds(lens: list[int], table: list[int]) -> None:
+    assert kernel is not None
+    kv = torch.zeros(8, 2, 2, BLOCK, 1, 16)
+    with pytest.raises(ValueError, match="outside its table or the cache"):
+        kernel(torch.zeros(1, 1, 1, 16), kv, 0, torch.tensor([table]), torch.tensor(lens), 1.0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("in_place", [True, False], ids=["in place", "gathered for SDPA"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_rows_over_a_shared_prompt_and_alone_equal_hf_generate(arch: str, in_place: bool) -> None:
