@@ -54,12 +54,14 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
- * each of its queries (kv_heads * group of them, KV head major). Each token's keys (all heads, one contiguous
- * run) are read once, in order, against every query, then its values likewise. */
-static void attend_blocks(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t first,
-                          int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
-                          int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m,
-                          float *l) {
+ * each of its queries (kv_heads * group of them, KV head major). A block's keys are read once, KV head by KV head,
+ * against the group's queries; then its values likewise, each query's output summed in registers over the
+ * block's tokens. Inlined for the usual head sizes (attend_row), so that the compiler knows head_dim: the loops
+ * over it unroll, and an output row of 64 or 128 floats stays in registers across a block. */
+static inline __attribute__((always_inline)) void attend_blocks(
+    const float *restrict q, const float *restrict kv, const int64_t *table, int64_t len, int64_t first,
+    int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size, int64_t kv_heads, int64_t group,
+    const int64_t head_dim, float scale, float *restrict o, float *restrict m, float *restrict l) {
     const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
     float s[queries][block_size];
     for (int64_t i = 0; i < queries; i++) {
@@ -75,18 +77,21 @@ static void attend_blocks(const float *q, const float *kv, const int64_t *table,
             __builtin_prefetch(next + half);
         }
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t i = 0; i < queries; i++) {
-                const float *qi = q + i * head_dim, *kt = k + t * slot + (i / group) * head_dim;
-                float dot = 0.0f;
-                if (head_dim % 16 == 0) {
-                    dot = dot16(qi, kt, head_dim);
-                } else {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t t = 0; t < n; t++) {
+                const float *kt = k + t * slot + h * head_dim;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qi = q + (h * group + g) * head_dim;
+                    float dot = 0.0f;
+                    if (head_dim % 16 == 0) {
+                        dot = dot16(qi, kt, head_dim);
+                    } else {
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; d++)
-                        dot += qi[d] * kt[d];
+                        for (int64_t d = 0; d < head_dim; d++)
+                            dot += qi[d] * kt[d];
+                    }
+                    s[h * group + g][t] = dot * scale;
                 }
-                s[i][t] = dot * scale;
             }
         }
         for (int64_t i = 0; i < queries; i++) {
@@ -108,16 +113,33 @@ static void attend_blocks(const float *q, const float *kv, const int64_t *table,
             }
             l[i] += sum;
         }
-        for (int64_t t = 0; t < n; t++) {
-            for (int64_t i = 0; i < queries; i++) {
-                const float p = s[i][t], *vt = v + t * slot + (i / group) * head_dim;
-                float *oi = o + i * head_dim;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t g = 0; g < group; g++) {
+                float *oi = o + (h * group + g) * head_dim;
+                const float *p = s[h * group + g];
+                for (int64_t t = 0; t < n; t++) {
+                    const float *vt = v + t * slot + h * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++)
-                    oi[d] += p * vt[d];
+                    for (int64_t d = 0; d < head_dim; d++)
+                        oi[d] += p[t] * vt[d];
+                }
             }
         }
     }
+}
+
+static void attend_row(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t first,
+                       int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                       int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m, float *l) {
+    if (head_dim == 64)
+        attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group, 64,
+                      scale, o, m, l);
+    else if (head_dim == 128)
+        attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group, 128,
+                      scale, o, m, l);
+    else
+        attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                      head_dim, scale, o, m, l);
 }
 
 /* q [rows][kv_heads][group][head_dim]; kv [blocks][layers][2][block_size][kv_heads][head_dim]; tables
@@ -152,9 +174,9 @@ int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, co
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t p = 0; p < splits; p++) {
             const int64_t blocks = (lens[r] + block_size - 1) / block_size, at = (r * splits + p) * queries;
-            attend_blocks(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
-                          blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group,
-                          head_dim, scale, part + at * head_dim, part_m + at, part_l + at);
+            attend_row(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
+                       blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group, head_dim,
+                       scale, part + at * head_dim, part_m + at, part_l + at);
         }
     }
     for (int64_t r = 0; r < rows; r++) {

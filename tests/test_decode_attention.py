@@ -36,6 +36,7 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: th
     ([37], 4, 2, 64, 2),  # one row split in ranges, one per thread and more, its last block partly filled
     ([1, 16, 17, 200, 33], 2, 3, 12, 2),  # one token; a block's end; a head size not a multiple of 16
     ([48, 5], 1, 8, 32, 1),  # every query head on one KV head, one thread
+    ([300, 20], 2, 4, 128, 2),  # the other head size the kernel is compiled for
 ])
 def test_in_place_attention_equals_sdpa_over_the_gathered_blocks(lens: list[int], kv_heads: int, group: int,
                                                                  head_dim: int, threads: int) -> None:
