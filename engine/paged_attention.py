@@ -21,6 +21,7 @@ elsewhere (the store), which is the point of kvserve.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -196,19 +197,35 @@ def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return out[0], out[1]
 
 
+def _mkl_narrower_than_cpu() -> bool:
+    """Whether this CPU has AVX-512 and MKL's GEMM (under SDPA's CPU kernel) does not use it: MKL takes its
+    AVX2 code on CPUs that are not Intel's. There (a Zen 5) oneDNN's matmuls run at 2.6x MKL's and
+    context_attention beats SDPA; on a CPU with AVX2 at most (a Zen 3) both run the same vectors and SDPA,
+    fused, was 1.2-1.5x faster than context_attention at every size measured (48 to 2,048 tokens over 3k to
+    8.7k), and a chat turn's step 0.91x."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "GenuineIntel" not in cpuinfo
+
+
 # A prompt chunk over earlier context runs as two oneDNN matmuls per KV head and a softmax between
-# (context_attention) from this many tokens: over 3k tokens of context, 16 took 0.90 ms a layer against SDPA's
-# 0.68, 32 about the same as SDPA, 48 1.9 against 2.3 ms.
+# (context_attention) where those beat SDPA's (ONEDNN_ATTENTION), from this many tokens: over 3k tokens of
+# context, 16 took 0.90 ms a layer against SDPA's 0.68, 32 about the same as SDPA, 48 1.9 against 2.3 ms.
+ONEDNN_ATTENTION = _mkl_narrower_than_cpu()
 ONEDNN_CHUNK_MIN_TOKENS = 48
 SCORES_MAX_ELEMENTS = 1 << 22  # a KV head's scores at a time: 16 MiB in fp32, whatever the chunk and context
 
 
 def onednn_chunk(num_tokens: int, context_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a prompt chunk's attention runs through context_attention: a chunk of at least
-    ONEDNN_CHUNK_MIN_TOKENS over earlier context (a chunk that is its whole context stays with SDPA, which
-    skips the masked half), fp32 on a CPU with oneDNN's kernels."""
-    return (num_tokens >= ONEDNN_CHUNK_MIN_TOKENS and context_len > num_tokens and dtype == torch.float32
-            and can_pack(device, dtype))
+    """Whether a prompt chunk's attention runs through context_attention: where ONEDNN_ATTENTION, a chunk of at
+    least ONEDNN_CHUNK_MIN_TOKENS over earlier context (a chunk that is its whole context stays with SDPA,
+    which skips the masked half), fp32 on a CPU with oneDNN's kernels."""
+    return (ONEDNN_ATTENTION and num_tokens >= ONEDNN_CHUNK_MIN_TOKENS and context_len > num_tokens
+            and dtype == torch.float32 and can_pack(device, dtype))
 
 
 def context_rows(cache: KVCache, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

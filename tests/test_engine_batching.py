@@ -420,6 +420,7 @@ def test_a_chat_turn_over_its_history_runs_through_onednn_and_equals_hf_generate
         return context_attention(q, k, v, scale)
 
     monkeypatch.setattr(paged_attention, "context_attention", spy)
+    monkeypatch.setattr(paged_attention, "ONEDNN_ATTENTION", True)  # whatever this CPU would choose
     engine = make_engine(model, BLOCK, 128, max_num_batched_tokens=64)
     root = engine.namespace().root()
     first = make_seq(model, random_tokens(90, seed=60), MAX_NEW, hash_root=root)
