@@ -174,9 +174,15 @@ def test_stats_with_an_unreachable_metrics_url_is_one_line(capsys: pytest.Captur
         server.stop(0)
 
 
+def _sigint_default() -> None:
+    # A CLI started where SIGINT is ignored (a background job, nohup) keeps ignoring it, as Python does; the tests
+    # stand for a terminal's Ctrl-C, whatever the test run was started from.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "client.cli", *args], text=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)  # type: ignore[call-overload]
 
 
