@@ -24,7 +24,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ GREETING = b"kvserve-arena/2\n"  # then the buffer's description, as JSON
 MAX_GREETING = 4096
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _UCRED = struct.Struct("3i")
+_SUN_PATH_BYTES = 107  # sockaddr_un's sun_path, less its terminating NUL
 
 
 def host_id() -> str:
@@ -99,6 +100,21 @@ class LocalCallError(OSError):
         self.status = status
 
 
+@contextlib.contextmanager
+def unix_address(path: Path | str) -> Iterator[str]:
+    """`path` as an address to bind or connect a Unix socket to: itself where it fits sun_path, else the same
+    file reached through /proc/self/fd and its folder (Linux), so a store under a deep folder still serves."""
+    path = str(path)
+    if len(os.fsencode(path)) <= _SUN_PATH_BYTES:
+        yield path
+        return
+    folder = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{os.path.basename(path)}"
+    finally:
+        os.close(folder)
+
+
 class ArenaSocket:
     """The same-host channel: hands the arena (its description, and its file descriptor if it has one) to
     whoever connects to `path` (same user only), then answers that connection's calls (Get, Reserve,
@@ -112,7 +128,8 @@ class ArenaSocket:
         self.handler = handler
         self._slots = threading.BoundedSemaphore(max_connections)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(str(path))
+        with unix_address(path) as address:
+            self._sock.bind(address)
         os.chmod(path, 0o600)
         self._sock.listen(64)
         self._thread = threading.Thread(target=self._serve, name="kvstore-arena-socket", daemon=True)

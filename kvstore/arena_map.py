@@ -17,7 +17,16 @@ from typing import Any, Protocol
 
 import xxhash
 
-from kvstore.arena import GREETING, MAX_GREETING, SEALS, STATUSES, LocalCallError, recv_frame, send_frame
+from kvstore.arena import (
+    GREETING,
+    MAX_GREETING,
+    SEALS,
+    STATUSES,
+    LocalCallError,
+    recv_frame,
+    send_frame,
+    unix_address,
+)
 from kvstore.types import Buffer
 
 
@@ -31,7 +40,8 @@ class ArenaMap:
         fds: list[int] = []
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.connect(str(socket_path))
+            with unix_address(socket_path) as address:
+                self._sock.connect(address)
             msg, fds, _, _ = socket.recv_fds(self._sock, MAX_GREETING, 1)
             if not msg.startswith(GREETING):
                 raise OSError(f"{socket_path} is not a kvserve arena socket")

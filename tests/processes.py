@@ -61,6 +61,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether `pid` has a handler for `signum` (SigCgt in /proc): a signal sent before it has one kills it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 def memfd_inodes(pid: int | str = "self") -> set[str]:
     """The shared-memory arenas (kvstore/arena.py) process `pid` maps, by inode."""
     return {line.split()[4] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()

@@ -74,6 +74,23 @@ def test_the_segment_cannot_be_resized_by_anyone(tmp_path: Path) -> None:
         arena.close()
 
 
+def test_an_arena_in_a_folder_deeper_than_a_socket_address_is_served(tmp_path: Path) -> None:
+    # sun_path holds 107 bytes: a data dir deeper than that (a long --data-dir, pytest-xdist's tmp_path)
+    # made the store fail to start with "AF_UNIX path too long".
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    arena = Arena(PAGE_BYTES)
+    served = ArenaSocket(arena, deep / "arena.sock")
+    try:
+        assert len(str(served.path)) > 107 and served.path.exists()
+        opened = ArenaMap(served.path)
+        assert opened.size == PAGE_BYTES
+        opened.close()
+    finally:
+        served.close()
+        arena.close()
+
+
 def test_a_socket_that_is_not_an_arena_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "impostor.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:

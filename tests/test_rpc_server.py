@@ -23,6 +23,8 @@ from kvstore.errors import InvalidRequest
 from rpc.errors import FailedPrecondition, InvalidArgument, Unavailable, status_of
 from rpc.metrics import outcome_of
 from rpc.server import Server, run_until_signal
+from tests.polling import wait_until
+from tests.processes import catches
 
 
 def test_a_taken_port_is_refused_not_shared() -> None:
@@ -99,6 +101,8 @@ def test_a_main_loop_that_ends_by_itself_shuts_the_service_down() -> None:
 _BUSY_SERVICE = """
 import sys, threading
 from rpc.server import Server, run_until_signal
+from tests.polling import wait_until
+from tests.processes import catches
 server = Server("127.0.0.1:0")
 server.start()
 done = threading.Event()
@@ -134,6 +138,8 @@ def test_a_burst_of_stop_signals_stops_a_service(trial: int) -> None:
 _HUNG_STOP = """
 import threading, time
 from rpc.server import Server, run_until_signal
+from tests.polling import wait_until
+from tests.processes import catches
 server = Server("127.0.0.1:0")
 server.start()
 threading.Thread(target=time.sleep, args=(3600,), name="stuck").start()  # joined at exit: forever
@@ -149,6 +155,7 @@ def test_a_stop_that_hangs_ends_within_its_bound_with_every_stack_in_stderr() ->
                             text=True, cwd=Path(__file__).resolve().parents[1])
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        wait_until(lambda: catches(proc.pid, signal.SIGTERM))  # "ready" comes just before the handler
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -162,6 +169,8 @@ import sys
 from engine.engine import Engine
 from engine.model import load_model
 from rpc.server import Server, run_until_signal
+from tests.polling import wait_until
+from tests.processes import catches
 engine = Engine(load_model(sys.argv[1]), kv_cache_memory=1 << 20)
 server = Server("127.0.0.1:0")
 server.start()
@@ -185,6 +194,7 @@ def test_an_idle_engine_stops_on_a_sigterm_the_kernel_handed_to_another_thread()
                             text=True, cwd=Path(__file__).resolve().parents[1])
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        wait_until(lambda: catches(proc.pid, signal.SIGTERM))
         time.sleep(0.5)  # the engine is idle
         other = max(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
         assert ctypes.CDLL(None, use_errno=True).syscall(_TGKILL[platform.machine()], proc.pid, other,
