@@ -47,7 +47,7 @@ test: lint typecheck redis-server
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-quick: $(STAMP) redis-server
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # The load test for two minutes instead of one round, and the overload and failure tests (RELIABILITY.md,
 # "Under load", "Overload"); -s prints the figures BENCHMARKS.md quotes.
