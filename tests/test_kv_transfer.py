@@ -12,7 +12,7 @@ import torch
 from engine.hashing import Namespace
 from engine.kv_cache import KVCache
 from handoff.codec import decode_block, encode_block
-from handoff.transfer import EncodedBlock, Loaded, encoded_bytes, load_blocks, save_blocks
+from handoff.transfer import EncodedBlock, Loaded, _nonfinite, encoded_bytes, load_blocks, save_blocks
 from kvstore.client import KVStoreClient, scatter
 from protos.block_hash import BlockHash
 from tests.kvstore_fixtures import running_server
@@ -133,6 +133,20 @@ def test_blocks_with_nan_or_infinite_values_end_the_run_and_are_removed(scatter_
     assert loaded.rejected == (KEYS[1], KEYS[2]) and store.removes == [[KEYS[1], KEYS[2]]]
     assert set(store.blocks) == {KEYS[0]}
     assert torch.equal(_bits(cache.kv[4]), _bits(kv[0]))
+
+
+def test_the_check_for_nonfinite_values_names_each_bad_block_in_runs_and_apart() -> None:
+    """Full blocks in consecutive slots are summed in one call: each bad one is still named, a partial block
+    is checked over its tokens only, and huge finite values whose sum overflows are not taken as bad."""
+    cache = _cache()
+    blocks, counts = [0, 1, 2, 5, 6, 3], [BS, BS, BS, BS, BS, 2]
+    cache.kv[1, 0, 1, 3, 0, 0] = float("nan")
+    cache.kv[5, 1, 0, 0, 1, 2] = float("inf")
+    cache.kv[2, 0, 0].fill_(3e38)  # finite, but their float32 sum is not
+    cache.kv[3, 0, 0, 3] = float("nan")  # past the partial block's 2 tokens
+    assert _nonfinite(cache, blocks, counts) == [1, 3]
+    cache.kv[3, 1, 1, 1] = float("-inf")
+    assert _nonfinite(cache, blocks, counts) == [1, 3, 5]
 
 
 def test_a_tail_with_infinite_values_is_removed_and_the_full_blocks_kept() -> None:
