@@ -125,7 +125,7 @@ def _checked(store: KVStoreLike, keys: Sequence[BlockHash], cache: KVCache, bloc
     ``keys[len(counts)]``) if given, cut at its first block holding a NaN or an infinity; every bad block
     seen is removed from the store."""
     bad = [len(counts)] if error is not None else []
-    nonfinite = _nonfinite(cache, blocks, counts)
+    nonfinite = nonfinite_blocks(cache, blocks, counts)
     if nonfinite:
         error = BlockError("nonfinite", f"block {keys[nonfinite[0]].hex()[:16]} holds NaN or infinite values")
         counts = counts[: nonfinite[0]]
@@ -135,7 +135,7 @@ def _checked(store: KVStoreLike, keys: Sequence[BlockHash], cache: KVCache, bloc
     return Loaded(sum(counts), error, rejected)
 
 
-def _nonfinite(cache: KVCache, blocks: Sequence[int], counts: Sequence[int]) -> list[int]:
+def nonfinite_blocks(cache: KVCache, blocks: Sequence[int], counts: Sequence[int]) -> list[int]:
     """Which of the first len(counts) ``blocks`` hold a NaN or an infinity in their first ``counts[i]`` tokens.
 
     One sum per block (accumulated in float32, float64 for a float64 cache) and one check of them all:

@@ -12,7 +12,7 @@ import torch
 from engine.hashing import Namespace
 from engine.kv_cache import KVCache
 from handoff.codec import decode_block, encode_block
-from handoff.transfer import EncodedBlock, Loaded, _nonfinite, encoded_bytes, load_blocks, save_blocks
+from handoff.transfer import EncodedBlock, Loaded, encoded_bytes, load_blocks, nonfinite_blocks, save_blocks
 from kvstore.client import KVStoreClient, scatter
 from protos.block_hash import BlockHash
 from tests.kvstore_fixtures import running_server
@@ -144,9 +144,9 @@ def test_the_check_for_nonfinite_values_names_each_bad_block_in_runs_and_apart()
     cache.kv[5, 1, 0, 0, 1, 2] = float("inf")
     cache.kv[2, 0, 0].fill_(3e38)  # finite, but their float32 sum is not
     cache.kv[3, 0, 0, 3] = float("nan")  # past the partial block's 2 tokens
-    assert _nonfinite(cache, blocks, counts) == [1, 3]
+    assert nonfinite_blocks(cache, blocks, counts) == [1, 3]
     cache.kv[3, 1, 1, 1] = float("-inf")
-    assert _nonfinite(cache, blocks, counts) == [1, 3, 5]
+    assert nonfinite_blocks(cache, blocks, counts) == [1, 3, 5]
 
 
 def test_a_tail_with_infinite_values_is_removed_and_the_full_blocks_kept() -> None:
