@@ -133,13 +133,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
-    peer_steps = vllm_peer.progress_steps(s) if args.peer else 0
+    peer_steps = vllm_peer.progress_steps([s]) if args.peer else 0
     with Progress(3 + 2 * s.users * s.rounds + peer_steps, "multi-turn: baselines", quiet=args.quiet) as progress:
         turns = [(0, s.prompt_tokens(1))] + [(s.prompt_tokens(r - 1) + s.answer_tokens, s.question_tokens)
                                              for r in range(2, s.rounds + 1)]
         base = ttft_baselines(args.model, turns, args.baseline_repeats)
         # The peer before the stack starts, its server stopped before: one side on the cores at a time.
-        peer, peer_traces = vllm_peer.run_vllm(args, s, progress) if args.peer else (None, None)
+        peer, peer_sessions = vllm_peer.run_vllm(args, [s], progress) if args.peer else (None, None)
+        peer_traces = peer_sessions[0] if peer_sessions else None
         progress.step(label="multi-turn: starting the stack")
         with open_target(args, "multi-turn") as target, Client(target.addr, timeout_s=600) as client:
             progress.step(label="multi-turn: warm-up")

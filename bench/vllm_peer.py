@@ -102,7 +102,7 @@ def check_peer_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
         return
     if args.addr:
         ap.error("--peer starts both sides here one at a time, so it takes no --addr")
-    if args.replicas > 1:
+    if getattr(args, "replicas", 1) > 1:
         ap.error("--peer compares one stack with the peer: no --replicas")
     if args.vllm_kv_space < 1 or args.vllm_start_timeout <= 0:
         ap.error("--vllm-kv-space must be >= 1 and --vllm-start-timeout > 0")
@@ -292,18 +292,19 @@ def openai_send(client: OpenAI, model: str = SERVED_MODEL) -> Send:
     return send
 
 
-def progress_steps(s: Settings) -> int:
-    """The peer's steps of a progress bar: its start, its warm-up, each request."""
-    return 2 + s.users * s.rounds
+def progress_steps(sessions: Sequence[Settings]) -> int:
+    """The peer's steps of a progress bar: its start, its warm-up, each request of each session."""
+    return 2 + sum(s.users * s.rounds for s in sessions)
 
 
-def run_vllm(args: argparse.Namespace, s: Settings, progress: Progress
-             ) -> tuple[dict[str, Any], list[list[StreamTrace]] | None]:
-    """The session against vLLM: (its report section, traces[user][round]), or ({..., "skipped": why}, None)."""
+def run_vllm(args: argparse.Namespace, sessions: Sequence[Settings], progress: Progress, bench: str = "multi-turn"
+             ) -> tuple[dict[str, Any], list[list[list[StreamTrace]]] | None]:
+    """`sessions` one after the other against one vLLM server: (its report section, each session's
+    traces[user][round]), or ({..., "skipped": why}, None). `bench` names the progress bar's phases."""
     section: dict[str, Any] = {"name": "vllm", "python": str(args.vllm_python), "kv_space_gib": args.vllm_kv_space,
                                "dtype": model_dtype(args.model),
                                "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
-    progress.phase("multi-turn: starting vLLM")
+    progress.phase(f"{bench}: starting vLLM")
     try:
         section["version"] = vllm_version(args.vllm_python)
         try:
@@ -323,16 +324,18 @@ def run_vllm(args: argparse.Namespace, s: Settings, progress: Progress
                         OpenAI(base_url=url, api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0) as client:
                     section["startup_s"] = time.monotonic() - t0
                     send = openai_send(client)
-                    progress.step(label="multi-turn: vLLM warm-up")
+                    progress.step(label=f"{bench}: vLLM warm-up")
                     # Untimed, as on the stack: the server's one-time costs on a prompt of the longest length.
-                    send(random_tokens(random.Random(-1), s.prompt_tokens(s.rounds)), s.answer_tokens, None)
-                    progress.step(label="multi-turn: vLLM session")
-                    traces = run_session_with(send, s, progress)
+                    longest = max(sessions, key=lambda s: s.prompt_tokens(s.rounds))
+                    send(random_tokens(random.Random(-1), longest.prompt_tokens(longest.rounds)),
+                         longest.answer_tokens, None)
+                    progress.step(label=f"{bench}: vLLM session")
+                    traces = [run_session_with(send, s, progress) for s in sessions]
             except (OpenAIError, RuntimeError, OSError) as e:
                 raise PeerSkipped(f"vLLM's session failed: {type(e).__name__}: {e}; its log ends:\n"
                                   f"{log_tail(log_path)}") from e
     except PeerSkipped as e:
-        progress.step(progress_steps(s))  # the bar goes on past the peer's part
+        progress.step(progress_steps(sessions))  # the bar goes on past the peer's part
         return {**section, "skipped": str(e)}, None
     return section, traces
 

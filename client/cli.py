@@ -64,6 +64,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
             from bench.prefill import main as command_main
         case ["bench", "multi-turn" | "e2e", *rest]:  # e2e: the old name of multi-turn
             from bench.multi_turn import main as command_main
+        case ["bench", "scaling", *rest]:
+            from bench.scaling import main as command_main
         case ["bench", "shared-prefix", *rest]:
             from bench.shared_prefix import main as command_main
         case ["bench", "decode", *rest]:
@@ -161,16 +163,16 @@ def parser() -> argparse.ArgumentParser:
                                        "it by itself; see `kvserve credentials --help`)")
     sub.add_parser("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
     bench = sub.add_parser(
-        "bench", help="benchmarks: multi-turn, shared-prefix, decode, handoff, store, serve, http; hash, prefill "
+        "bench", help="benchmarks: multi-turn, scaling, shared-prefix, decode, handoff, store, serve, http; hash, prefill "
                       "(see `kvserve bench NAME --help`)",
         description="Benchmarks, each against a baseline measured in the same run. multi-turn (alias e2e), "
-                    "shared-prefix, decode and handoff start the three services on a temporary folder (or use "
+                    "scaling, shared-prefix, decode and handoff start the three services on a temporary folder (or use "
                     "--addr), store starts the store; serve drives OpenAI-compatible servers (kvserve's HTTP "
                     "API, `transformers serve`, vLLM) with the same load, http compares kvserve's HTTP API with "
                     "its gRPC; each draws a progress bar on stderr, prints a table, "
                     "writes every figure with --json PATH and a PNG with --plot PATH. hash and prefill run in "
                     "this process. See `kvserve bench NAME --help`.")
-    bench.add_argument("name", choices=["multi-turn", "shared-prefix", "decode", "handoff", "store", "hash", "prefill",
+    bench.add_argument("name", choices=["multi-turn", "scaling", "shared-prefix", "decode", "handoff", "store", "hash", "prefill",
                                         "serve", "http", "e2e"])
 
     up = sub.add_parser(

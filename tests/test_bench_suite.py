@@ -19,6 +19,7 @@ from bench import handoff as bench_handoff
 from bench import http_overhead as bench_http
 from bench import multi_turn as bench_multi_turn
 from bench import routing as bench_routing
+from bench import scaling as bench_scaling
 from bench import shared_prefix as bench_shared_prefix
 from bench import store as bench_store
 from bench.report import (
@@ -106,6 +107,7 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
     ("hash", "bench.hashing"), ("prefill", "bench.prefill"), ("multi-turn", "bench.multi_turn"),
     ("e2e", "bench.multi_turn"), ("shared-prefix", "bench.shared_prefix"), ("decode", "bench.decode"),
     ("handoff", "bench.handoff"), ("store", "bench.store"), ("serve", "bench.serve"), ("http", "bench.http_overhead"),
+    ("scaling", "bench.scaling"),
 ])
 def test_bench_commands_are_dispatched(name: str, module: str) -> None:
     command = cli.forwarded(["bench", name, "--json", "out.json"])
@@ -172,6 +174,32 @@ def test_multi_turn_starts_its_stack_and_reuses_each_round(tmp_path: Path, capsy
     assert r["goals"]["ttft_growth"]["value"] == pytest.approx(last["ttft_cache_p50_s"] / first["ttft_cache_p50_s"])
     assert r["goals"]["last_round_speedup"]["value"] == pytest.approx(
         last["ttft_no_cache_p50_s"] / last["ttft_cache_p50_s"])
+
+
+def test_scaling_runs_one_user_then_many_then_one_each_with_prompts_of_its_own() -> None:
+    args = bench_scaling.parse_args(["--users", "8", "--rate", "2", "--repeats", "2", "--seed", "5"])
+    plan = bench_scaling.sessions(args)
+    assert [(s.users, s.rate) for s in plan] == [(1, 0.0), (8, 2.0), (1, 0.0)] * 2
+    assert [s.seed for s in plan] == list(range(5, 11))
+    rows = bench_scaling.repeats([10.0, 36.0, 8.0, 12.0, 30.0, 8.0])
+    assert [r["ratio"] for r in rows] == [4.0, 3.0]  # over the mean of the one-user sessions around it
+    assert rows[1] == {"one_user_before_tok_s": 12.0, "one_user_after_tok_s": 8.0, "users_tok_s": 30.0, "ratio": 3.0}
+
+
+@pytest.mark.slow
+def test_scaling_reports_each_repeat_and_the_worst_ratio_as_its_goal(stack: list[str], tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench(bench_scaling.main, [*stack, "--users", "2", "--rate", "0", "--rounds", "2", "--system-tokens", "48",
+                                       "--question-tokens", "16", "--answer-tokens", "4", "--repeats", "2"], tmp_path)
+    assert "N / 1" in capsys.readouterr().out
+    rows = r["repeats"]
+    assert_has_columns([{"repeat": 1, **row} for row in rows], bench_scaling.COLUMNS)
+    assert len(rows) == 2 and "peer" not in r
+    for row in rows:
+        one = (row["one_user_before_tok_s"] + row["one_user_after_tok_s"]) / 2
+        assert row["ratio"] == pytest.approx(row["users_tok_s"] / one)
+    assert r["goals"]["ratio_every_repeat"] == {"value": min(row["ratio"] for row in rows), "goal": 3.0,
+                                                "met": min(row["ratio"] for row in rows) >= 3.0}
 
 
 @pytest.mark.slow

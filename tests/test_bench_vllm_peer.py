@@ -6,6 +6,7 @@ on synthetic traces. No test starts vLLM: the real run is `make bench-peers`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -89,7 +90,7 @@ def test_the_server_gets_the_models_dtype_a_bounded_kv_space_and_stays_offline(t
 
 def test_without_the_venv_the_peer_is_skipped_with_how_to_install_it(tmp_path: Path) -> None:
     missing = tmp_path / "no-venv" / "bin" / "python"
-    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, missing), SMALL, Progress(1, quiet=True))
+    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, missing), [SMALL], Progress(1, quiet=True))
     assert traces is None
     assert peer["skipped"].startswith(f"no vLLM: {missing} is missing")
     assert "`make bench-peers` installs it" in peer["skipped"]
@@ -125,7 +126,7 @@ def test_a_server_that_dies_is_skipped_with_its_log(tmp_path: Path) -> None:
         print("RuntimeError: no CPU attention backend for head size 7", flush=True)
         raise SystemExit(3)
         """)
-    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, python), SMALL, Progress(1, quiet=True))
+    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, python), [SMALL], Progress(1, quiet=True))
     assert traces is None
     assert peer["version"] == "0.0-fake"
     assert "vLLM's server exited (3) before it was ready" in peer["skipped"]
@@ -211,9 +212,15 @@ FAKE_SERVER = """\
 
 def test_the_session_runs_over_the_openai_sdk_with_the_same_token_ids(tmp_path: Path) -> None:
     python = fake_python(tmp_path, FAKE_SERVER)
-    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, python, log_dir=tmp_path / "logs"), SMALL,
-                                      Progress(1, quiet=True))
-    assert traces is not None, peer.get("skipped")
+    # two sessions on one server (bench scaling's): the second, of other token ids, after the first
+    other = dataclasses.replace(SMALL, users=1, seed=4)
+    peer, sessions = vllm_peer.run_vllm(peer_args(tmp_path, python, log_dir=tmp_path / "logs"), [SMALL, other],
+                                        Progress(1, quiet=True))
+    assert sessions is not None, peer.get("skipped")
+    traces, (alone,) = sessions
+    assert [len(t.token_ids) for t in alone] == [SMALL.answer_tokens] * SMALL.rounds
+    assert alone[0].result is not None and list(alone[0].result.prompt_token_ids)[:SMALL.system_tokens] == \
+        random_tokens(random.Random(other.seed), SMALL.system_tokens)
     assert peer["version"] == "0.0-fake" and peer["dtype"] == "float32" and peer["startup_s"] > 0
     assert (tmp_path / "logs" / "vllm.log").exists()
     assert len(traces) == SMALL.users and all(len(u) == SMALL.rounds for u in traces)
