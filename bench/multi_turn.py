@@ -58,7 +58,7 @@ from bench.report import (
     percentiles_s,
     ratio,
 )
-from bench.sessions import Settings, random_tokens, run_session
+from bench.sessions import Settings, random_tokens, run_session, throughput_tok_s
 from bench.streams import StreamTrace, timed_stream
 from bench.target import add_record_key_flag, add_target_flags, ensure_model, open_target
 from client.client import Client
@@ -153,12 +153,10 @@ def run(args: argparse.Namespace, s: Settings) -> dict[str, Any]:
             uncached = run_session(client, s, progress, prefix_cache=False)
     rows = [round_row(r + 1, [u[r] for u in cached], [u[r] for u in uncached], base["turns"][r])
             for r in range(s.rounds)]
-    total = sum(len(t.token_ids) for u in cached for t in u)
-    span = max(t.end for u in cached for t in u) - min(t.sent for u in cached for t in u)
     report = {"bench": "multi-turn", "settings": {**asdict(s), "model": str(args.model), "record_key": args.record_key,
                                                   "baseline_repeats": args.baseline_repeats, "peer": args.peer},
               "baseline_torch_threads": base["torch_threads"], "rounds": rows,
-              "throughput_tok_s": total / span, **summarize(rows)}
+              "throughput_tok_s": throughput_tok_s(cached), **summarize(rows)}
     if peer is not None:
         if peer_traces is not None:
             versus = vllm_peer.compare(rows, cached, peer_traces)

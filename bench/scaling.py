@@ -38,7 +38,7 @@ from bench.report import (
     goal,
     goal_line,
 )
-from bench.sessions import Settings, random_tokens, run_session
+from bench.sessions import Settings, random_tokens, run_session, throughput_tok_s
 from bench.streams import StreamTrace, timed_stream
 from bench.target import add_record_key_flag, add_target_flags, ensure_model, open_target
 from client.client import Client
@@ -47,9 +47,10 @@ GOAL = 3.0  # throughput of --users users >= 3x one user's, in every repeat
 
 
 def tok_s(traces: list[list[StreamTrace]]) -> float:
-    """A session's output tokens per second: every token generated over first request sent to last result."""
-    every = [t for user in traces for t in user]
-    return sum(len(t.token_ids) for t in every) / (max(t.end for t in every) - min(t.sent for t in every))
+    """A session's throughput_tok_s, which has a span: every request is sent before its result comes."""
+    value = throughput_tok_s(traces)
+    assert value is not None, "a session that took no time"
+    return value
 
 
 def sessions(args: argparse.Namespace) -> list[Settings]:

@@ -64,6 +64,14 @@ def user_session(send: Send, s: Settings, user: int, system: list[int], start_at
     return traces
 
 
+def throughput_tok_s(traces: list[list[StreamTrace]]) -> float | None:
+    """A session's output tokens per second (traces[user][round]): every token generated over the span from the
+    first request sent to the last result; None for an empty span."""
+    every = [t for user in traces for t in user]
+    span = max(t.end for t in every) - min(t.sent for t in every)
+    return sum(len(t.token_ids) for t in every) / span if span > 0 else None
+
+
 def run_session_with(send: Send, s: Settings, progress: Progress) -> list[list[StreamTrace]]:
     """Every user's session over `send` (any server), the users staggered by 1/rate: traces[user][round]."""
     system = random_tokens(random.Random(s.seed), s.system_tokens)

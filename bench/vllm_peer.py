@@ -51,7 +51,7 @@ from bench.report import (
     percentiles_s,
     ratio,
 )
-from bench.sessions import Send, Settings, random_tokens, run_session_with
+from bench.sessions import Send, Settings, random_tokens, run_session_with, throughput_tok_s
 from bench.streams import StreamTrace
 from bench.target import free_port
 from client.client import Result, Timings, Usage
@@ -363,10 +363,8 @@ def session_figures(traces: list[list[StreamTrace]]) -> dict[str, Any]:
     """Over a whole session (traces[user][round]): TTFT p50 over rounds 2+ (every user's, pooled; round 1 when
     there is no other) and the output tokens per second (all generated / first sent to last result)."""
     first = 1 if len(traces[0]) > 1 else 0
-    every = [t for u in traces for t in u]
-    span = max(t.end for t in every) - min(t.sent for t in every)
     return {"ttft_p50_rounds_2_plus_s": percentile([t.ttft_s for u in traces for t in u[first:]], 50),
-            "throughput_tok_s": sum(len(t.token_ids) for t in every) / span if span > 0 else None}
+            "throughput_tok_s": throughput_tok_s(traces)}
 
 
 def peer_goals(users: int, ttft_ratio: float | None, throughput_ratio: float | None) -> dict[str, Any]:
