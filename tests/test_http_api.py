@@ -316,8 +316,11 @@ def test_a_busy_front_is_429_with_a_retry_hint_and_a_slow_answer_504(served: HTT
     with pytest.raises(openai.APITimeoutError):  # the SDK's timeout; the front's --timeout-s is 2 s
         client.with_options(timeout=0.5).completions.create(model=MODEL, prompt=tokens(20, seed=5), max_tokens=3000,
                                                             extra_body={"ignore_eos": True})
-    stream = client.completions.create(model=MODEL, prompt=tokens(20, seed=4), max_tokens=3000, stream=True,
-                                       extra_body={"ignore_eos": True})
+    served.wait_idle()  # the front saw its client go and cancelled the call, which freed its sequence
+    # The front frees its slot as it sees the disconnect, a moment apart from this next request: a client that
+    # honours the 429's retry hint (as the SDK does by default) gets in.
+    stream = client.with_options(max_retries=3).completions.create(
+        model=MODEL, prompt=tokens(20, seed=4), max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     with pytest.raises(openai.RateLimitError, match="--max-connections") as busy:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
