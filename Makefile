@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= data/models/tiny-llama
 
-.PHONY: setup redis-server demo test test-quick test-load test-compose lint typecheck protos bench clean gpu-wheels
+.PHONY: setup redis-server pyc demo test test-quick test-load test-compose lint typecheck protos bench clean gpu-wheels
+PACKAGES := rpc engine kvstore handoff prefill_service decode_service router http_api client stack bench
 
 setup: $(STAMP)
 
@@ -30,28 +31,34 @@ redis-server:
 $(MODEL_DIR)/config.json: | $(STAMP)
 	$(VENV)/bin/kvserve model init $(MODEL_DIR) --arch llama
 
-demo: $(STAMP) $(MODEL_DIR)/config.json
+demo: pyc $(MODEL_DIR)/config.json
 	$(PY) -m client.demo --model $(MODEL_DIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy rpc engine kvstore handoff prefill_service decode_service router http_api client stack bench
+	$(VENV)/bin/mypy $(PACKAGES)
+
+# Each service process compiles the project's modules it imports afresh where Python writes no bytecode
+# (PYTHONDONTWRITEBYTECODE, as on this project's machines): about 0.5 s of a service's 7 s start. Compiled once
+# here; Python checks each file against its source, so a stale one is never used.
+pyc: $(STAMP)
+	$(PY) -m compileall -q $(PACKAGES) protos tests >/dev/null
 
 # Two workers, a test file each: most tests wait on processes they started (imports, a stack's start), so
 # two at once take about 0.78x the time on 2 cores. TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
 
-test: lint typecheck redis-server
+test: lint typecheck redis-server pyc
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test-quick: $(STAMP) redis-server
+test-quick: redis-server pyc
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # The load test for two minutes instead of one round, and the overload and failure tests (RELIABILITY.md,
 # "Under load", "Overload"); -s prints the figures BENCHMARKS.md quotes.
-test-load: $(STAMP) redis-server
+test-load: redis-server pyc
 	KVSERVE_LOAD_S=120 $(VENV)/bin/pytest -q -s tests/test_stack_under_load.py tests/test_overload.py
 
 # `docker compose up` for real (tests/test_compose.py; docs/OPERATIONS.md, "Compose, for real"): builds the
