@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ARCH = "llama"
 MODEL = "model-llama"  # the model folder's name: the stack serves it under that name
 SYSTEM = "You answer in one short sentence. " * 12  # several blocks, shared by every chat below
+CANCELLED = 'kvserve_decode_requests_total{outcome="cancelled"}'
 
 
 @dataclass
@@ -60,14 +61,18 @@ class HTTPStack:
                                     timeout=10) as reply:
             return parse_metrics(reply.read().decode())
 
-    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
-        """Decode's metrics once no sequence runs or waits in it (a cancelled stream's is freed)."""
+    def wait_idle(self, timeout_s: float = 30.0, cancelled: float | None = None) -> dict[str, float]:
+        """Decode's metrics once no sequence runs or waits in it (a cancelled stream's is freed) and, given
+        `cancelled`, that many requests have ended cancelled: decode counts a request's outcome a moment after
+        its sequence leaves the running gauge."""
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.decode_metrics()
-            if m.get("kvserve_decode_running_requests", 0) == 0 and m.get("kvserve_decode_waiting_requests", 0) == 0:
+            if (m.get("kvserve_decode_running_requests", 0) == 0 and m.get("kvserve_decode_waiting_requests", 0) == 0
+                    and cancelled in (None, m.get(CANCELLED, 0))):
                 return m
-            assert time.monotonic() < deadline, {k: v for k, v in m.items() if "running" in k or "waiting" in k}
+            assert time.monotonic() < deadline, {k: v for k, v in m.items()
+                                                 if "running" in k or "waiting" in k or k == CANCELLED}
             time.sleep(0.1)
 
 
@@ -220,15 +225,12 @@ def test_a_client_that_gives_up_frees_its_sequence(served: HTTPStack) -> None:
         next(iter(stream))
     assert served.decode_metrics()["kvserve_decode_running_requests"] == 1
     stream.close()
-    after = served.wait_idle()
-    cancelled = 'kvserve_decode_requests_total{outcome="cancelled"}'
-    assert after.get(cancelled, 0) == before.get(cancelled, 0) + 1
+    served.wait_idle(cancelled=before.get(CANCELLED, 0) + 1)
     # Not streaming: the SDK's own timeout, then its connection closed.
     with pytest.raises(openai.APITimeoutError):
         served.openai(timeout=1.0).completions.create(model=MODEL, prompt=tokens(20, seed=3), max_tokens=3000,
                                                        extra_body={"ignore_eos": True})
-    final = served.wait_idle()
-    assert final.get(cancelled, 0) == before.get(cancelled, 0) + 2
+    served.wait_idle(cancelled=before.get(CANCELLED, 0) + 2)
 
 
 def test_models_health_and_metrics_on_their_own_port(served: HTTPStack) -> None:
