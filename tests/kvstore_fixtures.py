@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -95,14 +94,14 @@ def start_process(args: list[str], *, max_file_bytes: int | None = None, stderr:
     `max_file_bytes`, no file the process writes may grow past it (RLIMIT_FSIZE: a disk that fills up,
     writes failing with EFBIG); `stderr`: where its log goes."""
 
-    def limit() -> None:
-        if max_file_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
-
+    # The limit is set by the child itself, not a preexec_fn: that would run the at-fork hooks of this process's
+    # gRPC threads in the child, which can hang it.
+    start = ["-m", "kvstore"] if max_file_bytes is None else [
+        "-c", f"import resource, runpy; resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes}, {max_file_bytes})); "
+        "runpy.run_module('kvstore', run_name='__main__', alter_sys=True)"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "--listen", "127.0.0.1:0", "--log-level", "WARNING", "--insecure", *args],
+        [sys.executable, *start, "--listen", "127.0.0.1:0", "--log-level", "WARNING", "--insecure", *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=limit if max_file_bytes is not None else None,
     )
     assert proc.stdout is not None
     deadline = time.monotonic() + 30

@@ -174,15 +174,17 @@ def test_stats_with_an_unreachable_metrics_url_is_one_line(capsys: pytest.Captur
         server.stop(0)
 
 
-def _sigint_default() -> None:
-    # A CLI started where SIGINT is ignored (a background job, nohup) keeps ignoring it, as Python does; the tests
-    # stand for a terminal's Ctrl-C, whatever the test run was started from.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A CLI started where SIGINT is ignored (a background job, nohup) keeps ignoring it, as Python does; the tests
+# stand for a terminal's Ctrl-C, whatever the test run was started from, so the CLI's process puts Python's handler
+# back before it runs. Not in a preexec_fn: that runs the at-fork hooks of this process's gRPC threads in the child,
+# which can hang it before it runs anything (seen once in a full run: "the CLI never called the server").
+_CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'kvserve'; runpy.run_module('client.cli', run_name='__main__', alter_sys=True)")
 
 
 def _cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "client.cli", *args], text=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default,
+    return subprocess.Popen([sys.executable, "-c", _CLI, *args], text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)  # type: ignore[call-overload]
 
 

@@ -120,9 +120,11 @@ print(torch.get_num_threads(), torch.get_num_interop_threads())
 def prepared_threads(module: str, *flags: str, cores: set[int] | None = None) -> tuple[list[int], str]:
     """torch's intra-op and inter-op threads in a process that parsed `flags` with the service's parser and
     called prepare_engine_process with them, as the service does before it starts any thread; and its log."""
-    done = subprocess.run([sys.executable, "-c", PREPARE.format(module=module), *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))
+    code = PREPARE.format(module=module)
+    if cores is not None:  # in the child itself, before torch starts a thread (a preexec_fn could hang it: gRPC)
+        code = f"import os; os.sched_setaffinity(0, {sorted(cores)!r})\n{code}"
+    done = subprocess.run([sys.executable, "-c", code, *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     return [int(n) for n in done.stdout.split()], done.stderr
 
