@@ -11,11 +11,12 @@ The stack started here runs decode with --local-prefill-tokens 0, so that this p
 measured: by default decode would compute so few new tokens itself (docs/DESIGN.md, "Local prefill").
 Each measurement has a fresh prefix under a fresh cache salt; `--repeats` of them, after an untimed one.
 
-Baseline, measured in the same run before the stack starts and again after it stops (`python -m
-bench.prefill baselines` in a subprocess, alone on the cores): the same model in one process over a
-DynamicCache of a prefix of the same length, computing the new tokens and the first token ("in-process
-reuse"), then one decode step; the same repeats each time, after an untimed one, and the p50 over both,
-so that the machine's drift over the run weighs on both sides.
+Baseline, measured in turn with the stack's requests (`python -m bench.prefill baselines --serve`, a
+subprocess that stays up beside the stack and computes while the stack is idle): the same model in one
+process over a DynamicCache of a prefix of the same length, computing the new tokens and the first token
+("in-process reuse"), then one decode step. One round of it just before each of the stack's requests,
+after an untimed one, so that the machine's drift over the run (its neighbours come and go within a
+minute) weighs on both sides alike; the ratio of each pair is reported beside the ratio of the p50s.
 
 Figures: TTFT p50, min and max of both, and the gap from the first token to the second (the stack's
 decode fetching the prompt's blocks, against one decode step); the server's own TTFT and prefill time
@@ -37,13 +38,13 @@ import statistics
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.isolated import ttft_baselines
+from bench.isolated import BaselineProcess
 from bench.report import (
     Column,
     Panel,
@@ -106,19 +107,23 @@ def write_prefix(writer_addr: str, store_addr: str, prompt: list[int], salt: str
     return len(hashes)
 
 
-def measure(client: Client, writer: str, target: Target, args: argparse.Namespace, rng: random.Random
-            ) -> dict[str, Any]:
+def measure(client: Client, writer: str, target: Target, args: argparse.Namespace, rng: random.Random,
+            before: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One request over a fresh prefix in the store; ``before()``, if given, runs just before it (the baseline's
+    round, kept as "baseline")."""
     assert target.store_addr is not None
     salt = f"handoff-{uuid.uuid4().hex}"
     prefix, new = ([rng.randrange(256) for _ in range(n)] for n in (args.prefix_tokens, args.new_tokens))
     stored_blocks = write_prefix(writer, target.store_addr, prefix, salt)
-    before = scrape(target.metrics_urls)
+    baseline = before() if before is not None else None
+    start = scrape(target.metrics_urls)
     trace = timed_stream(client, token_ids=prefix + new, max_tokens=2, ignore_eos=True, cache_salt=salt)
     assert trace.result is not None
     return {"ttft_s": trace.ttft_s, "second_token_s": trace.arrivals[1] - trace.arrivals[0],
             "server_ttft_s": trace.result.timings.ttft_s, "server_prefill_s": trace.result.timings.prefill_s,
             "cached_tokens": trace.usage.cached_tokens, "stored_blocks": stored_blocks,
-            "metrics": delta(before, scrape(target.metrics_urls))}
+            "metrics": delta(start, scrape(target.metrics_urls)),
+            **({} if baseline is None else {"baseline": baseline})}
 
 
 def spread(name: str, values: list[float]) -> dict[str, float]:
@@ -141,12 +146,9 @@ TIMING_COLUMNS = [
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    def in_process() -> dict[str, Any]:
-        return ttft_baselines(args.model, [(args.prefix_tokens, args.new_tokens)], args.repeats, full=False,
-                              untimed=1, device=args.device, dtype=args.dtype)
-
-    with Progress(4 + 1 + args.repeats, "handoff: in-process baseline", quiet=args.quiet) as progress:
-        baseline = in_process()
+    with Progress(4 + 1 + args.repeats, "handoff: in-process baseline", quiet=args.quiet) as progress, \
+            BaselineProcess(args.model, [(args.prefix_tokens, args.new_tokens)], device=args.device,
+                            dtype=args.dtype) as baseline:
         progress.step(label="handoff: starting the stack")
         # The hand-off itself: with the stack's default --local-prefill-tokens, decode would compute these
         # few new tokens itself and prefill would never be asked.
@@ -158,14 +160,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progress.step(label="handoff: measuring")
                 measure(client, writer, target, args, rng)  # untimed: one-time costs of a fresh stack
                 progress.step()
-                runs = []
+                runs, rounds = [], []
                 for _ in range(args.repeats):
-                    runs.append(measure(client, writer, target, args, rng))
+                    # each of the stack's requests right after a round of the baseline's: both in the same second
+                    # of the machine's drift, while the other side is idle
+                    runs.append(measure(client, writer, target, args, rng, before=baseline.round))
+                    rounds.append(runs[-1].pop("baseline"))
                     progress.step()
             metrics = bool(target.metrics_urls)
-        progress.step(label="handoff: in-process baseline again")
-        after = in_process()  # the machine's drift over the run, on both sides
-    base = {k: baseline["turns"][0][k] + after["turns"][0][k] for k in ("reuse_s", "decode_step_s")}
+        progress.step()
+    base = {k: [r["turns"][0][k] for r in rounds] for k in ("reuse_s", "decode_step_s")}
     totals: dict[str, float] = {}
     for r in runs:
         for k, v in r.pop("metrics").items():
@@ -184,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"prefix_tokens": args.prefix_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "seed": args.seed, "model": str(args.model), "device": args.device, "dtype": args.dtype,
                      "record_key": args.record_key, "metrics_read": metrics},
-        "baseline_torch_threads": baseline["torch_threads"], "rows": [stack, reuse], "runs": runs,
+        "baseline_torch_threads": rounds[0]["torch_threads"], "rows": [stack, reuse], "runs": runs,
+        "pair_ratios": [r["ttft_s"] / b for r, b in zip(runs, base["reuse_s"], strict=True)],
         "stack_vs_in_process": ratio,
         "cached_tokens_per_request": cached / len(runs),
         "pool_hit_tokens_per_request": None if pool is None else pool / len(runs),
@@ -206,7 +211,9 @@ def report_text(r: dict[str, Any]) -> str:
         f"{s['repeats']} repeats; model {s['model']}"
         + (f"; store record key {s['record_key']}" if s.get("record_key") else ""),
         format_table(COLUMNS, r["rows"]),
-        f"stack / in-process reuse: x{r['stack_vs_in_process']:.2f}; {per_request}",
+        f"stack / in-process reuse: x{r['stack_vs_in_process']:.2f} (each request against the baseline's round "
+        f"before it: x{min(r['pair_ratios']):.2f}-x{max(r['pair_ratios']):.2f}, median "
+        f"x{statistics.median(r['pair_ratios']):.2f}); {per_request}",
         f"server side (p50): TTFT {stack['server_ttft_p50_s'] * 1000:.1f} ms, of which the Prefill call (arrival to handle) "
         f"{stack['server_prefill_p50_s'] * 1000:.1f} ms",
     ]
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="in the store (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=32, help="computed after it (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=9,
-                    help="of the stack, and of the baseline before it and after it (default %(default)s)")
+                    help="of the stack's request, each after one of the baseline (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="of the random prompts (default %(default)s)")
     add_output_flags(ap)
     args = ap.parse_args(argv)

@@ -118,6 +118,32 @@ def first_token(hf_model: PreTrainedModel, input_ids: torch.Tensor, cache: dict[
     return token, time.perf_counter() - start
 
 
+class TurnBaseline:
+    """One turn's prompt of ``cached`` + ``new`` random byte token ids, its first ``cached`` tokens computed
+    once into a DynamicCache; each `once` measures over a copy of it."""
+
+    def __init__(self, hf_model: PreTrainedModel, keyword: str, cached: int, new: int, seed: int = 0) -> None:
+        self.hf_model, self.keyword, self.cached = hf_model, keyword, cached
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 256, (1, cached + new), generator=generator).to(hf_model.device)
+        self.prefix = DynamicCache(config=hf_model.config)
+        if cached:
+            with torch.inference_mode():
+                hf_model(self.ids[:, :cached], use_cache=True, **{keyword: self.prefix})
+
+    def once(self, full: bool) -> dict[str, float]:
+        """Seconds of ``full_s`` (when ``full``), ``reuse_s`` and ``decode_step_s`` (see ttft_baselines)."""
+        model, keyword, times = self.hf_model, self.keyword, {}
+        with torch.inference_mode():
+            if full:
+                times["full_s"] = first_token(model, self.ids, {keyword: DynamicCache(config=model.config)})[1]
+            cache = {keyword: copy.deepcopy(self.prefix)}
+            token, times["reuse_s"] = first_token(model, self.ids[:, self.cached :], cache)
+            next_ids = torch.tensor([[token]], device=model.device)
+            times["decode_step_s"] = first_token(model, next_ids, cache)[1]
+        return times
+
+
 def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: int, repeats: int, full: bool,
                    untimed: int = 0, seed: int = 0) -> dict[str, Any]:
     """Time to first token of a prompt of ``cached`` + ``new`` random byte token ids, without a serving
@@ -129,20 +155,11 @@ def ttft_baselines(hf_model: PreTrainedModel, keyword: str, cached: int, new: in
       computed before (the limit of reuse: only the ``new`` tokens and the first token are computed);
     - ``decode_step_s``: the step after that, one token over the whole prompt's cache.
     """
-    ids = torch.randint(0, 256, (1, cached + new), generator=torch.Generator().manual_seed(seed)).to(hf_model.device)
-    prefix = DynamicCache(config=hf_model.config)
+    turn = TurnBaseline(hf_model, keyword, cached, new, seed)
     times: dict[str, list[float]] = {"full_s": [], "reuse_s": [], "decode_step_s": []}
-    with torch.inference_mode():
-        if cached:
-            hf_model(ids[:, :cached], use_cache=True, **{keyword: prefix})
-        for _ in range(untimed + repeats):
-            if full:
-                times["full_s"].append(first_token(hf_model, ids, {keyword: DynamicCache(config=hf_model.config)})[1])
-            cache = {keyword: copy.deepcopy(prefix)}
-            token, reuse_s = first_token(hf_model, ids[:, cached:], cache)
-            times["reuse_s"].append(reuse_s)
-            next_ids = torch.tensor([[token]], device=hf_model.device)
-            times["decode_step_s"].append(first_token(hf_model, next_ids, cache)[1])
+    for _ in range(untimed + repeats):
+        for name, value in turn.once(full).items():
+            times[name].append(value)
     timed = {name: values[untimed:] for name, values in times.items()}
     return {"cached_tokens": cached, "new_tokens": new, **timed,
             **{name.removesuffix("_s") + "_median_s": statistics.median(v) if v else None for name, v in timed.items()}}
@@ -167,14 +184,33 @@ def baselines_main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds of each turn (default %(default)s)")
     ap.add_argument("--untimed", type=int, default=0, help="untimed rounds before them (default %(default)s)")
     ap.add_argument("--no-full", dest="full", action="store_false", help="skip the whole-prompt forward")
+    ap.add_argument("--serve", action="store_true",
+                    help="one round of each turn for each line read from stdin, as a JSON line (serve_baselines)")
     args = parse_baseline_args(ap, argv)
     turns = [(int(cached), int(new)) for cached, new in (turn.split(":") for turn in args.turns.split(","))]
     model = load_model(args.model, args.device, args.dtype)
     hf_model, keyword = model.hf_model, model.cache_keyword
     ttft_baselines(hf_model, keyword, 32, 32, 1, full=True)  # warm-up: one-time start-up costs
+    if args.serve:
+        return serve_baselines([TurnBaseline(hf_model, keyword, cached, new, seed=i)
+                                for i, (cached, new) in enumerate(turns)], args.full, args.untimed)
     runs = [ttft_baselines(hf_model, keyword, cached, new, args.repeats, args.full, args.untimed, seed=i)
             for i, (cached, new) in enumerate(turns)]
     print(json.dumps({"torch_threads": torch.get_num_threads(), "turns": runs}))
+    return 0
+
+
+def serve_baselines(turns: list[TurnBaseline], full: bool, untimed: int) -> int:
+    """--serve: after ``untimed`` rounds of each turn, one JSON line on stdout for each line read from stdin,
+    `{"torch_threads": n, "turns": [times of one round of each turn]}`, until stdin closes. A benchmark
+    measures between its own requests this way, so that both see the machine in the same minute."""
+    for turn in turns:
+        for _ in range(untimed):
+            turn.once(full)
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps({"torch_threads": torch.get_num_threads(), "turns": [t.once(full) for t in turns]}),
+              flush=True)
     return 0
 
 

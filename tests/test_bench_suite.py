@@ -240,6 +240,8 @@ def test_handoff_takes_the_prefix_from_the_store(stack: list[str], tmp_path: Pat
     for row in r["rows"]:
         assert row["ttft_min_s"] <= row["ttft_p50_s"] <= row["ttft_max_s"]
     assert r["stack_vs_in_process"] == pytest.approx(stack_row["ttft_p50_s"] / reuse["ttft_p50_s"])
+    # each request against the baseline's round just before it
+    assert len(r["pair_ratios"]) == len(r["runs"]) == 2 and all(x > 0 for x in r["pair_ratios"])
     assert r["goals"]["stack_vs_in_process"]["value"] == r["stack_vs_in_process"]
 
 
