@@ -17,6 +17,7 @@ says what the buffer is ("kind": memfd, cpu-tensor, cuda-ipc) and how to open it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import mmap
@@ -89,7 +90,21 @@ class Arena:
         os.close(self.fd)
 
 
-Handler = Callable[[int, bytes, set[str]], bytes]  # (method, request, the connection's reservations) -> reply
+@dataclasses.dataclass(slots=True)
+class Connection:
+    """One client's connection to the same-host channel: its process, for per-caller limits, and the
+    reservations it holds (they end when it closes)."""
+
+    pid: int
+    reservations: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def caller(self) -> str:
+        """What the store's per-caller limits name it: its process (a gRPC caller without TLS is its host)."""
+        return f"local-pid:{self.pid}"
+
+
+Handler = Callable[[int, bytes, Connection], bytes]  # (method, request, the calling connection) -> reply
 
 
 class LocalCallError(OSError):
@@ -98,6 +113,7 @@ class LocalCallError(OSError):
     def __init__(self, status: str, message: str) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
+        self.message = message
 
 
 @contextlib.contextmanager
@@ -117,8 +133,8 @@ def unix_address(path: Path | str) -> Iterator[str]:
 
 class ArenaSocket:
     """The same-host channel: hands the arena (its description, and its file descriptor if it has one) to
-    whoever connects to `path` (same user only), then answers that connection's calls (Get, Reserve,
-    Put) with `handler`: a round trip of tens of microseconds where gRPC takes half a millisecond. Reservations made on a
+    whoever connects to `path` (same user only), then answers that connection's calls (Lookup, Get,
+    Reserve, Put) with `handler`: a round trip of tens of microseconds where gRPC takes half a millisecond. Reservations made on a
     connection end when it closes."""
 
     def __init__(self, arena: Shared, path: Path, handler: Handler | None = None, max_connections: int = 256) -> None:
@@ -141,13 +157,14 @@ class ArenaSocket:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            if _peer_uid(conn) != os.getuid() or not self._slots.acquire(blocking=False):
+            pid, uid = _peer(conn)
+            if uid != os.getuid() or not self._slots.acquire(blocking=False):
                 conn.close()
                 continue
-            threading.Thread(target=self._connection, args=(conn,), name="kvstore-arena-client", daemon=True).start()
+            threading.Thread(target=self._connection, args=(conn, Connection(pid)), name="kvstore-arena-client",
+                             daemon=True).start()
 
-    def _connection(self, conn: socket.socket) -> None:
-        reservations: set[str] = set()
+    def _connection(self, conn: socket.socket, peer: Connection) -> None:
         try:
             with conn:
                 if self._fds:
@@ -156,20 +173,20 @@ class ArenaSocket:
                     conn.sendall(self._greeting)
                 while (request := recv_frame(conn)) is not None:
                     method, body = request
-                    send_frame(conn, *self._answer(method, body, reservations))
+                    send_frame(conn, *self._answer(method, body, peer))
         except OSError:
             pass  # the client went away
         finally:
             self._slots.release()
-            if self.handler is not None and reservations:
+            if self.handler is not None and peer.reservations:
                 with contextlib.suppress(Exception):
-                    self.handler(END_RESERVATIONS, b"", reservations)
+                    self.handler(END_RESERVATIONS, b"", peer)
 
-    def _answer(self, method: int, body: bytes, reservations: set[str]) -> tuple[int, bytes]:
+    def _answer(self, method: int, body: bytes, peer: Connection) -> tuple[int, bytes]:
         if self.handler is None:
             return STATUSES.index("UNIMPLEMENTED"), b"this store answers no calls on its arena socket"
         try:
-            return 0, self.handler(method, body, reservations)
+            return 0, self.handler(method, body, peer)
         except Exception as exc:  # the status the store names, as its gRPC server would
             status = getattr(exc, "grpc_status", "INTERNAL")
             return STATUSES.index(status if status in STATUSES else "INTERNAL"), str(exc).encode()
@@ -181,7 +198,7 @@ class ArenaSocket:
         self.path.unlink(missing_ok=True)
 
 
-GET, RESERVE, PUT, END_RESERVATIONS = 1, 2, 3, 4  # methods of the same-host channel
+GET, RESERVE, PUT, END_RESERVATIONS, LOOKUP = 1, 2, 3, 4, 5  # methods of the same-host channel
 STATUSES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "UNIMPLEMENTED", "INTERNAL")
 _FRAME = struct.Struct("<IB")  # body length, method (request) or status index (reply)
 MAX_FRAME_BYTES = 64 << 20
@@ -216,6 +233,7 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return int(_UCRED.unpack(creds)[1])  # struct ucred: pid, uid, gid
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The connected process's pid and uid."""
+    pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(pid), int(uid)

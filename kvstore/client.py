@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import grpc
 
 from kvstore.arena import GET as LOCAL_GET
+from kvstore.arena import LOOKUP as LOCAL_LOOKUP
 from kvstore.arena import PUT as LOCAL_PUT
 from kvstore.arena import RESERVE as LOCAL_RESERVE
 from kvstore.arena import LocalCallError, host_id, scatter
@@ -120,13 +121,22 @@ class KVStoreClient:
     def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading hashes are present (and in which tier); pins them if lease_ttl_s (for at most the
         store's longest lease: the result says how long). RESOURCE_EXHAUSTED: this caller's leases pin
-        as much as the store lets one caller pin; look up without a lease, or release some."""
-        arena = self._arena
-        if arena is not None and not Path(self._arena_path).exists():
-            self._drop_arena(arena)  # its store is gone: free its memory now, even if this call fails
-        response = self._stub.Lookup(
-            pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0), timeout=self.timeout_s
-        )
+        as much as the store lets one caller pin; look up without a lease, or release some.
+
+        On the same host the call goes over the arena's channel (a caller there is its process; a refusal is
+        raised as gRPC's would be), else by gRPC."""
+        request = pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0)
+        arena, response = self._shm(), None
+        if arena is not None:
+            try:
+                response = pb.LookupResponse.FromString(
+                    arena.call(LOCAL_LOOKUP, request.SerializeToString(), self.timeout_s))
+            except LocalCallError as exc:
+                raise LocalRpcError(exc) from exc
+            except OSError:
+                self._drop_arena(arena)
+        if response is None:
+            response = self._stub.Lookup(request, timeout=self.timeout_s)
         tiers = [_tier_name(t) for t in response.tiers]
         return LookupResult(int(response.num_hits), tiers, response.lease_id or None,
                             float(response.lease_ttl_s) if response.lease_id else None)
@@ -396,6 +406,21 @@ class KVStoreClient:
         assembler.finish()
         if retry:
             self._get_rpc(keys, retry, None, take, take_shm)
+
+
+class LocalRpcError(grpc.RpcError):
+    """A call the store refused on its same-host channel, raised as gRPC raises a status: ``code()``, ``details()``."""
+
+    def __init__(self, refused: LocalCallError) -> None:
+        super().__init__(str(refused))
+        self._code = getattr(grpc.StatusCode, refused.status, grpc.StatusCode.UNKNOWN)
+        self._details = refused.message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 def _nbytes(part: Any) -> int:

@@ -44,7 +44,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.max_event_streams = max_event_streams
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        result = self.store.lookup(list(request.hashes), request.lease_ttl_s or None, caller=caller_of(context))
+        return self._lookup(request, caller_of(context))
+
+    def _lookup(self, request: pb.LookupRequest, caller: str | None) -> pb.LookupResponse:
+        result = self.store.lookup(list(request.hashes), request.lease_ttl_s or None, caller=caller)
         tiers = [_pb_tier(t) for t in result.tiers]
         return pb.LookupResponse(num_hits=result.num_hits, tiers=tiers, lease_id=result.lease_id or "",
                                  lease_ttl_s=result.lease_ttl_s or 0.0)
@@ -157,8 +160,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             host_id=self.host_id, arena_socket=str(shm.socket.path) if shm else "", max_message_bytes=MAX_MESSAGE_BYTES,
         )
 
-    def handle_local(self, method: int, body: bytes, reservations: set[str]) -> bytes:
+    def handle_local(self, method: int, body: bytes, peer: arena.Connection) -> bytes:
         """A call on the arena's same-host channel (kvstore/arena.py): the same messages as the RPCs."""
+        reservations = peer.reservations
+        if method == arena.LOOKUP:
+            return self._lookup(pb.LookupRequest.FromString(body), peer.caller).SerializeToString()
         if method == arena.GET:
             keys = list(pb.GetRequest.FromString(body).hashes)
             slots = [pb.BlockChunk(hash=key, shm_offset=f[0], total_size=f[1], checksum=f[2]) if f else pb.BlockChunk(hash=key)

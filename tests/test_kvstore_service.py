@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -23,7 +26,7 @@ from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from rpc.server import CHANNEL_OPTIONS
-from tests.kvstore_fixtures import corrupt_lmdb_value, key, payload, run_in_threads, running_server
+from tests.kvstore_fixtures import REPO, corrupt_lmdb_value, key, payload, run_in_threads, running_server
 from tests.polling import wait_until
 
 MiB = 1024 * 1024
@@ -258,6 +261,52 @@ def test_leases_over_rpc_leave_nothing_pinned_after_a_burst(tmp_path: Path) -> N
         assert (c.stats().leases, c.stats().pinned_blocks) == (0, 0)
 
 
+ATTACKER = """
+import sys
+import grpc
+from kvstore import KVStoreClient
+from tests.kvstore_fixtures import key, payload
+pinned, code = 0, None
+with KVStoreClient(sys.argv[1]) as c:
+    for i in range(32):
+        c.put([(key(f"junk-{i}"), payload(f"junk-{i}", 65536))])
+        try:
+            assert c.lookup([key(f"junk-{i}")], lease_ttl_s=600).lease_id
+        except grpc.RpcError as exc:
+            code = exc.code().name
+            break
+        pinned += 65536
+print(pinned, code)
+"""
+
+
+def test_same_host_callers_are_told_apart_by_process(tmp_path: Path) -> None:
+    """On the arena's channel (a Lookup from the store's host), a caller is its process: one that pins up to its
+    cap is refused as over gRPC, RESOURCE_EXHAUSTED, and another process's leases are counted apart."""
+    config = StoreConfig(host_capacity=1 * MiB, shm_root=str(tmp_path), sweep_interval_s=0.05,
+                         max_pinned_bytes_per_caller=MiB // 4)
+    server = StoreServer(config, "127.0.0.1:0")
+    addr = f"127.0.0.1:{server.start()}"
+    try:
+        attacker = subprocess.run([sys.executable, "-c", ATTACKER, addr], capture_output=True, text=True, cwd=REPO,
+                                  timeout=120, check=True)
+        assert attacker.stdout.split() == [str(MiB // 4), "RESOURCE_EXHAUSTED"]
+        with KVStoreClient(addr) as victim:
+            assert victim._shm() is not None
+            for i in range(16):
+                assert victim.put([(key(f"real-{i}"), payload(f"real-{i}", 65536))]) == 1
+                result = victim.lookup([key(f"real-{i}")], lease_ttl_s=30)
+                assert result.num_hits == 1 and result.lease_id
+                if i < 15:
+                    victim.release(result.lease_id)
+        callers = server.store._leases.pinned_by_caller()
+        assert callers[f"local-pid:{os.getpid()}"] == 65536
+        assert [v for k, v in callers.items() if k != f"local-pid:{os.getpid()}"] == [MiB // 4]
+        server.store.check_integrity()
+    finally:
+        server.stop(0.5)
+
+
 def test_events_stream_stored_and_removed(tmp_path: Path) -> None:
     with running_server(tmp_path, host_capacity=200) as server, KVStoreClient(server.address) as c:
         events: list[tuple[bool, list[bytes]]] = []
@@ -490,8 +539,9 @@ def test_max_block_bytes_and_the_longest_lease_are_enforced_over_rpc(tmp_path: P
 
 def test_a_caller_pinning_junk_up_to_its_cap_cannot_stop_another_callers_puts(tmp_path: Path) -> None:
     """The attack: put junk, lease it for 600 s, again and again, until the tier is all pinned and
-    everyone else's Puts are RESOURCE_EXHAUSTED. Callers are told apart by address: this one comes
-    over IPv4, the legitimate one over IPv6 (a certificate's name, with mTLS)."""
+    everyone else's Puts are RESOURCE_EXHAUSTED. Over gRPC, callers are told apart by address: this one comes
+    over IPv4, the legitimate one over IPv6 (a certificate's name, with mTLS). Both are in this process, so
+    neither uses the arena's channel, where a caller is its process (the next test)."""
     config = StoreConfig(host_capacity=1 * MiB, shm_root=str(tmp_path), sweep_interval_s=0.05,
                          max_pinned_bytes_per_caller=MiB // 4)
     server = StoreServer(config, "[::]:0")
@@ -501,7 +551,8 @@ def test_a_caller_pinning_junk_up_to_its_cap_cannot_stop_another_callers_puts(tm
         pytest.skip("no IPv6 loopback here")
     block = 64 * 1024
     try:
-        with KVStoreClient(f"127.0.0.1:{port}") as attacker, KVStoreClient(f"[::1]:{port}") as victim:
+        with KVStoreClient(f"127.0.0.1:{port}", use_shm=False) as attacker, \
+                KVStoreClient(f"[::1]:{port}", use_shm=False) as victim:
             pinned, refused = 0, ""
             for i in range(32):  # twice what the tier holds
                 attacker.put([(key(f"junk-{i}"), payload(f"junk-{i}", block))])
