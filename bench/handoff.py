@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     add_record_key_flag(ap)
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="in the store (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=32, help="computed after it (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=9,
+    ap.add_argument("--repeats", type=int, default=15,
                     help="of the stack's request, each after one of the baseline (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="of the random prompts (default %(default)s)")
     add_output_flags(ap)
