@@ -226,8 +226,9 @@ def build_request(
         )
     else:
         ids = list(token_ids or [])
-        for t in ids:
-            _check_int("a token id", t, _UINT32)
+        if not (all(type(t) is int for t in ids) and min(ids, default=0) >= 0 and max(ids, default=0) < _UINT32):
+            for t in ids:  # which one, and why (a check per id costs 0.3 ms for 2k ids, the batch above 0.05)
+                _check_int("a token id", t, _UINT32)
         p.token_ids.CopyFrom(common_pb2.TokenIds(ids=ids))
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
