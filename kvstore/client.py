@@ -133,6 +133,9 @@ class KVStoreClient:
                     arena.call(LOCAL_LOOKUP, request.SerializeToString(), self.timeout_s))
             except LocalCallError as exc:
                 raise LocalRpcError(exc) from exc
+            except TimeoutError:
+                self._drop_arena(arena)
+                raise  # the store did not answer in time: asking again by gRPC would wait as long once more
             except OSError:
                 self._drop_arena(arena)
         if response is None:

@@ -248,3 +248,26 @@ def test_a_data_file_truncated_under_a_running_store_kills_nothing(tmp_path: Pat
         proc.terminate()
         proc.wait(timeout=30)
     assert len(list(tmp_path.glob("db.quarantined-*"))) == 1
+
+
+def test_a_hung_store_costs_a_same_host_lookup_one_timeout(tmp_path: Path) -> None:
+    """A store stopped (SIGSTOP) does not answer on its arena's channel: the Lookup fails after the client's
+    timeout, once (not again by gRPC, which would wait as long), and works again once the store runs."""
+    proc, port = start_process(args(tmp_path))
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0) as c:
+            assert c.put([(key(1), payload(1, 1000))]) == 1
+            assert c.lookup([key(1)]).num_hits == 1 and c._arena is not None
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    c.lookup([key(1)], lease_ttl_s=5)
+                assert time.monotonic() - start < 3.5  # one timeout of 2 s, not two
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert c.lookup([key(1)]).num_hits == 1
+            assert c._arena is not None  # the channel opened again
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
