@@ -260,6 +260,8 @@ def test_a_hung_store_costs_a_same_host_lookup_one_timeout(tmp_path: Path) -> No
             assert c.lookup([key(1)]).num_hits == 1 and c._arena is not None
             proc.send_signal(signal.SIGSTOP)
             try:
+                stat = Path(f"/proc/{proc.pid}/stat")  # the signal lands a moment after kill() returns
+                wait_until(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout_s=10)
                 start = time.monotonic()
                 with pytest.raises(TimeoutError):
                     c.lookup([key(1)], lease_ttl_s=5)
