@@ -114,6 +114,9 @@ class KVStoreClient:
                 return self._put_arena(arena, items, ephemeral)
             except LocalCallError:
                 pass  # refused (no room for a reservation, a bad block): the bytes go by gRPC, which says why
+            except TimeoutError:
+                self._drop_arena(arena)
+                raise  # the store did not answer in time (see lookup)
             except OSError:
                 self._drop_arena(arena)
         return self._put_rpc(items, ephemeral)
@@ -342,6 +345,9 @@ class KVStoreClient:
                         if not (s.HasField("shm_offset") and take_shm(i, arena, s.shm_offset, s.total_size, s.checksum))]
             except LocalCallError:
                 pass
+            except TimeoutError:
+                self._drop_arena(arena)
+                raise  # the store did not answer in time (see lookup)
             except OSError:
                 self._drop_arena(arena)
                 arena = None

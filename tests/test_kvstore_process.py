@@ -250,26 +250,33 @@ def test_a_data_file_truncated_under_a_running_store_kills_nothing(tmp_path: Pat
     assert len(list(tmp_path.glob("db.quarantined-*"))) == 1
 
 
-def test_a_hung_store_costs_a_same_host_lookup_one_timeout(tmp_path: Path) -> None:
-    """A store stopped (SIGSTOP) does not answer on its arena's channel: the Lookup fails after the client's
-    timeout, once (not again by gRPC, which would wait as long), and works again once the store runs."""
+def test_a_hung_store_costs_a_same_host_call_one_timeout(tmp_path: Path) -> None:
+    """A store stopped (SIGSTOP) does not answer on its arena's channel: a Lookup, Get or Put fails after the
+    client's timeout, once (not again by gRPC, which would wait as long), and works again once the store runs."""
     proc, port = start_process(args(tmp_path))
+    clients = [KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0) for _ in range(3)]
     try:
-        with KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0) as c:
-            assert c.put([(key(1), payload(1, 1000))]) == 1
-            assert c.lookup([key(1)]).num_hits == 1 and c._arena is not None
-            proc.send_signal(signal.SIGSTOP)
-            try:
-                stat = Path(f"/proc/{proc.pid}/stat")  # the signal lands a moment after kill() returns
-                wait_until(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout_s=10)
+        assert clients[0].put([(key(1), payload(1, 1000))]) == 1
+        for c in clients:
+            assert c.lookup([key(1)]).num_hits == 1 and c._arena is not None  # each on the arena's channel
+        calls = (lambda c: c.lookup([key(1)], lease_ttl_s=5), lambda c: c.get([key(1)]),
+                 lambda c: c.put([(key(2), payload(2, 1000))]))
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat")  # the signal lands a moment after kill() returns
+            wait_until(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout_s=10)
+            for c, call in zip(clients, calls, strict=True):
                 start = time.monotonic()
                 with pytest.raises(TimeoutError):
-                    c.lookup([key(1)], lease_ttl_s=5)
+                    call(c)
                 assert time.monotonic() - start < 3.5  # one timeout of 2 s, not two
-            finally:
-                proc.send_signal(signal.SIGCONT)
-            assert c.lookup([key(1)]).num_hits == 1
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        for c in clients:
+            assert c.get([key(1)]) == [payload(1, 1000)]
             assert c._arena is not None  # the channel opened again
     finally:
+        for c in clients:
+            c.close()
         proc.terminate()
         proc.wait(timeout=30)
