@@ -10,6 +10,7 @@ from typing import cast
 from urllib.parse import unquote
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
 from kvstore import arena
@@ -161,7 +162,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         )
 
     def handle_local(self, method: int, body: bytes, peer: arena.Connection) -> bytes:
-        """A call on the arena's same-host channel (kvstore/arena.py): the same messages as the RPCs."""
+        """A call on the arena's same-host channel (kvstore/arena.py): the same messages as the RPCs; one that
+        does not parse is INVALID_ARGUMENT, as gRPC would answer it."""
+        try:
+            return self._handle_local(method, body, peer)
+        except DecodeError as exc:
+            raise InvalidRequest(f"a malformed message for method {method} on the arena socket: {exc}") from exc
+
+    def _handle_local(self, method: int, body: bytes, peer: arena.Connection) -> bytes:
         reservations = peer.reservations
         if method == arena.LOOKUP:
             return self._lookup(pb.LookupRequest.FromString(body), peer.caller).SerializeToString()

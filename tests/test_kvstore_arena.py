@@ -192,5 +192,12 @@ def test_a_refused_call_on_the_arena_channel_names_its_status_and_the_channel_go
         with pytest.raises(arena.LocalCallError) as info:
             channel.call(arena.RESERVE, pb.ReserveRequest(sizes=[1 << 40]).SerializeToString(), 5.0)
         assert info.value.status == "RESOURCE_EXHAUSTED"
+        for method in (arena.LOOKUP, arena.GET, arena.RESERVE, arena.PUT):  # a message that does not parse
+            with pytest.raises(arena.LocalCallError) as info:
+                channel.call(method, b"\xff\xfe" * 10, 5.0)
+            assert info.value.status == "INVALID_ARGUMENT" and "malformed" in info.value.message
+        with pytest.raises(arena.LocalCallError) as info:
+            channel.call(arena.LOOKUP, pb.LookupRequest(hashes=[b"short"]).SerializeToString(), 5.0)
+        assert info.value.status == "INVALID_ARGUMENT" and "32 bytes" in info.value.message
         assert c.put([(key(1), payload(1, 5000))]) == 1 and c.get([key(1)]) == [payload(1, 5000)]
         assert not server.store._reservations and server.store.stats().tier("host").blocks == 1
