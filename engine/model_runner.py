@@ -154,7 +154,7 @@ class ModelRunner:
     def _shared_key(self, seq: Sequence, n: int) -> tuple[object, ...] | None:
         """What names the first ``n`` blocks of ``seq`` and their contents (SharedPrefixKV), or None when they
         are not to be kept: unhashed (never shared through the pool), or too large."""
-        if len(seq.block_hashes) < n or self.cache.kv[0].nbytes * n > self.shared_kv.max_bytes:
+        if len(seq.block_hashes) < n or self.cache.block_bytes * n > self.shared_kv.max_bytes:
             return None
         return (*seq.block_table[:n], seq.block_hashes[n - 1])
 

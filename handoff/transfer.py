@@ -173,7 +173,7 @@ def _load_in_place(
     _, layers, _, _, heads, dim = cache.kv.shape
     headers = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
     buffers: list[Sequence[memoryview]] = [(h, cache.slot_bytes(b)) for h, b in zip(headers, blocks, strict=False)]
-    scratch = memoryview(bytearray(HEADER_BYTES + cache.kv[0].nbytes if tail else 0))
+    scratch = memoryview(bytearray(HEADER_BYTES + cache.block_bytes if tail else 0))
     if tail is not None:
         buffers.append((scratch,))
     wanted = keys + [tail[0]] if tail is not None else keys
@@ -207,7 +207,7 @@ def _load_tensors(
     # the bodies stacked for the cache), up to the first miss or bad block. A device copy that fails (out
     # of memory) ends the run there: the engine computes the rest.
     wanted = keys + [tail[0]] if tail is not None else keys
-    per_call = max(1, move_bytes // cache.kv[0].nbytes)
+    per_call = max(1, move_bytes // cache.block_bytes)
     counts: list[int] = []  # tokens of each block landed in the cache, in order
     error: BlockError | None = None
     try:
