@@ -55,7 +55,11 @@ class BaselineProcess:
 
     def __enter__(self) -> BaselineProcess:
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._answer()  # {"ready": true}
+        try:
+            self._answer()  # {"ready": true}
+        except BaseException:  # it failed to start, or Ctrl-C: it must not stay behind with the model loaded
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def round(self) -> dict[str, Any]:

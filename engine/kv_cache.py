@@ -46,6 +46,8 @@ class KVCache:
         """The bytes of ``block``'s slot themselves (a CPU cache only): writing them writes the cache. A slice
         of one view of the whole cache, taken once: a view of a slot's tensor costs 7 us, 0.9 ms for a fetched
         prefix of 128 blocks."""
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} is not in a cache of {self.num_blocks}")
         if self._bytes is None:
             self._bytes = self.kv.view(-1).view(torch.uint8).numpy().data
         size = self.block_bytes

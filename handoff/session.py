@@ -38,7 +38,7 @@ class StoreSession:
 
     def _fail(self, op: str, exc: Exception) -> None:
         self.failed = True
-        if isinstance(exc, grpc.Call):
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):  # gRPC's, or the same-host channel's
             log.warning("KV store %s failed (%s): going on without the cache", op, exc.code())
         else:  # not the network: shared-memory staging or a malformed answer
             log.warning("KV store %s failed: going on without the cache", op, exc_info=exc)

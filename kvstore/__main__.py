@@ -50,8 +50,9 @@ def parser() -> argparse.ArgumentParser:
                         "says so (default %(default)s)")
     p.add_argument("--max-pinned-bytes-per-caller", type=parse_size, default=None,
                    help="bytes one caller's leases may pin at once; past it a Lookup with a lease is "
-                        "RESOURCE_EXHAUSTED. Callers are told apart by certificate with mTLS, else by host "
-                        "(default: a quarter of the top tier, at least 64MiB)")
+                        "RESOURCE_EXHAUSTED. Callers are told apart by certificate with mTLS, else by host; on "
+                        "the same host's arena socket by process (default: a quarter of the top tier, at least "
+                        "64MiB)")
     p.add_argument("--record-key-file", type=Path, default=None, metavar="FILE",
                    help="a secret the deployment's stores share (at least 32 hex characters, read once at start; "
                         "`kvserve up` makes one): every record on disk and in the remote tier carries an HMAC-SHA256 "

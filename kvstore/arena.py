@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import mmap
 import os
 import socket
@@ -31,6 +32,9 @@ from typing import Any, Protocol
 
 from kvstore.slab import PAGE_BYTES
 from kvstore.types import Buffer
+from rpc.server import GRPC_MESSAGE_LIMIT
+
+log = logging.getLogger(__name__)
 
 SOCKET_NAME = "arena.sock"
 GREETING = b"kvserve-arena/2\n"  # then the buffer's description, as JSON
@@ -92,16 +96,21 @@ class Arena:
 
 @dataclasses.dataclass(slots=True)
 class Connection:
-    """One client's connection to the same-host channel: its process, for per-caller limits, and the
+    """One client's connection to the same-host channel: its process (0 where the kernel cannot name it in the
+    store's PID namespace: a caller in another container) and its number, for per-caller limits, and the
     reservations it holds (they end when it closes)."""
 
     pid: int
+    number: int = 0
     reservations: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def caller(self) -> str:
-        """What the store's per-caller limits name it: its process (a gRPC caller without TLS is its host)."""
-        return f"local-pid:{self.pid}"
+        """What the store's per-caller limits name it: its process, else its connection (a service holds one); by
+        gRPC a caller is its certificate's name, or without TLS its host. Only processes of the store's user
+        reach this channel, and those could write into the arena itself: the limits keep its well-behaved
+        callers from crowding each other out, not it from them."""
+        return f"local-pid:{self.pid}" if self.pid else f"local-connection:{self.number}"
 
 
 Handler = Callable[[int, bytes, Connection], bytes]  # (method, request, the calling connection) -> reply
@@ -138,8 +147,8 @@ class ArenaSocket:
     connection end when it closes."""
 
     def __init__(self, arena: Shared, path: Path, handler: Handler | None = None, max_connections: int = 256) -> None:
-        fields, self._fds = arena.export()
-        self._greeting = GREETING + json.dumps(fields).encode()
+        self._fields, self._fds = arena.export()
+        self._accepted = 0
         self.path = path
         self.handler = handler
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -161,16 +170,20 @@ class ArenaSocket:
             if uid != os.getuid() or not self._slots.acquire(blocking=False):
                 conn.close()
                 continue
-            threading.Thread(target=self._connection, args=(conn, Connection(pid)), name="kvstore-arena-client",
-                             daemon=True).start()
+            self._accepted += 1
+            threading.Thread(target=self._connection, args=(conn, Connection(pid, self._accepted)),
+                             name="kvstore-arena-client", daemon=True).start()
 
     def _connection(self, conn: socket.socket, peer: Connection) -> None:
         try:
             with conn:
+                # the methods it answers: a client asks only those (a store before Lookup named none)
+                fields = self._fields if self.handler is None else {**self._fields, "methods": list(METHODS)}
+                greeting = GREETING + json.dumps(fields).encode()
                 if self._fds:
-                    socket.send_fds(conn, [self._greeting], self._fds)
+                    socket.send_fds(conn, [greeting], self._fds)
                 else:
-                    conn.sendall(self._greeting)
+                    conn.sendall(greeting)
                 while (request := recv_frame(conn)) is not None:
                     method, body = request
                     send_frame(conn, *self._answer(method, body, peer))
@@ -189,7 +202,10 @@ class ArenaSocket:
             return 0, self.handler(method, body, peer)
         except Exception as exc:  # the status the store names, as its gRPC server would
             status = getattr(exc, "grpc_status", "INTERNAL")
-            return STATUSES.index(status if status in STATUSES else "INTERNAL"), str(exc).encode()
+            if status not in STATUSES or status == "INTERNAL":
+                status = "INTERNAL"
+                log.exception("unhandled error in method %d on the arena socket", method)
+            return STATUSES.index(status), str(exc).encode()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -199,9 +215,10 @@ class ArenaSocket:
 
 
 GET, RESERVE, PUT, END_RESERVATIONS, LOOKUP = 1, 2, 3, 4, 5  # methods of the same-host channel
+METHODS = (GET, RESERVE, PUT, LOOKUP)  # what a client may call (END_RESERVATIONS is the store's own)
 STATUSES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "NOT_FOUND", "UNIMPLEMENTED", "INTERNAL")
 _FRAME = struct.Struct("<IB")  # body length, method (request) or status index (reply)
-MAX_FRAME_BYTES = 64 << 20
+MAX_FRAME_BYTES = GRPC_MESSAGE_LIMIT  # the messages of the RPCs, so as large as gRPC takes them (no block's bytes)
 
 
 def send_frame(conn: socket.socket, kind: int, body: bytes) -> None:

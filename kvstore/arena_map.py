@@ -11,6 +11,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,8 +19,11 @@ from typing import Any, Protocol
 import xxhash
 
 from kvstore.arena import (
+    GET,
     GREETING,
     MAX_GREETING,
+    PUT,
+    RESERVE,
     SEALS,
     STATUSES,
     LocalCallError,
@@ -28,6 +32,12 @@ from kvstore.arena import (
     unix_address,
 )
 from kvstore.types import Buffer
+
+
+class ChannelBusy(TimeoutError):
+    """A call that waited its whole timeout for another thread's call on the channel to end: the store is not
+    answering, and that call, when it times out, closes the channel (closing it now would break that call
+    first, as if the channel had failed)."""
 
 
 class ArenaMap:
@@ -57,17 +67,35 @@ class ArenaMap:
             for fd in fds:
                 os.close(fd)
         self.size = self.segment.size
+        self.methods = frozenset(fields.get("methods", (GET, RESERVE, PUT)))  # a store before Lookup's names none
+        self._broken: type[OSError] | None = None  # why the channel closed under a call: TimeoutError, or OSError
         self._closing = threading.Lock()  # taken by the first close, never given back
 
     def call(self, method: int, body: bytes, timeout_s: float) -> bytes:
-        """One call on the same-host channel; LocalCallError if the store refused it, OSError if the
-        channel broke."""
-        with self._lock:
-            self._sock.settimeout(timeout_s)
-            send_frame(self._sock, method, body)
-            reply = recv_frame(self._sock)
-        if reply is None:
-            raise OSError("the store closed its arena socket")
+        """One call on the same-host channel; LocalCallError if the store refused it, TimeoutError if it did not
+        answer within `timeout_s` (the wait for another thread's call on the channel included), OSError if the
+        channel broke. A call that fails once its request is out closes the channel for good: a reply that
+        came late would be read as the answer to the next call. The calls that waited for it then fail as it
+        did, at once."""
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=timeout_s):
+            raise ChannelBusy(f"another call on the store's arena channel went unanswered for {timeout_s:g} s")
+        try:
+            if self._broken is not None:
+                raise self._broken("the store's arena channel closed when an earlier call on it failed")
+            self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            try:
+                send_frame(self._sock, method, body)
+                reply = recv_frame(self._sock)
+                if reply is None:
+                    raise OSError("the store closed its arena socket")
+            except OSError as exc:
+                self._broken = TimeoutError if isinstance(exc, TimeoutError) else OSError
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                raise
+        finally:
+            self._lock.release()
         status, payload = reply
         if status:
             name = STATUSES[status] if status < len(STATUSES) else "UNKNOWN"

@@ -23,7 +23,7 @@ MIN_PIN_CAP = 64 * 1024**2  # the default per-caller cap never goes below: lease
 def pinned_bytes_cap(config: StoreConfig, tiers: list[tuple[TierStorage, int]]) -> int:
     """The bytes one caller's leases may pin at once: --max-pinned-bytes-per-caller, by default a quarter
     of the top tier (where writes land), at least MIN_PIN_CAP. Callers are told apart by certificate
-    with mTLS, else by host, so a host's prefill and decode share one cap."""
+    with mTLS, else by host; on the arena's socket (the same host) by process (arena.Connection.caller)."""
     if config.max_pinned_bytes_per_caller is not None:
         return config.max_pinned_bytes_per_caller
     return max(tiers[0][1] // 4, MIN_PIN_CAP)

@@ -13,6 +13,7 @@ blocks are also had as tensors, device to device and a batch at a time (`get_ten
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ from kvstore.arena import LOOKUP as LOCAL_LOOKUP
 from kvstore.arena import PUT as LOCAL_PUT
 from kvstore.arena import RESERVE as LOCAL_RESERVE
 from kvstore.arena import LocalCallError, host_id, scatter
-from kvstore.arena_map import ArenaMap
+from kvstore.arena_map import ArenaMap, ChannelBusy
 from kvstore.block_format import checksum
 from kvstore.config import MAX_BLOCK_BYTES
 from kvstore.types import Buffer, Latency, LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
@@ -68,8 +69,9 @@ def _remote_stats(r: pb.RemoteStats) -> RemoteStats:
 class KVStoreClient:
     """Client of kvserve.v1.KVStore. Thread-safe; use as a context manager or call close().
 
-    Errors are the grpc.RpcError that grpc raises (UNAVAILABLE / DEADLINE_EXCEEDED: the store is
-    down or slow; INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED: see the message).
+    Errors are grpc.RpcError with code() and details(): gRPC's own, or LocalRpcError from the same-host channel
+    (UNAVAILABLE / DEADLINE_EXCEEDED: the store is down or slow; INVALID_ARGUMENT, NOT_FOUND,
+    RESOURCE_EXHAUSTED: see the message).
     """
 
     def __init__(self, addr: str, timeout_s: float = 5.0, *, use_shm: bool = True, tls: TLSConfig | None = None
@@ -85,6 +87,8 @@ class KVStoreClient:
         self._arena: ArenaMap | None = None
         self._arena_path = ""
         self._arena_checked = False
+        self._arena_asking = False  # a thread is asking Info (_shm)
+        self._closed = False
         self._arena_lock = threading.Lock()
 
     def __enter__(self) -> KVStoreClient:
@@ -95,6 +99,7 @@ class KVStoreClient:
 
     def close(self) -> None:
         with self._arena_lock:
+            self._closed = True
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
@@ -114,9 +119,6 @@ class KVStoreClient:
                 return self._put_arena(arena, items, ephemeral)
             except LocalCallError:
                 pass  # refused (no room for a reservation, a bad block): the bytes go by gRPC, which says why
-            except TimeoutError:
-                self._drop_arena(arena)
-                raise  # the store did not answer in time (see lookup)
             except OSError:
                 self._drop_arena(arena)
         return self._put_rpc(items, ephemeral)
@@ -130,15 +132,11 @@ class KVStoreClient:
         raised as gRPC's would be), else by gRPC."""
         request = pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0)
         arena, response = self._shm(), None
-        if arena is not None:
+        if arena is not None and LOCAL_LOOKUP in arena.methods:
             try:
-                response = pb.LookupResponse.FromString(
-                    arena.call(LOCAL_LOOKUP, request.SerializeToString(), self.timeout_s))
+                response = pb.LookupResponse.FromString(self._arena_call(arena, LOCAL_LOOKUP, request.SerializeToString()))
             except LocalCallError as exc:
-                raise LocalRpcError(exc) from exc
-            except TimeoutError:
-                self._drop_arena(arena)
-                raise  # the store did not answer in time: asking again by gRPC would wait as long once more
+                raise LocalRpcError(exc.status, exc.message) from exc
             except OSError:
                 self._drop_arena(arena)
         if response is None:
@@ -284,30 +282,40 @@ class KVStoreClient:
     # -- internals -----------------------------------------------------------------------------
 
     def _shm(self) -> ArenaMap | None:
-        # Asks Info once, and again whenever the socket has gone (the server restarted elsewhere).
+        # Asks Info once, and again whenever the socket has gone (the server restarted elsewhere). One thread asks
+        # at a time, outside the lock: the calls meanwhile go by gRPC, each bounded by its own timeout, instead of
+        # waiting in turn for a store that does not answer.
         if not self.use_shm:
             return None
         with self._arena_lock:
             if self._arena_checked and (self._arena is None or Path(self._arena_path).exists()):
                 return self._arena
-            if self._arena is not None:
-                self._arena.close()
-                self._arena = None
-            self._arena_checked = False  # until Info answers: a store that is down now is asked again
+            if self._arena_asking or self._closed:
+                return None
+            self._arena_asking, stale, self._arena, self._arena_checked = True, self._arena, None, False
+        try:
+            if stale is not None:
+                stale.close()
             try:
                 info = self.info()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
                     raise
                 info = StoreInfo("", "", 0)
-            self._arena_path = info.arena_socket
+            opened = None
             if info.arena_socket and info.host_id == host_id():
-                try:
-                    self._arena = ArenaMap(info.arena_socket)
-                except OSError:  # another container, or not a kvserve arena: bytes it is
-                    self._arena = None
-            self._arena_checked = True
-            return self._arena
+                with contextlib.suppress(OSError):  # another container, or not a kvserve arena: bytes it is
+                    opened = ArenaMap(info.arena_socket, self.timeout_s)
+            with self._arena_lock:
+                if not self._closed:
+                    self._arena, self._arena_path, self._arena_checked = opened, info.arena_socket, True
+                    return opened
+            if opened is not None:
+                opened.close()
+            return None
+        finally:
+            with self._arena_lock:
+                self._arena_asking = False
 
     def _device_arena(self) -> tuple[ArenaMap, OpenedSegment] | None:
         """The store's arena and its segment when it is a device arena this client opened."""
@@ -318,12 +326,23 @@ class KVStoreClient:
 
     def _locate(self, arena: ArenaMap, keys: list[BlockHash]) -> list[pb.BlockChunk]:
         """Where the store's arena holds each block (a slot with shm_offset set), on its same-host channel."""
-        reply = pb.GetResponse.FromString(
-            arena.call(LOCAL_GET, pb.GetRequest(hashes=keys).SerializeToString(), self.timeout_s))
+        reply = pb.GetResponse.FromString(self._arena_call(arena, LOCAL_GET, pb.GetRequest(hashes=keys).SerializeToString()))
         slots = list(reply.slots)
         if len(slots) != len(keys) or any(s.hash != k for s, k in zip(slots, keys, strict=True)):
             raise ValueError("the store's arena channel answered other blocks than asked")
         return slots
+
+    def _arena_call(self, arena: ArenaMap, method: int, body: bytes) -> bytes:
+        """A call on the arena's channel. A store that does not answer in time is DEADLINE_EXCEEDED at once and the
+        channel is dropped: asking again by gRPC would wait as long once more (LocalCallError and OSError are
+        the caller's)."""
+        try:
+            return arena.call(method, body, self.timeout_s)
+        except TimeoutError as exc:
+            if not isinstance(exc, ChannelBusy):
+                self._drop_arena(arena)
+            raise LocalRpcError("DEADLINE_EXCEEDED", f"the store did not answer on its arena channel within "
+                                                     f"{self.timeout_s:g} s") from exc
 
     def _drop_arena(self, arena: ArenaMap) -> None:
         # Its channel broke (the store restarted or went away): ask Info again next time.
@@ -345,9 +364,6 @@ class KVStoreClient:
                         if not (s.HasField("shm_offset") and take_shm(i, arena, s.shm_offset, s.total_size, s.checksum))]
             except LocalCallError:
                 pass
-            except TimeoutError:
-                self._drop_arena(arena)
-                raise  # the store did not answer in time (see lookup)
             except OSError:
                 self._drop_arena(arena)
                 arena = None
@@ -357,7 +373,7 @@ class KVStoreClient:
     def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
         sizes = [sum(_nbytes(part) for part in parts) for _, parts in items]
         request = pb.ReserveRequest(sizes=sizes, hashes=[key for key, _ in items])
-        reply = pb.ReserveResponse.FromString(arena.call(LOCAL_RESERVE, request.SerializeToString(), self.timeout_s))
+        reply = pb.ReserveResponse.FromString(self._arena_call(arena, LOCAL_RESERVE, request.SerializeToString()))
         if not len(reply.offsets) == len(reply.stored) == len(items):
             raise ValueError(f"store reserved {len(reply.offsets)} slots for {len(items)} blocks")
         if all(reply.stored):
@@ -368,7 +384,7 @@ class KVStoreClient:
         staged = [pb.BlockChunk(hash=items[i][0], total_size=sizes[i], checksum=csum, shm_offset=offset)
                   for i, offset, csum in zip(new, offsets, checksums, strict=True)]
         put = pb.PutRequest(staged=staged, ephemeral=ephemeral, reservation_id=reply.reservation_id)
-        return int(pb.PutResponse.FromString(arena.call(LOCAL_PUT, put.SerializeToString(), self.timeout_s)).num_new)
+        return int(pb.PutResponse.FromString(self._arena_call(arena, LOCAL_PUT, put.SerializeToString())).num_new)
 
     def _put_rpc(self, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
         def requests() -> Iterator[pb.PutRequest]:
@@ -418,12 +434,13 @@ class KVStoreClient:
 
 
 class LocalRpcError(grpc.RpcError):
-    """A call the store refused on its same-host channel, raised as gRPC raises a status: ``code()``, ``details()``."""
+    """A call on the store's same-host channel that the store refused (or did not answer in time), raised as gRPC
+    raises a status: ``code()``, ``details()``."""
 
-    def __init__(self, refused: LocalCallError) -> None:
-        super().__init__(str(refused))
-        self._code = getattr(grpc.StatusCode, refused.status, grpc.StatusCode.UNKNOWN)
-        self._details = refused.message
+    def __init__(self, status: str, details: str) -> None:
+        super().__init__(f"{status}: {details}")
+        self._code = getattr(grpc.StatusCode, status, grpc.StatusCode.UNKNOWN)
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
         return self._code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -201,3 +202,50 @@ def test_a_refused_call_on_the_arena_channel_names_its_status_and_the_channel_go
         assert info.value.status == "INVALID_ARGUMENT" and "32 bytes" in info.value.message
         assert c.put([(key(1), payload(1, 5000))]) == 1 and c.get([key(1)]) == [payload(1, 5000)]
         assert not server.store._reservations and server.store.stats().tier("host").blocks == 1
+
+
+def test_a_call_that_times_out_closes_the_channel_so_its_late_reply_answers_no_other(tmp_path: Path) -> None:
+    """A slow answer (a store busy, not stopped) that comes after its caller gave up would be read as the reply
+    to the next call on the connection: the channel closes under the call that timed out, and the calls after
+    it fail as it did (TimeoutError) instead of reading someone else's answer."""
+    def slow_then_fast(method: int, body: bytes, peer: arena.Connection) -> bytes:
+        if body == b"slow":
+            time.sleep(0.3)
+        return b"reply to " + body
+
+    shared = Arena(PAGE_BYTES)
+    server = ArenaSocket(shared, tmp_path / "arena.sock", slow_then_fast)
+    channel = ArenaMap(tmp_path / "arena.sock")
+    try:
+        assert channel.methods == set(arena.METHODS)  # what the greeting says this store answers
+        assert channel.call(arena.LOOKUP, b"first", 1.0) == b"reply to first"
+        with pytest.raises(TimeoutError):
+            channel.call(arena.LOOKUP, b"slow", 0.1)
+        time.sleep(0.4)  # the slow reply has been sent by now
+        with pytest.raises(TimeoutError):
+            channel.call(arena.LOOKUP, b"next", 1.0)
+    finally:
+        channel.close()
+        server.close()
+        shared.close()
+
+
+def test_a_client_asks_a_store_on_its_arena_channel_only_what_the_store_says_it_answers(tmp_path: Path) -> None:
+    """A store from before Lookup moved to the arena's channel names no methods in its greeting: a client then
+    looks up by gRPC and still moves blocks through the arena."""
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
+        channel = c._shm()
+        assert channel is not None and arena.LOOKUP in channel.methods
+        asked: list[int] = []
+        call = channel.call
+        channel.call = lambda method, *a: asked.append(method) or call(method, *a)  # type: ignore[method-assign]
+        channel.methods = frozenset({arena.GET, arena.RESERVE, arena.PUT})
+        assert c.put([(key(1), payload(1, 5000))]) == 1
+        assert c.lookup([key(1)]).num_hits == 1 and c.get([key(1)]) == [payload(1, 5000)]
+        assert arena.LOOKUP not in asked and {arena.RESERVE, arena.PUT, arena.GET} <= set(asked)
+        assert server.store.stats().tier("host").blocks == 1
+
+
+def test_a_caller_on_the_arena_channel_is_its_process_or_where_the_store_cannot_see_it_its_connection() -> None:
+    assert arena.Connection(4242, number=7).caller == "local-pid:4242"
+    assert arena.Connection(0, number=7).caller == "local-connection:7"  # another container's PID namespace

@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from bench import store_transfer as bench
@@ -251,30 +253,49 @@ def test_a_data_file_truncated_under_a_running_store_kills_nothing(tmp_path: Pat
 
 
 def test_a_hung_store_costs_a_same_host_call_one_timeout(tmp_path: Path) -> None:
-    """A store stopped (SIGSTOP) does not answer on its arena's channel: a Lookup, Get or Put fails after the
-    client's timeout, once (not again by gRPC, which would wait as long), and works again once the store runs."""
+    """A store stopped (SIGSTOP) does not answer on its arena's channel: a Lookup, Get or Put fails with
+    DEADLINE_EXCEEDED after the client's timeout, once (not again by gRPC, which would wait as long), and
+    works again once the store runs. So do calls made at once from several threads of one client, whether
+    its channel is open (they wait for it together, not each in turn) or still to be opened (one asks Info)."""
     proc, port = start_process(args(tmp_path))
-    clients = [KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0) for _ in range(3)]
+    stat = Path(f"/proc/{proc.pid}/stat")
+    clients = [KVStoreClient(f"127.0.0.1:{port}", timeout_s=1.0) for _ in range(4)]
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGSTOP)  # it lands a moment after kill() returns
+        wait_until(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout_s=10)
+
+    def timed_out(call: Callable[[KVStoreClient], object], c: KVStoreClient) -> float:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            call(c)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+        return time.monotonic() - start
+
     try:
         assert clients[0].put([(key(1), payload(1, 1000))]) == 1
-        for c in clients:
+        for c in clients[:3]:
             assert c.lookup([key(1)]).num_hits == 1 and c._arena is not None  # each on the arena's channel
         calls = (lambda c: c.lookup([key(1)], lease_ttl_s=5), lambda c: c.get([key(1)]),
                  lambda c: c.put([(key(2), payload(2, 1000))]))
-        proc.send_signal(signal.SIGSTOP)
+        stop()
         try:
-            stat = Path(f"/proc/{proc.pid}/stat")  # the signal lands a moment after kill() returns
-            wait_until(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T", timeout_s=10)
-            for c, call in zip(clients, calls, strict=True):
-                start = time.monotonic()
-                with pytest.raises(TimeoutError):
-                    call(c)
-                assert time.monotonic() - start < 3.5  # one timeout of 2 s, not two
+            for c, call in zip(clients[:3], calls, strict=True):
+                assert timed_out(call, c) < 1.8  # one timeout of 1 s, not two
         finally:
             proc.send_signal(signal.SIGCONT)
-        for c in clients:
+        for c in clients[:3]:
             assert c.get([key(1)]) == [payload(1, 1000)]
             assert c._arena is not None  # the channel opened again
+        stop()
+        try:
+            for c in (clients[0], clients[3]):  # its channel open; never opened
+                with ThreadPoolExecutor(4) as pool:
+                    took = list(pool.map(timed_out, [calls[0]] * 4, [c] * 4))
+                assert max(took) < 1.8, took
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert clients[3].lookup([key(1)]).num_hits == 1
     finally:
         for c in clients:
             c.close()

@@ -540,8 +540,8 @@ def test_max_block_bytes_and_the_longest_lease_are_enforced_over_rpc(tmp_path: P
 def test_a_caller_pinning_junk_up_to_its_cap_cannot_stop_another_callers_puts(tmp_path: Path) -> None:
     """The attack: put junk, lease it for 600 s, again and again, until the tier is all pinned and
     everyone else's Puts are RESOURCE_EXHAUSTED. Over gRPC, callers are told apart by address: this one comes
-    over IPv4, the legitimate one over IPv6 (a certificate's name, with mTLS). Both are in this process, so
-    neither uses the arena's channel, where a caller is its process (the next test)."""
+    over IPv4, the legitimate one over IPv6 (a certificate's name, with mTLS). Both call by gRPC
+    (use_shm=False), not on the arena's channel, where a caller is its process (the next test)."""
     config = StoreConfig(host_capacity=1 * MiB, shm_root=str(tmp_path), sweep_interval_s=0.05,
                          max_pinned_bytes_per_caller=MiB // 4)
     server = StoreServer(config, "[::]:0")
