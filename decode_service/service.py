@@ -57,8 +57,12 @@ class GenerateJob:
     prompt: PromptInput
     options: RequestOptions
     arrival: float  # time.perf_counter() when the request arrived
-    time_left_s: float | None = None  # the client's deadline, if it set one
+    time_left_s: float | None = None  # the client's deadline, if it set one: the time left at arrival
     resume: tuple[int, ...] = ()  # tokens a replica that died already sent the caller (resume_token_ids)
+
+    def remaining_s(self) -> float | None:
+        """The time left now before the client's deadline (None: it set none)."""
+        return None if self.time_left_s is None else self.time_left_s - (time.perf_counter() - self.arrival)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +210,8 @@ class DecodeService:
         kvserve_decode_prefill_fallbacks_total), or None when ``exc`` goes to the caller: a status about the
         request itself (INVALID_ARGUMENT, OUT_OF_RANGE), or any once the caller's deadline has passed (a
         DEADLINE_EXCEEDED before it is decode's own cap on prefill)."""
-        if job.time_left_s is not None and time.perf_counter() - job.arrival >= job.time_left_s:
+        remaining = job.remaining_s()
+        if remaining is not None and remaining <= 0:
             return None
         return FALLBACKS.get(exc.code)
 
@@ -384,8 +389,8 @@ class DecodeService:
         tried: list[str] = []
         attempts = max(2, len(self.prefill.clients))
         for attempt in range(1, attempts + 1):
-            call = self.prefill.start(job.request_id, job.prompt, job.options, time_left_s=job.time_left_s,
-                                      avoid=tried)
+            call = self.prefill.start(job.request_id, job.prompt, job.options, time_left_s=job.remaining_s(),
+                                      avoid=tried)  # the caller's deadline: what went on before counts
             cancel.on_cancel(call.cancel)
             try:
                 return call, call.first()

@@ -128,7 +128,7 @@ def test_nothing_falls_back_once_the_callers_deadline_has_passed(
     local = stack.decode_metric("kvserve_decode_prefills_total", path="local")
     job = GenerateJob("late", PromptInput(token_ids=tuple(tokens(20, seed=93))), RequestOptions(SamplingParams()),
                       arrival=time.perf_counter() - 10, time_left_s=5.0)  # the caller gave up 5 s ago
-    with pytest.raises(UpstreamError, match="fake prefill: INTERNAL"):
+    with pytest.raises(UpstreamError, match="the caller's deadline"):  # the call to prefill had none of it left
         list(stack.decode.generate(job, Cancellation()))
     assert fallbacks(stack) == before
     assert stack.decode_metric("kvserve_decode_prefills_total", path="local") == local
@@ -156,3 +156,16 @@ def test_the_prefill_call_has_the_callers_deadline_and_a_cap_only_when_given(
         assert got is None or got > 10**9  # gRPC's "no deadline"
     else:
         assert got is not None and abs(got - want_s) < 5  # less the time the call took to arrive
+
+
+def test_the_prefill_call_gets_what_is_left_of_the_callers_deadline(
+        stack: LocalStack, prefill: tuple[str, FakePrefill]) -> None:
+    """What went on in decode before the call (reading the prompt, waiting to be admitted, a replica that failed)
+    comes off the deadline prefill is given: 0.5 s left of the caller's 10, under decode's cap of 1 s."""
+    _, servicer = prefill
+    servicer.status, servicer.time_left = grpc.StatusCode.RESOURCE_EXHAUSTED, []
+    job = GenerateJob("spent", PromptInput(token_ids=tuple(tokens(20, seed=94))), RequestOptions(SamplingParams()),
+                      arrival=time.perf_counter() - 9.5, time_left_s=10.0)
+    list(stack.decode.generate(job, Cancellation()))
+    [got] = servicer.time_left
+    assert got is not None and got < 0.6
