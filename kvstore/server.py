@@ -32,7 +32,7 @@ from rpc.tls import TLSConfig
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvserve.v1.KVStore"
-MAX_EVENT_STREAMS = 8  # of the server's 32 workers: the rest always serve Lookup, Get and Put
+MAX_EVENT_STREAMS = 8  # of the server's 256 workers: the rest always serve Lookup, Get and Put
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
