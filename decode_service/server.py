@@ -70,6 +70,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.service.refused(exc)
             raise
         cancel = Cancellation()
-        context.add_callback(cancel.cancel)
+        if not context.add_callback(cancel.cancel):  # the call ended before its handler ran: nobody to answer
+            cancel.cancel()
         for item in self.service.generate(job, cancel):
             yield _response(item)

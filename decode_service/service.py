@@ -141,6 +141,13 @@ class DecodeService:
         self.engine.stop()
         self.prefill.close()
 
+    @staticmethod
+    def _check_caller_left(cancel: Cancellation) -> None:
+        """A prefill call that ended CANCELLED: the caller's leaving, else this service closing its channels as it
+        stops (UNAVAILABLE, so that a router asks another replica, instead of an empty stream that ends OK)."""
+        if not cancel.cancelled:
+            raise Unavailable("the decode service is shutting down: its call to prefill was cut")
+
     def _store_failed(self, op: str) -> None:
         self.metrics.store_failures.labels(op=op).inc()
 
@@ -188,6 +195,7 @@ class DecodeService:
             try:
                 call, handle = self._first_answer(job, cancel)
             except PrefillCancelled:
+                self._check_caller_left(cancel)
                 state.outcome = "cancelled"
                 return
             except (Unavailable, UpstreamError) as exc:  # prefill could not: this engine computes the prompt
@@ -331,6 +339,7 @@ class DecodeService:
         try:
             handle = self._kv_handle(call, handle)
         except PrefillCancelled:
+            self._check_caller_left(cancel)
             state.outcome = "cancelled"
             return
 

@@ -101,10 +101,14 @@ class BlockPool:
         return blocks
 
     def take_changes(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(hashes named, hashes evicted) since the last call, when ``record_changes`` is on."""
-        changes = self._named, self._evicted
+        """(hashes named, hashes evicted) since the last call, when ``record_changes`` is on, as the pool holds
+        them now: a hash evicted and named again since (or named, then evicted) is only where it ended, since
+        the two lists do not say in which order it happened."""
+        held = self._by_hash
+        named = [h for h in dict.fromkeys(self._named) if h in held]
+        evicted = [h for h in dict.fromkeys(self._evicted) if h not in held]
         self._named, self._evicted = [], []
-        return changes
+        return named, evicted
 
     def retain(self, blocks: Iterable[int]) -> None:
         """One more reference to each block in use (e.g. until its KV has been copied out)."""

@@ -32,7 +32,10 @@ from rpc.tls import TLSConfig
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvserve.v1.KVStore"
-MAX_EVENT_STREAMS = 8  # of the server's 256 workers: the rest always serve Lookup, Get and Put
+# Of the server's 256 workers (a stream holds one while it lasts): the rest always serve Lookup, Get and Put. Each
+# router relays each decode replica's events through one: 4 decode replicas on a node behind 2 routers take 8,
+# and a rollout's surge more.
+MAX_EVENT_STREAMS = 32
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):

@@ -162,6 +162,7 @@ class PrefillReplicas:
         self._set(clients)
         self._resolve, self._resolve_every_s = resolve, resolve_every_s
         self._resolved_at = time.monotonic()
+        self._resolving = False
 
     @classmethod
     def connect(cls, addrs: str, timeout_s: float | None = None, *, tls: TLSConfig | None = None,
@@ -208,9 +209,7 @@ class PrefillReplicas:
     def _pick(self, avoid: Collection[str]) -> PrefillClient:
         now = time.monotonic()
         if self._resolve is not None and (now - self._resolved_at > self._resolve_every_s or not self.clients):
-            self._resolved_at = now
-            with self._lock:
-                self._set(self._resolve())  # a replica gone keeps its channel: calls in flight end on it
+            self._refresh(self._resolve, now)
         with self._lock:
             if not self.clients:
                 raise Unavailable("no prefill replica: the prefill address resolves to no address (yet)")
@@ -222,6 +221,22 @@ class PrefillReplicas:
                       else min(fallback, key=lambda c: self._down_until[c.addr]))
             self._in_flight[client.addr] += 1
             return client
+
+    def _refresh(self, resolve: Callable[[], Sequence[PrefillClient]], now: float) -> None:
+        """The replicas resolved again, by one thread at a time and outside the lock (a slow DNS answer holds up
+        only this request): the others meanwhile pick among the replicas known. A replica gone keeps its
+        channel: calls in flight end on it."""
+        with self._lock:
+            if self._resolving:
+                return
+            self._resolving, self._resolved_at = True, now
+        try:
+            clients = resolve()
+        finally:
+            with self._lock:
+                self._resolving = False
+        with self._lock:
+            self._set(clients)
 
     def _done(self, addr: str) -> None:
         with self._lock:

@@ -70,6 +70,7 @@ DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events
 # its place until its checks have gone unanswered for DEAD_AFTER_S (a hung or stopped process).
 CHECK_TIMEOUT_S = 1.0
 DEAD_AFTER_S = 30.0
+EVENTS_SETTLED_S = 5.0  # an Events stream that lived this long had worked: the next is tried half a second after it ends
 # A replica refusing a request with a retry hint (protos.retry) is only busy; without, it will refuse it again.
 BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refuse, before it is refused
 BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
@@ -160,6 +161,7 @@ class Replica:
         self._metadata = list(metadata)
         self.index = BlockIndex(index_capacity, index_bytes // 2)  # in its node's store
         self.pool = BlockIndex(index_capacity, index_bytes // 2)  # in its engine's KV pool
+        self._pool_bounds = (index_capacity, index_bytes // 2)
         self.lie: Lie | None = None  # why its claims are not believed, until its events are followed again
         self.healthy = False
         self.others_load = 0  # sequences there that are not this router's, when it last asked
@@ -291,13 +293,20 @@ class Replica:
             self.healthy = healthy
             self._stop.wait(self._poll_s)
 
-    def _apply(self, event: kvstore_pb2.Event) -> bool:
-        """Adds or removes what a checked event names; False (nothing done) once the replica has lied."""
+    def _apply(self, event: kvstore_pb2.Event, snapshot: bool = False) -> bool:
+        """Adds or removes what a checked event names; False (nothing done) once the replica has lied. The
+        first event of a stream (`snapshot`) begins its pool anew: the new index takes the old one's place
+        once it holds that event's hashes, so the pool never looks empty in between."""
         index = self.pool if event.tier == kvstore_pb2.TIER_ENGINE else self.index
         with self._lock:
             if self.lie is not None:
                 return False
-            if event.kind == kvstore_pb2.Event.KIND_STORED:
+            if snapshot and event.tier == kvstore_pb2.TIER_ENGINE:
+                fresh = BlockIndex(*self._pool_bounds)
+                if event.kind == kvstore_pb2.Event.KIND_STORED:
+                    fresh.add(event.hashes)
+                self.pool = fresh
+            elif event.kind == kvstore_pb2.Event.KIND_STORED:
                 index.add(event.hashes)
             else:
                 index.remove(event.hashes)
@@ -313,15 +322,16 @@ class Replica:
                     self.index.clear()
                     self.pool.clear()
                     self.lie = None
+            opened = time.monotonic()
             try:
                 self._events_call = call = self.replica.Events(kvstore_pb2.EventsRequest(), metadata=self._metadata)
-                self.pool.clear()  # the stream starts with a snapshot of the pool
+                first = True  # the stream starts with a snapshot of the pool: what was known before goes then
                 for event in call:
                     check_event(event)
-                    backoff = 0.5
-                    if not self._apply(event):  # it lied elsewhere (its load, a prompt's hashes)
+                    if not self._apply(event, snapshot=first):  # it lied elsewhere (its load, a prompt's hashes)
                         call.cancel()
                         break
+                    first = first and event.tier != kvstore_pb2.TIER_ENGINE
             except Lie as lie:
                 self.distrust(lie)
                 continue
@@ -330,8 +340,12 @@ class Replica:
                     return
                 code = exc.code().name if isinstance(exc, grpc.Call) else str(exc)
                 log.debug("events of %s ended (%s); following again in %.1f s", self.addr, code, backoff)
+            # a stream that keeps ending soon after it began (its replica's store refusing one more Events
+            # stream, say) is followed again later and later, not every half second, its snapshot sent each time
+            if time.monotonic() - opened > EVENTS_SETTLED_S:
+                backoff = 0.5
             self._stop.wait(backoff)
-            backoff = min(2 * backoff, 5.0)
+            backoff = min(2 * backoff, EVENTS_SETTLED_S)
 
 
 class Router:
@@ -441,15 +455,17 @@ class Router:
 
     def prefix_hashes(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
                       timeout_s: float) -> list[BlockHash]:
-        """The prompt's block hashes from a healthy replica, asked with the router's own service token and,
+        """The prompt's block hashes from a healthy replica (the two asked at most, within `timeout_s` in all), asked with the router's own service token and,
         in `ON_BEHALF_OF`, the caller's (so that they are its tenant's); [] when none answers (the request
         is then placed by load alone, as when they are busy). A status about the request itself (a bad
         prompt) is the caller's, raised as it came; a refused token is placed by load too (the Generate call then says why, or the
         router's token is wrong: logged)."""
         asked = [*self._metadata, *((ON_BEHALF_OF, v) for k, v in metadata if k == "authorization")]
+        deadline = time.monotonic() + timeout_s  # for both replicas asked together
         for replica in [r for r in self._healthy(self._hash_turn) if r.trusted][:2]:
             try:
-                reply = replica.replica.PrefixHashes(request, metadata=asked, timeout=timeout_s)
+                reply = replica.replica.PrefixHashes(request, metadata=asked,
+                                                     timeout=max(0.0, deadline - time.monotonic()))
                 return prompt_hashes(reply)
             except Lie as lie:
                 replica.distrust(lie)

@@ -509,3 +509,29 @@ def test_a_prompt_is_long_by_what_it_has_left_when_its_first_tokens_are_schedule
     out = Schedule()
     sched.preempt(first, out)
     assert first.long_prompt is None
+
+
+def test_the_changes_a_router_is_told_are_where_each_hash_ended() -> None:
+    """A hash evicted and named again between two looks is held (and one named, then evicted, is not): the
+    pool's events must not tell a router the opposite of what the pool holds."""
+    from decode_service.replica import PoolEvents
+
+    pool, events = BlockPool(2), PoolEvents()
+    pool.record_changes = True
+    a, b = pool.allocate(2)
+    pool.register(a, _h("1"))
+    pool.register(b, _h("2"))
+    pool.free([a])
+    pool.free([b])  # cached after a: a goes first
+    events.changed(*pool.take_changes())
+    [c] = pool.allocate(1)  # evicts _h("1"), the oldest cached
+    pool.register(c, _h("1"))  # the same prompt's block computed again, in the same step
+    [d] = pool.allocate(1)  # evicts _h("2")
+    pool.register(d, _h("3"))
+    pool.free([d])
+    [e] = pool.allocate(1)  # evicts _h("3"), named since the last look
+    named, evicted = pool.take_changes()
+    assert (named, evicted) == ([_h("1")], [_h("2"), _h("3")])  # h3's eviction tells a router nothing it holds
+    events.changed(named, evicted)
+    assert list(events._held) == [_h("1")] and pool.count_hits([_h("1")]) == 1
+    pool.free([c, e])

