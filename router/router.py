@@ -366,6 +366,7 @@ class Router:
             raise ValueError("at least one decode replica address is needed")
         self.targets = list(targets)
         self._targets = Targets(self.targets)
+        self._leaving: dict[str, Replica] = {}  # gone from the names' addresses, streams still open on them
         self.policy = policy
         self.load_weight = load_weight
         self._tls = tls
@@ -404,7 +405,8 @@ class Router:
     def close(self) -> None:
         self._stop.set()
         with self._lock:
-            replicas, self.replicas = list(self.replicas.values()), {}
+            replicas, self.replicas = [*self.replicas.values(), *self._leaving.values()], {}
+            self._leaving = {}
         for r in replicas:
             r.close()
 
@@ -657,16 +659,26 @@ class Router:
         return up[k:] + up[:k]
 
     def _resolve(self) -> None:
+        """The replicas the names resolve to now. One gone from them (scaled down, or not ready for a moment) gets
+        no new request, and its channel closes once the streams on it have ended (closing it would end them
+        CANCELLED, a working replica's streams failed); one back in the meantime is taken back as it is."""
         wanted = self._targets.resolve()
         with self._lock:
             gone = [r for a, r in self.replicas.items() if a not in wanted]
+            back = {a: r for a, r in self._leaving.items() if a in wanted}
             new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name,
                               index_bytes=self._index_bytes, distrust_s=self._distrust_s, on_lie=self._lied,
                               check_timeout_s=self._check_timeout_s, dead_after_s=self._dead_after_s)
-                   for a, name in wanted.items() if a not in self.replicas}
-            self.replicas = {a: r for a, r in {**self.replicas, **new}.items() if a in wanted}
+                   for a, name in wanted.items() if a not in self.replicas and a not in back}
+            self.replicas = {a: r for a, r in {**self.replicas, **back, **new}.items() if a in wanted}
+            self._leaving = {a: r for a, r in self._leaving.items() if a not in wanted}
+            self._leaving.update((r.addr, r) for r in gone)
+            ended = [r for r in self._leaving.values() if r.in_flight == 0]
+            for r in ended:
+                del self._leaving[r.addr]
         for r in gone:
-            log.info("decode replica %s is gone from %s", r.addr, ", ".join(self.targets))
+            log.info("decode replica %s is gone from %s: no new request goes there", r.addr, ", ".join(self.targets))
+        for r in ended:
             r.close()
         for r in new.values():
             log.info("decode replica %s", r.addr)

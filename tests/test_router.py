@@ -83,6 +83,36 @@ def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: pytest.M
         PrefillReplicas.connect("prefill")
 
 
+def test_a_replica_gone_from_its_name_keeps_its_streams_until_they_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode replica the name no longer resolves to (scaled down, not ready for a moment) gets no new request,
+    and its channel closes only once the router's streams on it have ended (closing it would end them
+    CANCELLED); back before that, it is taken back as it is."""
+    answers = {"decode.kvserve.svc": ["10.0.0.5", "10.0.0.7"]}
+
+    def getaddrinfo(host: str, port: int, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    r = Router(["decode.kvserve.svc:50051"])
+    try:
+        leaving = r.replicas["10.0.0.7:50051"]
+        leaving.started()  # a stream on it
+        answers["decode.kvserve.svc"] = ["10.0.0.5"]
+        r._resolve()
+        assert list(r.replicas) == ["10.0.0.5:50051"] and not leaving._stop.is_set()
+        answers["decode.kvserve.svc"] = ["10.0.0.5", "10.0.0.7"]  # back: the same replica, its stream still on
+        r._resolve()
+        assert r.replicas["10.0.0.7:50051"] is leaving
+        answers["decode.kvserve.svc"] = ["10.0.0.5"]
+        r._resolve()
+        leaving.ended()
+        assert not leaving._stop.is_set()
+        r._resolve()  # its last stream ended: now its channel closes
+        assert leaving._stop.is_set() and list(r.replicas) == ["10.0.0.5:50051"]
+    finally:
+        r.close()
+
+
 def test_a_slow_resolver_holds_up_only_the_request_that_asks_it() -> None:
     """Resolving the prefill replicas again (DNS, slow or down) happens outside the lock, one request at a time:
     the others pick among the replicas known meanwhile, and so do the calls that end."""
