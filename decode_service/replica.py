@@ -19,6 +19,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -40,6 +41,7 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].full_name
 LOAD_METHOD = f"/{SERVICE_NAME}/Load"
 EVENTS_BEHIND = 1024  # events an Events stream may fall behind before it is ended (its router follows again)
 _POLL_S = 0.5  # how often a waiting Events stream checks that its caller is still there
+_STORE_SETTLED_S = 5.0  # a store Events stream that lived this long had worked: the next is asked after 0.5 s
 Event = kvstore_pb2.Event
 
 
@@ -112,32 +114,51 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
     def Events(  # noqa: N802 - gRPC method name
         self, request: kvstore_pb2.EventsRequest, context: grpc.ServicerContext
     ) -> Iterator[kvstore_pb2.Event]:
-        """The pool's events and the store's, merged; ends (UNAVAILABLE) when the store's stream ends or
-        sends an event out of bounds."""
+        """The pool's events and the store's, merged; ends (UNAVAILABLE) when the store sends an event out of
+        bounds. A store stream that ends or is refused (the store restarting, or serving as many as it will) is
+        asked again, 0.5 s doubling to 5 s, while the pool's events go on: the router keeps its view of this
+        pool, and learns of the store's blocks again once the store takes the stream (those stored or removed
+        in between it does not hear of)."""
         stream = self.pool_events.subscribe()
-        call = self.store.watch_events()
-        store_error: list[grpc.RpcError | Lie] = []
+        calls = [self.store.watch_events()]  # the store's stream now (one at a time)
+        store_error: list[Lie] = []
 
         def relay() -> None:  # the store's events into the same queue, waiting for room: they must not be lost
-            try:
-                for batch in call:
-                    check_event(batch, STORE_TIERS, most=None)  # a batch is as long as the store's message allows
-                    for event in pieces(batch.hashes):
-                        while context.is_active():
-                            try:
-                                stream.put(Event(kind=batch.kind, hashes=event, tier=batch.tier), timeout=_POLL_S)
-                                break
-                            except queue.Full:
-                                pass
-            except Lie as lie:
-                call.cancel()
-                store_error.append(lie)
-            except grpc.RpcError as exc:
-                store_error.append(exc)
-            with contextlib.suppress(queue.Full):
-                stream.put(None, timeout=_POLL_S)
+            backoff = 0.5
+            while context.is_active():
+                call, opened = calls[0], time.monotonic()
+                try:
+                    for batch in call:
+                        check_event(batch, STORE_TIERS, most=None)  # as long as the store's message allows
+                        for event in pieces(batch.hashes):
+                            while context.is_active():
+                                try:
+                                    stream.put(Event(kind=batch.kind, hashes=event, tier=batch.tier), timeout=_POLL_S)
+                                    break
+                                except queue.Full:
+                                    pass
+                except Lie as lie:
+                    call.cancel()
+                    store_error.append(lie)
+                    break
+                except grpc.RpcError as exc:
+                    log.debug("the events of this replica's store (%s) ended (%s): asking again in %.1f s",
+                              self.store.addr, exc.code().name if isinstance(exc, grpc.Call) else exc, backoff)
+                if time.monotonic() - opened > _STORE_SETTLED_S:
+                    backoff = 0.5
+                end = time.monotonic() + backoff
+                while context.is_active() and time.monotonic() < end:
+                    time.sleep(min(_POLL_S, max(0.0, end - time.monotonic())))
+                backoff = min(2 * backoff, _STORE_SETTLED_S)
+                if context.is_active():
+                    calls[0] = self.store.watch_events()
+                    if not context.is_active():
+                        calls[0].cancel()
+            if store_error:
+                with contextlib.suppress(queue.Full):
+                    stream.put(None, timeout=_POLL_S)
 
-        context.add_callback(call.cancel)
+        context.add_callback(lambda: calls[0].cancel())
         threading.Thread(target=relay, name="store-events", daemon=True).start()
         try:
             while context.is_active():
@@ -150,15 +171,12 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
                 yield event
         finally:
             self.pool_events.unsubscribe(stream)
-            call.cancel()
+            calls[0].cancel()
         if store_error and context.is_active():
-            exc = store_error[0]
-            if isinstance(exc, Lie):
-                log.warning("the events of this replica's store (%s) are out of bounds (%s): ending the "
-                            "stream that relayed them", self.store.addr, exc)
-                raise Unavailable(f"the events of this replica's store ({self.store.addr}) are out of bounds: {exc}")
-            raise Unavailable(f"the events of this replica's store ({self.store.addr}) ended: "
-                              f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
+            lie = store_error[0]
+            log.warning("the events of this replica's store (%s) are out of bounds (%s): ending the "
+                        "stream that relayed them", self.store.addr, lie)
+            raise Unavailable(f"the events of this replica's store ({self.store.addr}) are out of bounds: {lie}")
 
 
 def _events(kind: Event.Kind, hashes: Sequence[bytes]) -> list[Event]:

@@ -41,6 +41,7 @@ from router.server import RouterMetrics
 from rpc.server import Server
 from tests.fake_decode import FakeReplica, FakeServer
 from tests.polling import wait_until
+from tests.stack_fixtures import FakeRpcError
 
 Event = kvstore_pb2.Event
 STORED, REMOVED = Event.KIND_STORED, Event.KIND_REMOVED
@@ -387,6 +388,41 @@ def test_the_replica_relays_its_pool_and_store_in_pieces_a_router_takes() -> Non
         (kvstore_pb2.TIER_HOST, MAX_EVENT_HASHES), (kvstore_pb2.TIER_HOST, MAX_EVENT_HASHES),
         (kvstore_pb2.TIER_HOST, 10_000 - 2 * MAX_EVENT_HASHES)]
     assert [x for e in got[2:] for x in e.hashes] == [h(i) for i in range(10_000)]
+
+
+class RefusingFirstStoreEvents(FakeStoreEvents):
+    """Refuses its first Events stream (RESOURCE_EXHAUSTED: a store serving as many as it will), then sends
+    `events` as FakeStoreEvents does."""
+
+    def __init__(self, events: list[Event]) -> None:
+        super().__init__(events)
+        self.asked = 0
+
+    def watch_events(self) -> Iterator[Event]:
+        self.asked += 1
+        if self.asked > 1:
+            return super().watch_events()
+
+        class Refused:
+            def __iter__(self) -> Iterator[Event]:
+                raise FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+            def cancel(self) -> None:
+                pass
+
+        return Refused()  # type: ignore[return-value]
+
+
+def test_a_replica_whose_store_refuses_its_events_goes_on_with_its_pools_and_asks_the_store_again() -> None:
+    """The pool's events are not lost with the store's stream: the replica's own stream goes on, and the store's
+    is asked again (after half a second) and relayed once it is taken."""
+    pool = PoolEvents()
+    pool.changed([h(1), h(2)], [])
+    store = RefusingFirstStoreEvents([stored([h(7)])])
+    got, ended = relayed(store, pool, 2)
+    assert ended is None and store.asked == 2
+    assert [(e.tier, list(e.hashes)) for e in got] == [(kvstore_pb2.TIER_ENGINE, [h(1), h(2)]),
+                                                       (kvstore_pb2.TIER_HOST, [h(7)])]
 
 
 @pytest.mark.parametrize("bad", [
