@@ -29,7 +29,7 @@ from client import AsyncClient, Client
 from client.client import KVServeError, Result
 from client.metrics import parse_metrics
 from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, start_service, stop_service
-from tests.processes import HealthProbe, free_port_run, free_ports, rss_anon
+from tests.processes import HealthProbe, free_port_run, free_ports, openmp_as_deployed, rss_anon
 from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
 
 pytestmark = pytest.mark.slow
@@ -203,13 +203,15 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                              metrics_base_port=free_port_run(3),
                              extra_decode_args=["--local-prefill-tokens", "0", *LIMITS,
                                                 "--health-listen", f"unix:{tmp}/decode-health.sock"])
-        node = Stack(config, log_dir=tmp / "logs").start()
+        with openmp_as_deployed():
+            node = Stack(config, log_dir=tmp / "logs").start()
         args = list(node.specs["decode"].args)
         decode_b_metrics, router_metrics = free_ports(2)
         for flag, value in (("--listen", "127.0.0.1:0"), ("--metrics-port", str(decode_b_metrics)),
                             ("--health-listen", f"unix:{tmp}/decode-b-health.sock")):
             args[len(args) - 1 - args[::-1].index(flag) + 1] = value  # the last of each: the one argparse keeps
-        decode_b = start_service("decode-b", "decode_service", args, tmp / "logs" / "decode-b.log")
+        with openmp_as_deployed():
+            decode_b = start_service("decode-b", "decode_service", args, tmp / "logs" / "decode-b.log")
         router = start_service("router", "router", [
             "--listen", "127.0.0.1:0", "--decode", f"{node.addr},{decode_b.addr}", "--insecure",
             "--metrics-port", str(router_metrics)], tmp / "logs" / "router.log")

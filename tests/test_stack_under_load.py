@@ -22,7 +22,7 @@ import pytest
 from client import Client
 from kvstore import KVStoreClient, StoreStats
 from tests.polling import wait_until
-from tests.processes import HealthProbe, rss_anon
+from tests.processes import HealthProbe, openmp_as_deployed, rss_anon
 from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,8 @@ RSS_SLACK_BYTES = 96 << 20
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ProcessStack]:
-    s = ProcessStack("load", [ARCH], ["--host-capacity", "1MiB"])
+    with openmp_as_deployed():
+        s = ProcessStack("load", [ARCH], ["--host-capacity", "1MiB"])
     yield s
     s.stop()
 
