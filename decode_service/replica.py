@@ -33,6 +33,7 @@ from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.bounds import STORE_TIERS, Lie, check_event, pieces
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from protos.retry import StreamBackoff
 from rpc.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeReplica"].full_name
 LOAD_METHOD = f"/{SERVICE_NAME}/Load"
 EVENTS_BEHIND = 1024  # events an Events stream may fall behind before it is ended (its router follows again)
 _POLL_S = 0.5  # how often a waiting Events stream checks that its caller is still there
-_STORE_SETTLED_S = 5.0  # a store Events stream that lived this long had worked: the next is asked after 0.5 s
 Event = kvstore_pb2.Event
 
 
@@ -124,7 +124,7 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
         store_error: list[Lie] = []
 
         def relay() -> None:  # the store's events into the same queue, waiting for room: they must not be lost
-            backoff = 0.5
+            backoff = StreamBackoff()
             while context.is_active():
                 call, opened = calls[0], time.monotonic()
                 try:
@@ -142,14 +142,11 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
                     store_error.append(lie)
                     break
                 except grpc.RpcError as exc:
-                    log.debug("the events of this replica's store (%s) ended (%s): asking again in %.1f s",
-                              self.store.addr, exc.code().name if isinstance(exc, grpc.Call) else exc, backoff)
-                if time.monotonic() - opened > _STORE_SETTLED_S:
-                    backoff = 0.5
-                end = time.monotonic() + backoff
+                    log.debug("the events of this replica's store (%s) ended (%s): asking again", self.store.addr,
+                              exc.code().name if isinstance(exc, grpc.Call) else exc)
+                end = time.monotonic() + backoff.after(time.monotonic() - opened)
                 while context.is_active() and time.monotonic() < end:
                     time.sleep(min(_POLL_S, max(0.0, end - time.monotonic())))
-                backoff = min(2 * backoff, _STORE_SETTLED_S)
                 if context.is_active():
                     calls[0] = self.store.watch_events()
                     if not context.is_active():

@@ -45,7 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.block_hash import BlockHash
 from protos.bounds import Lie, check_event, check_load, prompt_hashes
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from protos.retry import retry_after_s
+from protos.retry import StreamBackoff, retry_after_s
 from rpc.addresses import Targets
 from rpc.auth import ON_BEHALF_OF
 from rpc.errors import ResourceExhausted, ServiceError, Unavailable
@@ -70,7 +70,6 @@ DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events
 # its place until its checks have gone unanswered for DEAD_AFTER_S (a hung or stopped process).
 CHECK_TIMEOUT_S = 1.0
 DEAD_AFTER_S = 30.0
-EVENTS_SETTLED_S = 5.0  # an Events stream that lived this long had worked: the next is tried half a second after it ends
 # A replica refusing a request with a retry hint (protos.retry) is only busy; without, it will refuse it again.
 BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refuse, before it is refused
 BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
@@ -313,7 +312,7 @@ class Replica:
         return True
 
     def _follow_events(self) -> None:
-        backoff = 0.5
+        backoff = StreamBackoff()
         while not self._stop.is_set():
             if self.lie is not None:  # it lied: nothing it said is kept, and it is heard again after a while
                 if self._stop.wait(self._distrust_s):
@@ -339,13 +338,10 @@ class Replica:
                 if self._stop.is_set():
                     return
                 code = exc.code().name if isinstance(exc, grpc.Call) else str(exc)
-                log.debug("events of %s ended (%s); following again in %.1f s", self.addr, code, backoff)
-            # a stream that keeps ending soon after it began (its replica's store refusing one more Events
-            # stream, say) is followed again later and later, not every half second, its snapshot sent each time
-            if time.monotonic() - opened > EVENTS_SETTLED_S:
-                backoff = 0.5
-            self._stop.wait(backoff)
-            backoff = min(2 * backoff, EVENTS_SETTLED_S)
+                log.debug("events of %s ended (%s); following again", self.addr, code)
+            # one that keeps ending soon after it began is followed again later and later, not every half second
+            # with its snapshot sent each time
+            self._stop.wait(backoff.after(time.monotonic() - opened))
 
 
 class Router:

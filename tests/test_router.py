@@ -17,6 +17,7 @@ from client.client import InvalidArgumentError, build_request
 from prefill_service.client import PrefillReplicas
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2_grpc
+from protos.retry import StreamBackoff
 from router.__main__ import parser
 from router.router import DECODE_SERVICE, ENTRY_BYTES, BlockIndex, Router
 from router.server import RouterServicer
@@ -286,3 +287,9 @@ def test_a_replica_that_fails_before_the_first_token_is_replaced(replica: LocalS
         assert not router.replicas["127.0.0.1:1"].healthy
     finally:
         router.close()
+
+
+def test_a_stream_that_keeps_ending_is_followed_again_later_and_later() -> None:
+    backoff = StreamBackoff(first=0.5, most=5.0)
+    assert [backoff.after(0.1) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert backoff.after(60.0) == 0.5 and backoff.after(0.1) == 1.0  # one that lasted: from the start again
