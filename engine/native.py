@@ -1,9 +1,11 @@
-"""Decode attention that reads the paged KV cache in place (engine/decode_attention.c), built with the host's C
-compiler when an engine first needs it and kept, by a hash of everything that went into it, in a folder of
-this user's: ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
+"""The engine's C kernels (engine/native.c): decode attention that reads the paged KV cache in place, and a copy
+that checks the values it moves for NaN and infinities. Built with the host's C compiler when an engine first
+needs them and kept, by a hash of everything that went into the build, in a folder of this user's:
+``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
 
-Without a compiler (a slim container image), or with ``KVSERVE_NATIVE_ATTENTION=0``, ``decode_kernel()`` is
-None and the engine gathers each decode row's blocks for SDPA as before: the same tokens, a slower step.
+Without a compiler (a slim container image) both are None: the engine gathers each decode row's blocks for
+SDPA, and checks a fetched block's values in a pass of their own: the same tokens, a slower step and fetch.
+``KVSERVE_NATIVE_ATTENTION=0`` turns off the attention alone.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("native.c")
 # -march=native: the build is for this host's CPU (its flags are part of the hash); OpenMP: torch's own runtime,
 # already loaded (libgomp.so.1), runs the kernel's loop on the threads torch computes on.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno")
@@ -33,6 +36,10 @@ BUILD_TIMEOUT_S = 120
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],
                         tuple[torch.Tensor, torch.Tensor]]
+CopyFinite = Callable[[memoryview, memoryview], bool]
+# The exponent bits of each float type: a value with all of them set is a NaN or an infinity.
+_EXPONENTS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+              torch.float64: 0x7FF0000000000000}
 
 
 def cache_dir() -> Path:
@@ -67,7 +74,7 @@ def build(compiler: str) -> Path:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not _private(folder):
         raise RuntimeError(f"{folder} is not private to this user (owner or permissions); set KVSERVE_CACHE_DIR")
-    lib = folder / f"decode_attention-{digest}.so"
+    lib = folder / f"native-{digest}.so"
     if not lib.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
@@ -81,16 +88,53 @@ def build(compiler: str) -> Path:
 
 
 @functools.cache
-def decode_kernel() -> DecodeKernel | None:
-    """The in-place decode attention, or None where it cannot be built here (said once, in the log)."""
-    if os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
-        return None
+def _library() -> ctypes.CDLL | None:
+    """The kernels, or None where they cannot be built here (said once, in the log)."""
     try:
-        fn = ctypes.CDLL(str(build(os.environ.get("CC") or "cc"))).kvserve_decode_attention
+        return ctypes.CDLL(str(build(os.environ.get("CC") or "cc")))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("could not build the decode attention kernel (%s): it gathers each row's KV for SDPA", detail)
+        log.warning("could not build the engine's C kernels (%s): decode gathers each row's KV for SDPA, and a "
+                    "fetched block's values are checked in a pass of their own", detail)
         return None
+
+
+@functools.cache
+def copy_finite(dtype: torch.dtype) -> CopyFinite | None:
+    """A copy of bytes holding ``dtype`` values, ``copy(dest, src)`` (``dest`` writable, at least as long), that
+    says whether every value it moved is finite; None for another dtype, or where the kernels cannot be built."""
+    lib = _library()
+    exponent = _EXPONENTS.get(dtype)
+    if lib is None or exponent is None:
+        return None
+    fn = lib.kvserve_copy_finite
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+    width = dtype.itemsize
+
+    def copy(dest: memoryview, src: memoryview) -> bool:
+        if len(dest) < len(src):
+            raise ValueError(f"{len(src)} bytes do not fit a buffer of {len(dest)}")
+        if not src:
+            return True
+        # a writable buffer's address costs 0.5 us through ctypes; a read-only one (bytes) goes through numpy
+        source = np.frombuffer(src, np.uint8).ctypes.data if src.readonly else _address(src)
+        return fn(_address(dest), source, len(src), width, exponent) == 1
+
+    return copy
+
+
+def _address(buffer: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+@functools.cache
+def decode_kernel() -> DecodeKernel | None:
+    """The in-place decode attention, or None where it cannot be built here or is turned off."""
+    lib = _library()
+    if lib is None or os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
+        return None
+    fn = lib.kvserve_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
     fn.restype = ctypes.c_int

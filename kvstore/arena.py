@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvstore.slab import PAGE_BYTES
-from kvstore.types import Buffer
+from kvstore.types import Buffer, Part, fill
 from rpc.server import GRPC_MESSAGE_LIMIT
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Shared(Protocol):
         """What a client needs to open the buffer: the greeting's fields, and the fds it carries."""
 
 
-def scatter(payload: Buffer, parts: Sequence[memoryview]) -> bool:
+def scatter(payload: Buffer, parts: Sequence[Part]) -> bool:
     """Copies `payload` into the buffers `parts`, one after another; False (nothing copied) if they are
     too small."""
     if len(payload) > sum(len(b) for b in parts):
@@ -65,7 +65,8 @@ def scatter(payload: Buffer, parts: Sequence[memoryview]) -> bool:
     view = memoryview(payload)
     for buf in parts:
         n = min(len(buf), len(view))
-        buf[:n], view = view[:n], view[n:]
+        fill(buf, view[:n])
+        view = view[n:]
     return True
 
 

@@ -31,7 +31,7 @@ from kvstore.arena import (
     send_frame,
     unix_address,
 )
-from kvstore.types import Buffer
+from kvstore.types import Buffer, Part, fill
 
 
 class ChannelBusy(TimeoutError):
@@ -116,7 +116,7 @@ class Segment(Protocol):
     def read(self, offset: int, size: int, checksum: int) -> bytes | None:
         """A copy of the slot's `size` bytes if they match `checksum`, else None."""
 
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[Part]) -> bool:
         """Copies the slot's `size` bytes into the buffers `out`, in order (e.g. a block's header into one
         and its tensor straight into a KV pool slot); True if they match `checksum`."""
 
@@ -153,15 +153,13 @@ class HostSegment:
         payload = bytes(self.view[offset : offset + size])
         return payload if xxhash.xxh3_64_intdigest(payload) == checksum else None
 
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[Part]) -> bool:
         if offset < 0 or offset + size > self.size or size > sum(len(b) for b in out):
             return False
         hasher = xxhash.xxh3_64()
         for buf in out:
             n = min(len(buf), size)
-            dest = buf[:n]
-            dest[:] = self.view[offset : offset + n]
-            hasher.update(dest)  # hashed while still in cache
+            hasher.update(fill(buf, self.view[offset : offset + n]))  # hashed while still in cache
             offset, size = offset + n, size - n
         return hasher.intdigest() == checksum
 

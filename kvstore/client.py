@@ -17,7 +17,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import grpc
 
@@ -29,7 +29,17 @@ from kvstore.arena import LocalCallError, host_id, scatter
 from kvstore.arena_map import ArenaMap, ChannelBusy
 from kvstore.block_format import checksum
 from kvstore.config import MAX_BLOCK_BYTES
-from kvstore.types import Buffer, Latency, LookupResult, Payload, RemoteStats, StoreStats, Tier, TierStats
+from kvstore.types import (
+    Buffer,
+    Latency,
+    LookupResult,
+    Part,
+    Payload,
+    RemoteStats,
+    StoreStats,
+    Tier,
+    TierStats,
+)
 from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
@@ -160,16 +170,17 @@ class KVStoreClient:
         self._get(keys, take, take_shm)
         return out
 
-    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[memoryview | Sequence[memoryview]]
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Part | Sequence[Part]]
                  ) -> list[int | None]:
         """Like get, into caller buffers (one per hash, big enough, or several filled in order, e.g. a
-        header and a KV pool slot): sizes written, None for a miss.
+        header and a KV pool slot, which may copy the bytes in itself: kvstore.types.Sink): sizes written,
+        None for a miss.
 
         The one-copy read path (docs/DESIGN.md, "Transfer"): on the same host each block is copied once,
         from its arena slot straight into the buffers."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
-        parts = [[b] if isinstance(b, memoryview) else list(b) for b in buffers]
+        parts = [list(cast("Sequence[Part]", b)) if isinstance(b, list | tuple) else [cast("Part", b)] for b in buffers]
 
         def take(i: int, payload: Buffer) -> None:
             if scatter(payload, parts[i]):

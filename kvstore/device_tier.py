@@ -29,7 +29,7 @@ import torch
 from kvstore.arena import Arena, ArenaSocket, scatter
 from kvstore.slab import SLOT_ALIGN, slot_bytes
 from kvstore.tier import ArenaTier
-from kvstore.types import Buffer, Tier
+from kvstore.types import Buffer, Part, Tier
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ class OpenedSegment(TensorSegment):
         got = self.read_many([offset], [size], [checksum])[0]
         return None if got is None else got.cpu().numpy().tobytes()
 
-    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[memoryview]) -> bool:
+    def read_into(self, offset: int, size: int, checksum: int, out: Sequence[Part]) -> bool:
         payload = self.read(offset, size, checksum)
         return payload is not None and scatter(payload, out)
 

@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 Buffer: TypeAlias = bytes | bytearray | memoryview  # a payload, or a view of one
 Payload: TypeAlias = Buffer | tuple[Buffer, ...]  # a payload in parts (e.g. a header and a tensor), stored as one
+
+
+class Sink(Protocol):
+    """A destination of a read that copies the bytes in itself: a KV cache slot that checks the values on their
+    way in (engine's handoff.transfer), while they pass through the cache anyway."""
+
+    def __len__(self) -> int: ...
+
+    def fill(self, src: memoryview) -> memoryview:
+        """Copies ``src`` (at most len(self) bytes) into its first bytes; returns them as written."""
+
+
+Part: TypeAlias = memoryview | Sink  # where a read puts one part of a block (its header, its tensor)
+
+
+def fill(part: Part, src: memoryview) -> memoryview:
+    """Copies ``src`` into the first bytes of ``part``; returns them as written."""
+    if isinstance(part, memoryview):
+        dest = part[: len(src)]
+        dest[:] = src
+        return dest
+    return part.fill(src)
 
 
 class Tier(enum.IntEnum):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import native
 from engine.hashing import Namespace
 from engine.kv_cache import KVCache
 from handoff.codec import decode_block, encode_block
@@ -372,3 +373,58 @@ def test_a_device_copy_that_fails_ends_the_run_where_it_failed() -> None:
     store.get_tensors = failing  # type: ignore[method-assign]
     assert load_blocks(store, KEYS, NS, cache, [4, 5, 6], move_bytes=one_block) == Loaded(4)
     assert torch.equal(_bits(cache.kv[4]), _bits(kv[0])) and store.removes == []
+
+
+copy_finite = native.copy_finite(torch.float32)
+needs_native = pytest.mark.skipif(copy_finite is None, reason="no C compiler here: fetched blocks are checked apart")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_checking_copy_moves_every_bit_and_finds_each_nan_and_infinity(dtype: torch.dtype) -> None:
+    copy = native.copy_finite(dtype)
+    assert copy is not None
+    info = torch.finfo(dtype)
+    values = torch.tensor([0.0, -0.0, 1.5, info.max, -info.max, info.tiny, info.tiny / 2, info.min], dtype=dtype)
+    src = values.view(torch.uint8).numpy().tobytes() + b"\x7f"  # and a byte past the last whole value
+    for bad in [None, float("nan"), float("inf"), float("-inf")]:
+        data = bytearray(src)
+        if bad is not None:
+            data[2 * dtype.itemsize : 3 * dtype.itemsize] = torch.tensor([bad], dtype=dtype).view(torch.uint8).numpy().tobytes()
+        dest = memoryview(bytearray(len(data) + 4))
+        for source in (memoryview(bytes(data)), memoryview(data)):  # read-only (a gRPC payload) and writable (shm)
+            dest[:] = bytes(len(dest))
+            assert copy(dest, source) is (bad is None)
+            assert bytes(dest[: len(data)]) == bytes(data) and bytes(dest[len(data) :]) == bytes(4)
+    with pytest.raises(ValueError, match="do not fit"):
+        copy(memoryview(bytearray(3)), memoryview(bytes(4)))
+    assert native.copy_finite(torch.int64) is None
+
+
+def test_the_check_for_nonfinite_values_takes_the_verdicts_of_the_copy_and_checks_the_rest() -> None:
+    cache = _cache()
+    blocks, counts = [0, 1, 2, 3], [BS, BS, BS, BS]
+    cache.kv[2, 0, 0, 0, 0, 0] = float("nan")
+    cache.kv[3, 1, 1, 1, 1, 1] = float("inf")
+    assert nonfinite_blocks(cache, blocks, counts) == [2, 3]
+    assert nonfinite_blocks(cache, blocks, counts, [False, True, None, None]) == [0, 2, 3]
+    assert nonfinite_blocks(cache, blocks, counts, [True, True, True, None]) == [3]  # 2's verdict stands
+    assert nonfinite_blocks(cache, blocks, counts[:2], [True, True, False, False]) == []  # past the run
+
+
+def test_blocks_with_nan_through_a_real_stores_shared_memory_end_the_run_and_are_removed(tmp_path: Path) -> None:
+    """The same-host path end to end: each block copied out of the store's host arena straight into its slot,
+    its values checked on the way in (by the C copy where it builds)."""
+    with running_server(tmp_path) as server, KVStoreClient(server.address) as client:
+        cache = _cache()
+        kv = cache.kv[[0, 1, 2]].clone()
+        kv[1, 1, 0, 2, 1, 3] = float("nan")
+        assert save_blocks(client, KEYS, NS, kv, 12) == 3
+        loaded = load_blocks(client, KEYS, NS, cache, [4, 5, 6])
+        assert loaded.num_tokens == 4 and loaded.error is not None and loaded.error.kind == "nonfinite"
+        assert loaded.rejected == (KEYS[1],) and client.lookup(KEYS).num_hits == 1
+        assert torch.equal(_bits(cache.kv[4]), _bits(kv[0]))
+        kv[1, 1, 0, 2, 1, 3] = 0.5
+        assert save_blocks(client, KEYS, NS, kv, 12) == 1  # the block computed in its place is taken
+        assert load_blocks(client, KEYS, NS, cache, [4, 5, 6]) == Loaded(12)
+        assert torch.equal(_bits(cache.kv[[4, 5, 6]]), _bits(kv))

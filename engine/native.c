@@ -1,5 +1,6 @@
-/* Decode attention read where the keys and values lie in the paged KV cache (engine/native.py builds and
- * loads this file; engine.paged_attention calls it for a step's decode rows on a CPU).
+/* The engine's C kernels (engine/native.py builds and loads this file): decode attention read where the keys
+ * and values lie in the paged KV cache (engine.paged_attention calls it for a step's decode rows on a CPU),
+ * and a copy that checks the values it moves (a block fetched from the store into a cache slot).
  *
  * Each decode row has one query per head. For each row and KV head, the queries of the heads that share that
  * KV head (the group) walk the row's blocks in order: a block's scores, then an online softmax (a running
@@ -200,4 +201,31 @@ int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, co
     }
     free(part);
     return 0;
+}
+
+/* Copies `n` bytes of `width`-byte floats (2, 4 or 8) from src to dst; 1 when every value is finite (its exponent
+ * bits, `exponent`, not all set), else 0. One pass over the bytes: the check rides on the copy's memory traffic,
+ * where a separate pass over a fetched block would read it again. Bytes past the last whole value are copied
+ * unchecked (none for a KV block). */
+#define COPY_FINITE(T)                                                                        \
+    do {                                                                                      \
+        T *d = dst, bad = 0, e = (T)exponent;                                                 \
+        const T *s = src;                                                                     \
+        for (int64_t i = 0; i < n / (int64_t)sizeof(T); i++) {                                \
+            T x = s[i];                                                                       \
+            d[i] = x;                                                                         \
+            bad |= (T)((x & e) == e);                                                         \
+        }                                                                                     \
+        memcpy((char *)dst + n / sizeof(T) * sizeof(T), (const char *)src + n / sizeof(T) * sizeof(T), \
+               n % sizeof(T));                                                                \
+        return !bad;                                                                          \
+    } while (0)
+
+int kvserve_copy_finite(void *restrict dst, const void *restrict src, int64_t n, int width, uint64_t exponent) {
+    switch (width) {
+    case 2: COPY_FINITE(uint16_t);
+    case 4: COPY_FINITE(uint32_t);
+    case 8: COPY_FINITE(uint64_t);
+    default: return -1;
+    }
 }
