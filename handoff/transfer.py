@@ -24,7 +24,7 @@ from engine import native
 from engine.hashing import Namespace
 from engine.kv_cache import KVCache
 from handoff.codec import HEADER_BYTES, BlockError, check_header, encode_header, encode_parts, verify_block
-from kvstore.types import Part
+from kvstore import Part
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def nonfinite_blocks(cache: KVCache, blocks: Sequence[int], counts: Sequence[int
 
 
 class _CheckedSlot:
-    """A cache slot as the destination of a store read (kvstore.types.Sink) that checks the values for NaN and
+    """A cache slot as the destination of a store read (kvstore.Sink) that checks the values for NaN and
     infinities as it copies them in: the check rides on the copy, where a pass of its own over a fetched prefix
     read it all again (128 blocks, 32 MiB: 1.7-2.0 ms on the fetching thread's one core)."""
 
