@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from engine import native
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCache
 from engine.scheduler import Spill
@@ -43,6 +44,8 @@ class KVConnector:
         self.num_in_flight = 0  # loads and saves whose step-thread part has not run yet (step thread only)
         self._retained: dict[int, list[int]] = {}  # by ticket: blocks of finished sequences being saved
         self._tickets = itertools.count()
+        if cache.kv.device.type == "cpu":
+            native.copy_finite(cache.kv.dtype)  # built now (handoff.transfer's checking copy), not in a request's fetch
 
     @property
     def num_retained(self) -> int:

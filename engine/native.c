@@ -206,15 +206,16 @@ int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, co
 /* Copies `n` bytes of `width`-byte floats (2, 4 or 8) from src to dst; 1 when every value is finite (its exponent
  * bits, `exponent`, not all set), else 0. One pass over the bytes: the check rides on the copy's memory traffic,
  * where a separate pass over a fetched block would read it again. Bytes past the last whole value are copied
- * unchecked (none for a KV block). */
+ * unchecked (none for a KV block). The check reads what was written (dst), never src again: src is memory
+ * another process shares, and a compiler that turned the copy into a memcpy before the loop would otherwise
+ * check a second read of it. */
 #define COPY_FINITE(T)                                                                        \
     do {                                                                                      \
         T *d = dst, bad = 0, e = (T)exponent;                                                 \
         const T *s = src;                                                                     \
         for (int64_t i = 0; i < n / (int64_t)sizeof(T); i++) {                                \
-            T x = s[i];                                                                       \
-            d[i] = x;                                                                         \
-            bad |= (T)((x & e) == e);                                                         \
+            d[i] = s[i];                                                                      \
+            bad |= (T)((d[i] & e) == e);                                                      \
         }                                                                                     \
         memcpy((char *)dst + n / sizeof(T) * sizeof(T), (const char *)src + n / sizeof(T) * sizeof(T), \
                n % sizeof(T));                                                                \

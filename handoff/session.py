@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from kvstore import KVStoreClient, Payload
+from kvstore import KVStoreClient, Part, Payload
 from protos.block_hash import BlockHash
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class StoreSession:
         misses: list[bytes | None] = [None] * len(hashes)
         return self._call("get", lambda: self._client.get(hashes), misses) if hashes else misses
 
-    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[Part]]) -> list[int | None]:
         misses: list[int | None] = [None] * len(hashes)
         return self._call("get", lambda: self._client.get_into(hashes, buffers), misses) if hashes else misses
 

@@ -180,7 +180,8 @@ class KVStoreClient:
         from its arena slot straight into the buffers."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
-        parts = [list(cast("Sequence[Part]", b)) if isinstance(b, list | tuple) else [cast("Part", b)] for b in buffers]
+        parts = [[cast("Part", b)] if isinstance(b, memoryview) or hasattr(b, "fill") else list(cast("Sequence[Part]", b))
+                 for b in buffers]
 
         def take(i: int, payload: Buffer) -> None:
             if scatter(payload, parts[i]):

@@ -22,7 +22,7 @@ from engine.model import Model, load_model
 from engine.scheduler import SchedulerConfig
 from engine.tiny import init_tiny_model
 from handoff.transfer import EncodedBlock, encoded_bytes
-from kvstore import KVStoreClient
+from kvstore import KVStoreClient, Part
 from kvstore.client import scatter
 from kvstore.device_tier import as_uint8
 from tests.engine_fixtures import assert_greedy_matches
@@ -164,7 +164,7 @@ class FakeStore:
             self.checksum_failures += sum(h in self.corrupted for h in hashes)
             return [None if h in self.corrupted else self.blocks.get(h) for h in hashes]
 
-    def get_into(self, hashes: Sequence[bytes], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+    def get_into(self, hashes: Sequence[bytes], buffers: Sequence[Sequence[Part]]) -> list[int | None]:
         return [len(p) if p is not None and scatter(p, parts) else None
                 for p, parts in zip(self.get(hashes), buffers, strict=True)]
 

@@ -14,6 +14,7 @@ from engine.hashing import Namespace
 from engine.kv_cache import KVCache
 from handoff.codec import decode_block, encode_block
 from handoff.transfer import EncodedBlock, Loaded, encoded_bytes, load_blocks, nonfinite_blocks, save_blocks
+from kvstore import Part
 from kvstore.client import KVStoreClient, scatter
 from protos.block_hash import BlockHash
 from tests.kvstore_fixtures import running_server
@@ -237,7 +238,7 @@ class ScatterDictStore(DictStore):
     """A DictStore that copies into caller buffers, as the KV store's client does (which verifies
     each block against the store's checksum first: here every block is as put)."""
 
-    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+    def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Sequence[Part]]) -> list[int | None]:
         return [len(p) if p is not None and scatter(p, parts) else None
                 for p, parts in zip(self.get(hashes), buffers, strict=True)]
 
