@@ -13,6 +13,7 @@ then runs through these layers too, so an oracle must load the model on its own.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -48,9 +49,78 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+# Sibling layers that read the same input, by the names Hugging Face's Llama, Mistral, Qwen and Gemma give
+# them: packed as one weight, as vLLM's QKVParallelLinear and MergedColumnParallelLinear hold them.
+FUSED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Fused:
+    """Sibling linear layers packed as one weight, their output features side by side. The first of them
+    called on an input computes every sibling's output in one product; a sibling called on that same tensor
+    before its parent's call returns takes its columns of it (another input gets a product of its own). One
+    product of 1,024 features costs about what the largest of three (512, 256, 256) did: the tiny model, one
+    row, 8 layers, 0.86 against 1.67 ms. What a thread computed is its own: engines may share a model."""
+
+    def __init__(self, parent: torch.nn.Module, linears: list[torch.nn.Linear]) -> None:
+        with torch.no_grad():
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in linears]))
+            biases = [m.bias for m in linears]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        self._last = threading.local()
+        parent.register_forward_hook(self._forget)  # holds no tensor past the parent's call
+
+    def _forget(self, *_: Any) -> None:
+        self._last.x = self._last.y = None
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if getattr(last, "x", None) is not x:
+            last.x, last.y = x, torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return last.y
+
+
+class FusedPart(torch.nn.Module):
+    """One sibling of a ``_Fused`` group: its columns of the group's product. ``weight`` stands for the layer's
+    weight in shape, dtype and device, with no data of its own (the group's packed one holds it), and ``bias``
+    is the layer's rows of the group's."""
+
+    def __init__(self, fused: _Fused, linear: torch.nn.Linear, lo: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fused, self.lo, self.hi = fused, lo, lo + linear.out_features
+        w = linear.weight
+        self.weight = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+        self.bias = None if fused.bias is None else fused.bias[self.lo : self.hi]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.output(x)[..., self.lo : self.hi]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _fuse(parent: torch.nn.Module) -> int:
+    """Replace the FUSED_NAMES siblings of ``parent`` by FusedParts where they are plain linear layers that
+    agree in input size, dtype and bias; how many were replaced."""
+    replaced = 0
+    for names in FUSED_NAMES:
+        linears = [m for name in names if type(m := getattr(parent, name, None)) is torch.nn.Linear]
+        if len(linears) < len(names) or len({(m.in_features, m.weight.dtype, m.bias is None) for m in linears}) > 1:
+            continue
+        if linears[0].weight.dtype not in PACKED_DTYPES:
+            continue
+        fused, lo = _Fused(parent, linears), 0
+        for name, m in zip(names, linears, strict=True):
+            setattr(parent, name, FusedPart(fused, m, lo))
+            lo += m.out_features
+        replaced += len(names)
+    return replaced
+
+
 def pack_linear_layers(hf_model: Any) -> int:
-    """Replace every ``nn.Linear`` of ``hf_model`` with a PackedLinear, but an output embedding that shares its
-    weight with the input embedding (tied: the embedding still reads it); how many were replaced. Nothing
+    """Replace every ``nn.Linear`` of ``hf_model`` with a PackedLinear (siblings that read the same input with
+    FusedParts of one weight), but an output embedding that shares its weight with the input embedding (tied:
+    the embedding still reads it); how many were replaced. Nothing
     where ``can_pack`` says no."""
     params = next(hf_model.parameters(), None) if isinstance(hf_model, torch.nn.Module) else None
     if params is None or not can_pack(params.device, params.dtype):  # not a model (a test's stand-in)
@@ -60,6 +130,7 @@ def pack_linear_layers(hf_model: Any) -> int:
             and out.weight.data_ptr() == inp.weight.data_ptr())  # (a second engine on the model finds it packed)
     replaced = 0
     for parent in list(hf_model.modules()):
+        replaced += _fuse(parent)
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and not (tied and child is out) and child.weight.dtype in PACKED_DTYPES:
                 setattr(parent, name, PackedLinear(child))

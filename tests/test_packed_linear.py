@@ -1,12 +1,14 @@
 """engine.packed_linear: an engine's linear layers run on weights oneDNN packed once, with nn.Linear's results
-to the last bits, and leave a tied output embedding alone."""
+to the last bits, siblings that read the same input as one product, and leave a tied output embedding alone."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from engine.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from engine.packed_linear import FusedPart, PackedLinear, can_pack, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -60,3 +62,84 @@ def test_nothing_is_packed_where_onednn_has_no_kernel() -> None:
     assert not can_pack(torch.device("meta"), torch.float32)
     assert pack_linear_layers(Tiny(tied=False).to(torch.float16)) == 0
     assert pack_linear_layers(object()) == 0  # a test's stand-in for a model
+
+
+class Attention(torch.nn.Module):
+    """q, k and v projections as Llama names them, and an o that is no sibling."""
+
+    def __init__(self, bias: bool = False, v_in: int = 64) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(64, 64, bias=bias)
+        self.k_proj = torch.nn.Linear(64, 32, bias=bias)
+        self.v_proj = torch.nn.Linear(v_in, 32, bias=bias)
+        self.o_proj = torch.nn.Linear(64, 64, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(q + torch.cat([k, v], dim=-1))
+
+    def get_input_embeddings(self) -> None:
+        return None
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_siblings_that_read_one_input_compute_what_each_linear_layer_does(bias: bool) -> None:
+    torch.manual_seed(0)
+    model = Attention(bias)
+    linears = {name: getattr(model, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert pack_linear_layers(model) == 4
+    assert all(isinstance(getattr(model, name), FusedPart) for name in ("q_proj", "k_proj", "v_proj"))
+    assert isinstance(model.o_proj, PackedLinear)
+    assert [tuple(getattr(model, n).weight.shape) for n in linears] == [(64, 64), (32, 64), (32, 64), (64, 64)]
+    x, y = torch.randn(1, 5, 64), torch.randn(1, 3, 64)
+    with torch.inference_mode():
+        # in any order, and an input of its own in between: each gets its own columns of its own input's product
+        for name, inp in [("v_proj", x), ("q_proj", x), ("k_proj", y), ("k_proj", x), ("q_proj", y), ("v_proj", y)]:
+            got, want = getattr(model, name)(inp), linears[name](inp)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), Attention.forward(_unpacked(linears), x), rtol=1e-5, atol=1e-5)
+    fused = model.q_proj.fused
+    assert fused._last.x is None and fused._last.y is None  # nothing held past the parent's call
+
+
+def _unpacked(linears: dict[str, torch.nn.Linear]) -> Attention:
+    model = Attention()
+    for name, linear in linears.items():
+        setattr(model, name, linear)
+    return model
+
+
+def test_each_thread_takes_its_own_inputs_product() -> None:
+    torch.manual_seed(0)
+    model = Attention()
+    k_proj = model.k_proj
+    pack_linear_layers(model)
+    inputs = [torch.randn(1, 4, 64) for _ in range(2)]
+    wrong: list[int] = []
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        with torch.inference_mode():
+            for _ in range(200):
+                model.q_proj(inputs[i])  # computes the product for this thread's input
+                barrier.wait()  # the other thread's q_proj has run too
+                if not torch.allclose(model.k_proj(inputs[i]), k_proj(inputs[i]), rtol=1e-5, atol=1e-5):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
+def test_siblings_that_disagree_are_packed_apart() -> None:
+    model = Attention(v_in=48)  # v reads another width: not the same input
+    assert pack_linear_layers(model) == 4
+    assert all(isinstance(getattr(model, n), PackedLinear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert pack_linear_layers(model) == 0
