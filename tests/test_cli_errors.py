@@ -185,7 +185,8 @@ _CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_
 def _cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", _CLI, *args], text=True, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)  # type: ignore[call-overload]
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            **kwargs)  # type: ignore[call-overload]
 
 
 def _wait_for_requests(fake: FakeServer, n: int) -> None:
@@ -215,7 +216,13 @@ def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_chat() -> None:
         _wait_for_requests(fake, 1)
         proc.send_signal(signal.SIGINT)
         assert fake.servicer.wait_outcomes(1) == ["cancelled"]
-        out, err = proc.communicate("second\n", timeout=60)
+        try:
+            out, err = proc.communicate("second\n", timeout=60)
+        except subprocess.TimeoutExpired:  # seen once in a full run, not in 1,000 replies interrupted since: say where
+            proc.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack on stderr
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"the chat hung after Ctrl-C; the server had {len(fake.servicer.requests)} requests; "
+                        f"stdout {out!r}; stderr:\n{err}")
         assert proc.returncode == 0, err
         assert "Traceback" not in err and "reply interrupted" in err
         # The interrupted turn is dropped: the second request carries only the second message.
