@@ -172,16 +172,15 @@ class KVStoreClient:
 
     def get_into(self, hashes: Sequence[BlockHash], buffers: Sequence[Part | Sequence[Part]]
                  ) -> list[int | None]:
-        """Like get, into caller buffers (one per hash, big enough, or several filled in order, e.g. a
-        header and a KV pool slot, which may copy the bytes in itself: kvstore.types.Sink): sizes written,
+        """Like get, into caller buffers (one per hash, big enough, or a list or tuple of several filled in
+        order, e.g. a header and a KV pool slot, which may copy the bytes in itself: kvstore.types.Sink): sizes written,
         None for a miss.
 
         The one-copy read path (docs/DESIGN.md, "Transfer"): on the same host each block is copied once,
         from its arena slot straight into the buffers."""
         keys = list(hashes)
         sizes: list[int | None] = [None] * len(keys)
-        parts = [[cast("Part", b)] if isinstance(b, memoryview) or hasattr(b, "fill") else list(cast("Sequence[Part]", b))
-                 for b in buffers]
+        parts: list[list[Part]] = [list(b) if isinstance(b, (list, tuple)) else [cast("Part", b)] for b in buffers]
 
         def take(i: int, payload: Buffer) -> None:
             if scatter(payload, parts[i]):
