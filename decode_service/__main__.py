@@ -138,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             Admission("decode", args.max_waiting_seqs, args.max_waiting_tokens))
     front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
+    server.check_on_arrival(f"/{SERVICE_NAME}/Generate", service.refusal)
     server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
                DecodeReplicaServicer(front, engine, store, metrics, pool_events), REPLICA_SERVICE_NAME, internal=True)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).

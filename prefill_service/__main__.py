@@ -79,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s,
                              admission=Admission("prefill", args.max_waiting_seqs, args.max_waiting_tokens))
     server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
+    for method in ("Prefill", "PrefillStream"):
+        server.check_on_arrival(f"/{SERVICE_NAME}/{method}", service.refusal)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close],
                  main_loop=priority.run(engine.run))

@@ -19,8 +19,8 @@ from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
 from rpc.admission import Admission, Ticket
-from rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
-from rpc.metrics import count_outcome
+from rpc.errors import Cancelled, DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
+from rpc.metrics import count_outcome, outcome_of
 
 DEFAULT_LEASE_TTL_S = 30.0
 # Prompts waiting for their first token, and their tokens (--max-waiting-seqs, --max-waiting-tokens).
@@ -74,6 +74,14 @@ class PrefillService:
 
     def _store_failed(self, op: str) -> None:
         self.metrics.store_failures.labels(op=op).inc()
+
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal (counted) of a request arriving while the waiting work is at its bounds, else None: checked
+        as a call arrives, before its request is read (rpc.server.Server.check_on_arrival)."""
+        error = self.admission.refusal()
+        if error is not None:
+            self.metrics.requests.labels(outcome=outcome_of(error)).inc()
+        return error
 
     def prefill(self, job: PrefillJob) -> PrefillHandle:
         """The prompt's handle, once its KV is in the store."""

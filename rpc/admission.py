@@ -67,25 +67,38 @@ class Admission:
         when it does not fit the bounds, or the tokens waiting ahead of it take longer than `time_left_s`
         at the measured rate. A request alone always fits: one larger than the bounds waits for nobody."""
         with self._lock:
-            why = ""
-            if self.seqs and self.seqs + 1 > self.max_seqs:
-                why = f"{self.seqs} requests wait for their prompt to be computed, its limit (--max-waiting-seqs)"
-            elif self.seqs and self.tokens + num_tokens > self.max_tokens:
-                why = (f"{self.tokens} prompt tokens wait to be computed, and {num_tokens} more would pass its "
-                       f"limit of {self.max_tokens} (--max-waiting-tokens)")
-            elif time_left_s is not None and self.rate and self.tokens / self.rate > time_left_s:
-                why = (f"the {self.tokens} prompt tokens waiting ahead take about {self.tokens / self.rate:.1f} s "
-                       f"to compute, past this request's deadline ({time_left_s:.1f} s)")
-            if why:
-                self.refused += 1
-                wait = self.tokens / self.rate if self.rate else MIN_RETRY_S
-                raise ResourceExhausted(f"the {self.service} service is busy: {why}; retry later",
-                                        retry_after_s=min(MAX_RETRY_S, max(MIN_RETRY_S, wait)))
+            refusal = self._refusal(num_tokens, time_left_s)
+            if refusal is not None:
+                raise refusal
             if not self.seqs:
                 self._busy_since, self._busy_tokens = self._clock(), 0
             self.seqs += 1
             self.tokens += num_tokens
         return Ticket(self, num_tokens)
+
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal any request arriving now would get (counted), or None: what a server checks as a call
+        arrives, before a worker reads its request (rpc.server.Server.check_on_arrival). `admit` still decides
+        for the requests this lets through."""
+        with self._lock:
+            return self._refusal(1, None)
+
+    def _refusal(self, num_tokens: int, time_left_s: float | None) -> ResourceExhausted | None:
+        why = ""
+        if self.seqs and self.seqs + 1 > self.max_seqs:
+            why = f"{self.seqs} requests wait for their prompt to be computed, its limit (--max-waiting-seqs)"
+        elif self.seqs and self.tokens + num_tokens > self.max_tokens:
+            why = (f"{self.tokens} prompt tokens wait to be computed, and {num_tokens} more would pass its "
+                   f"limit of {self.max_tokens} (--max-waiting-tokens)")
+        elif time_left_s is not None and self.rate and self.tokens / self.rate > time_left_s:
+            why = (f"the {self.tokens} prompt tokens waiting ahead take about {self.tokens / self.rate:.1f} s "
+                   f"to compute, past this request's deadline ({time_left_s:.1f} s)")
+        if not why:
+            return None
+        self.refused += 1
+        wait = self.tokens / self.rate if self.rate else MIN_RETRY_S
+        return ResourceExhausted(f"the {self.service} service is busy: {why}; retry later",
+                                 retry_after_s=min(MAX_RETRY_S, max(MIN_RETRY_S, wait)))
 
     def _leave(self, num_tokens: int, *, computed: bool) -> None:
         with self._lock:

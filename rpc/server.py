@@ -125,17 +125,14 @@ class CallLimit:
         self.limit = limit
         self.service = service
         self.active = 0
-        self.arrived = 0  # calls that came since the start, taken or refused
+        self.arrived = 0  # calls that came since the start, taken or refused (`arrive`)
         self._lock = threading.Lock()
 
     def enter(self) -> Callable[[], None]:
         """Counts a call in; returns its release (idempotent). ResourceExhausted when `limit` are in."""
         with self._lock:
-            self.arrived += 1
             if self.active >= self.limit:
-                raise ResourceExhausted(
-                    f"the {self.service} service is serving its limit of {self.limit} calls at once "
-                    "(--max-workers): retry shortly", retry_after_s=BUSY_RETRY_S)
+                raise self._refusal()
             self.active += 1
         released = False
 
@@ -147,6 +144,17 @@ class CallLimit:
                     self.active -= 1
 
         return release
+
+    def arrive(self) -> ResourceExhausted | None:
+        """Counts a call that arrives (ErrorInterceptor); returns its refusal while `limit` are in, else None.
+        `enter`, once a worker runs the call, still decides for the calls this lets through."""
+        with self._lock:
+            self.arrived += 1
+            return self._refusal() if self.active >= self.limit else None
+
+    def _refusal(self) -> ResourceExhausted:
+        return ResourceExhausted(f"the {self.service} service is serving its limit of {self.limit} calls at once "
+                                 "(--max-workers): retry shortly", retry_after_s=BUSY_RETRY_S)
 
     def wrap(self, fn: Callable[..., Any], *, streaming: bool) -> Callable[..., Any]:
         """`fn` counted from its start to its end. A stream is released when its generator ends or the RPC
@@ -173,21 +181,41 @@ class CallLimit:
         return limited
 
 
+def _refusing(exc: BaseException) -> grpc.RpcMethodHandler:
+    """A handler that answers with `exc`'s status and never reads the request: the worker it takes is free again
+    at once, instead of waiting on the completion-queue thread for the request to be received (a stream-request
+    handler gets an iterator it may leave unread; on the wire the call is the same)."""
+
+    def refuse(requests: Any, context: grpc.ServicerContext) -> None:
+        _abort(context, exc)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Ends an RPC whose handler raised with the status `status_of` gives; with `limit`, counts every call but
-    the `exempt` methods' against it."""
+    the `exempt` methods' against it.
+
+    It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a check of
+    `on_arrival` (by method) refuses, is answered there and then, before its request is read (`_refusing`)."""
 
     def __init__(self, limit: CallLimit | None = None, exempt: Iterable[str] = ()) -> None:
         self.limit = limit
         self.exempt = frozenset(exempt)
+        self.on_arrival: dict[str, Callable[[], BaseException | None]] = {}
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        method = handler_call_details.method
+        limit = None if method in self.exempt else self.limit
+        check = self.on_arrival.get(method)
+        refusal = (limit.arrive() if limit is not None else None) or (check() if check is not None else None)
+        if refusal is not None:
+            return _refusing(refusal)
         if handler.request_deserializer is not None:
             handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
-        limit = None if handler_call_details.method in self.exempt else self.limit
         for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
             fn = getattr(handler, kind)
             if fn:
@@ -267,10 +295,11 @@ class Server:
         self.metrics_port = metrics_port
         self.registry = registry or CollectorRegistry()
         self.limit = CallLimit(max_workers, name or "this")
+        self._errors = ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt})
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_WORKERS),
             # `interceptors` run first (authentication), then errors map to statuses.
-            interceptors=[*interceptors, ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt})],
+            interceptors=[*interceptors, self._errors],
             # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
         )
@@ -298,6 +327,12 @@ class Server:
         self._service_names.append(service_name)
         if not internal:
             self._reflected.append(service_name)
+
+    def check_on_arrival(self, method: str, check: Callable[[], BaseException | None]) -> None:
+        """`check()` runs as each call of `method` (its full name) arrives, before a worker reads the request; the
+        error it returns, if any, is the call's answer. It must be quick: it runs on the thread that takes every
+        call's events (an admission bound, `rpc.admission.Admission.refusal`)."""
+        self._errors.on_arrival[method] = check
 
     def start(self) -> int:
         """Binds and serves; OSError with the address when a port is taken or invalid."""

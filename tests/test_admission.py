@@ -130,6 +130,42 @@ def test_a_cancelled_stream_gives_its_slot_back() -> None:
         server.stop(0)
 
 
+def test_a_call_refused_as_it_arrives_is_answered_without_its_request_being_read() -> None:
+    """Past the call limit, or refused by an on-arrival check (decode's admission bound), a call is answered as it
+    arrives: bytes that are no request message get RESOURCE_EXHAUSTED, not INVALID_ARGUMENT, and the servicer
+    never sees the call."""
+    servicer = Held()
+    server, addr = serve(servicer, max_workers=1)
+    admission = Admission("test", max_seqs=1, max_tokens=100)
+    server.check_on_arrival(f"/{DECODE}/Generate", admission.refusal)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            raw = channel.unary_stream(f"/{DECODE}/Generate")  # bytes as they are, no serializer
+
+            def answer() -> grpc.RpcError:
+                with pytest.raises(grpc.RpcError) as info:
+                    next(raw(b"\xff\xff not a GenerateRequest", timeout=10))
+                return info.value
+
+            assert answer().code() == grpc.StatusCode.INVALID_ARGUMENT  # with room, the request is read
+            ticket = admission.admit(10)  # one request waits: the bound of one is reached
+            refused = answer()
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+            assert "--max-waiting-seqs" in refused.details() and retry_after_s(refused) == pytest.approx(0.1)
+            ticket.release()
+            held = decode_pb2_grpc.DecodeStub(channel).Generate(request(), timeout=30)
+            next(held)  # the one call the limit allows
+            refused = answer()
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+            assert "--max-workers" in refused.details() and retry_after_s(refused) == pytest.approx(0.25)
+            assert servicer.calls == 1 and admission.refused == 1
+            servicer.release.set()
+            assert list(held)[-1].result.finish_reason == "length"
+    finally:
+        servicer.release.set()
+        server.stop(0)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -153,9 +189,11 @@ def test_admission_bounds_waiting_sequences_and_tokens() -> None:
     with pytest.raises(ResourceExhausted, match="--max-waiting-tokens"):
         admission.admit(61)  # 40 + 61 > 100
     c = admission.admit(60)
+    assert "--max-waiting-seqs" in str(admission.refusal())  # any request arriving now: refused, and counted
     b.release()
+    assert admission.refusal() is None
     c.release()
-    assert (admission.seqs, admission.tokens, admission.refused) == (0, 0, 3)
+    assert (admission.seqs, admission.tokens, admission.refused) == (0, 0, 4)
 
 
 def test_a_deadline_the_queue_cannot_meet_is_refused_at_the_measured_rate() -> None:
