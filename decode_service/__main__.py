@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from decode_service.metrics import DecodeMetrics
 from decode_service.replica import LOAD_METHOD, DecodeReplicaServicer, PoolEvents
 from decode_service.replica import SERVICE_NAME as REPLICA_SERVICE_NAME
-from decode_service.server import SERVICE_NAME, DecodeServicer
+from decode_service.server import DecodeServicer, add_to_server
 from decode_service.service import (
     DEFAULT_LOCAL_PREFILL_TOKENS,
     DEFAULT_MAX_WAITING_SEQS,
@@ -137,8 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = DecodeService(engine, store, prefill, metrics, args.local_prefill_tokens,
                             Admission("decode", args.max_waiting_seqs, args.max_waiting_tokens))
     front = DecodeServicer(service, tenant_salts=auth.salts if auth else None)
-    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
-    server.check_on_arrival(f"/{SERVICE_NAME}/Generate", service.refusal)
+    add_to_server(server, front)
     server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
                DecodeReplicaServicer(front, engine, store, metrics, pool_events), REPLICA_SERVICE_NAME, internal=True)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).

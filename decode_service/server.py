@@ -15,6 +15,7 @@ from decode_service.stopping import TokenOutput
 from handoff.requests import RequestOptions, options_from_proto, prompt_from_proto
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from rpc.auth import TenantSalts, Unauthenticated, current_tenant
+from rpc.server import Server
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -74,3 +75,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             cancel.cancel()
         for item in self.service.generate(job, cancel):
             yield _response(item)
+
+
+def add_to_server(server: Server, front: DecodeServicer) -> None:
+    """Decode's front door on `server`; a Generate call that arrives while the waiting work is at its bounds
+    is refused there and then, before its request is read (rpc.server.Server.check_on_arrival)."""
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
+    server.check_on_arrival(f"/{SERVICE_NAME}/Generate", front.service.admission.refusal, front.service.refused)

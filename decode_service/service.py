@@ -31,7 +31,7 @@ from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas, UpstreamError
 from rpc.admission import Admission
-from rpc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from rpc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from rpc.metrics import outcome_of
 
 log = logging.getLogger(__name__)
@@ -152,16 +152,8 @@ class DecodeService:
         self.metrics.store_failures.labels(op=op).inc()
 
     def refused(self, error: BaseException) -> None:
-        """Counts a request refused before it became a job (bad input, no valid token)."""
+        """Counts a request refused before it became a job (bad input, no valid token, or busy as it arrived)."""
         self.metrics.requests.labels(outcome=outcome_of(error)).inc()
-
-    def refusal(self) -> ResourceExhausted | None:
-        """The refusal (counted) of a request arriving while the waiting work is at its bounds, else None: checked
-        as a Generate call arrives, before its request is read (rpc.server.Server.check_on_arrival)."""
-        error = self.admission.refusal()
-        if error is not None:
-            self.refused(error)
-        return error
 
     def generate(self, job: GenerateJob, cancel: Cancellation) -> Iterator[TokenOutput | GenerateOutcome]:
         """Streams each token as it is sampled, then the outcome. Returns early, quietly, once

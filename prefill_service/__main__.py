@@ -12,14 +12,13 @@ from engine.model import load_model
 from engine.scheduler import SchedulerConfig
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.server import SERVICE_NAME, PrefillServicer
+from prefill_service.server import add_to_server
 from prefill_service.service import (
     DEFAULT_LEASE_TTL_S,
     DEFAULT_MAX_WAITING_SEQS,
     DEFAULT_MAX_WAITING_TOKENS,
     PrefillService,
 )
-from protos.kvserve.v1 import prefill_pb2_grpc
 from rpc.admission import Admission
 from rpc.cli import (
     EnginePriority,
@@ -78,9 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = KVStoreClient(args.kvstore, timeout_s=args.store_timeout_s, tls=tls)
     service = PrefillService(engine, store, metrics, lease_ttl_s=args.lease_ttl_s,
                              admission=Admission("prefill", args.max_waiting_seqs, args.max_waiting_tokens))
-    server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
-    for method in ("Prefill", "PrefillStream"):
-        server.check_on_arrival(f"/{SERVICE_NAME}/{method}", service.refusal)
+    add_to_server(server, service)
     # The engine steps on this thread, the one that loaded the model (engine.engine's docstring says why).
     return serve(server, "prefill", before_stop=[service.stop], on_stop=[store.close],
                  main_loop=priority.run(engine.run))

@@ -11,6 +11,7 @@ import grpc
 from handoff.requests import handle_to_proto, options_from_proto, prompt_from_proto
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
+from rpc.server import Server
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
@@ -40,3 +41,11 @@ def _job(request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext) -> 
         deadline=time.monotonic() + remaining if remaining is not None else None,
         cancelled=lambda: not context.is_active(),
     )
+
+
+def add_to_server(server: Server, service: PrefillService) -> None:
+    """The Prefill service on `server`; a call that arrives while the waiting prompts are at their bounds is
+    refused there and then, before its request is read (rpc.server.Server.check_on_arrival)."""
+    server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(service), SERVICE_NAME)
+    for method in ("Prefill", "PrefillStream"):
+        server.check_on_arrival(f"/{SERVICE_NAME}/{method}", service.admission.refusal, service.refused)

@@ -19,7 +19,7 @@ from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
 from rpc.admission import Admission, Ticket
-from rpc.errors import Cancelled, DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
+from rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from rpc.metrics import count_outcome, outcome_of
 
 DEFAULT_LEASE_TTL_S = 30.0
@@ -75,13 +75,9 @@ class PrefillService:
     def _store_failed(self, op: str) -> None:
         self.metrics.store_failures.labels(op=op).inc()
 
-    def refusal(self) -> ResourceExhausted | None:
-        """The refusal (counted) of a request arriving while the waiting work is at its bounds, else None: checked
-        as a call arrives, before its request is read (rpc.server.Server.check_on_arrival)."""
-        error = self.admission.refusal()
-        if error is not None:
-            self.metrics.requests.labels(outcome=outcome_of(error)).inc()
-        return error
+    def refused(self, error: BaseException) -> None:
+        """Counts a request refused as it arrived (busy), before it reached `prefill_stream`."""
+        self.metrics.requests.labels(outcome=outcome_of(error)).inc()
 
     def prefill(self, job: PrefillJob) -> PrefillHandle:
         """The prompt's handle, once its KV is in the store."""

@@ -57,7 +57,6 @@ class Admission:
         self._lock = threading.Lock()
         self.seqs = 0  # waiting now
         self.tokens = 0
-        self.refused = 0
         self.rate: float | None = None  # prompt tokens computed per busy second, once measured
         self._busy_since: float | None = None  # the queue has not been empty since
         self._busy_tokens = 0  # tokens computed since then
@@ -77,9 +76,9 @@ class Admission:
         return Ticket(self, num_tokens)
 
     def refusal(self) -> ResourceExhausted | None:
-        """The refusal any request arriving now would get (counted), or None: what a server checks as a call
-        arrives, before a worker reads its request (rpc.server.Server.check_on_arrival). `admit` still decides
-        for the requests this lets through."""
+        """The refusal any request arriving now would get, or None; it counts nothing. What a server checks as a
+        call arrives, before a worker reads its request (rpc.server.Server.check_on_arrival); `admit` still
+        decides for the requests this lets through."""
         with self._lock:
             return self._refusal(1, None)
 
@@ -95,7 +94,6 @@ class Admission:
                    f"to compute, past this request's deadline ({time_left_s:.1f} s)")
         if not why:
             return None
-        self.refused += 1
         wait = self.tokens / self.rate if self.rate else MIN_RETRY_S
         return ResourceExhausted(f"the {self.service} service is busy: {why}; retry later",
                                  retry_after_s=min(MAX_RETRY_S, max(MIN_RETRY_S, wait)))

@@ -181,12 +181,19 @@ class CallLimit:
         return limited
 
 
-def _refusing(exc: BaseException) -> grpc.RpcMethodHandler:
+Check = Callable[[], BaseException | None]  # a call's refusal as it arrives, or None (Server.check_on_arrival)
+Counted = Callable[[BaseException], None]  # told of each refusal answered
+
+
+def _refusing(exc: BaseException, counted: Counted | None = None) -> grpc.RpcMethodHandler:
     """A handler that answers with `exc`'s status and never reads the request: the worker it takes is free again
     at once, instead of waiting on the completion-queue thread for the request to be received (a stream-request
-    handler gets an iterator it may leave unread; on the wire the call is the same)."""
+    handler gets an iterator it may leave unread; on the wire the call is the same). `counted` hears of it only
+    here, once no interceptor before this one (authentication) has answered the call instead."""
 
     def refuse(requests: Any, context: grpc.ServicerContext) -> None:
+        if counted is not None:
+            counted(exc)
         _abort(context, exc)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
@@ -196,13 +203,18 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     """Ends an RPC whose handler raised with the status `status_of` gives; with `limit`, counts every call but
     the `exempt` methods' against it.
 
-    It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a check of
-    `on_arrival` (by method) refuses, is answered there and then, before its request is read (`_refusing`)."""
+    It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a method's
+    check (`add_check`) refuses, is answered there and then, before its request is read (`_refusing`). That is
+    the fast path, not the bound: calls that arrived but have not reached `CallLimit.enter` or their service's
+    admission yet do not count here, and those are refused after their request is read."""
 
     def __init__(self, limit: CallLimit | None = None, exempt: Iterable[str] = ()) -> None:
         self.limit = limit
         self.exempt = frozenset(exempt)
-        self.on_arrival: dict[str, Callable[[], BaseException | None]] = {}
+        self._checks: dict[str, tuple[Check, Counted | None]] = {}
+
+    def add_check(self, method: str, check: Check, counted: Counted | None = None) -> None:
+        self._checks[method] = (check, counted)
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
@@ -210,10 +222,12 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         limit = None if method in self.exempt else self.limit
-        check = self.on_arrival.get(method)
-        refusal = (limit.arrive() if limit is not None else None) or (check() if check is not None else None)
-        if refusal is not None:
-            return _refusing(refusal)
+        if limit is not None and (busy := limit.arrive()) is not None:
+            return _refusing(busy)
+        if method in self._checks:
+            check, counted = self._checks[method]
+            if (refusal := check()) is not None:
+                return _refusing(refusal, counted)
         if handler.request_deserializer is not None:
             handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
         for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
@@ -298,7 +312,9 @@ class Server:
         self._errors = ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt})
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_WORKERS),
-            # `interceptors` run first (authentication), then errors map to statuses.
+            # `interceptors` come first (authentication), then errors map to statuses. Authentication asks this one for
+            # the handler before it decides, so the checks here run first: a refusal's side effects wait for its
+            # handler to run (`_refusing`).
             interceptors=[*interceptors, self._errors],
             # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
@@ -328,11 +344,12 @@ class Server:
         if not internal:
             self._reflected.append(service_name)
 
-    def check_on_arrival(self, method: str, check: Callable[[], BaseException | None]) -> None:
+    def check_on_arrival(self, method: str, check: Check, counted: Counted | None = None) -> None:
         """`check()` runs as each call of `method` (its full name) arrives, before a worker reads the request; the
-        error it returns, if any, is the call's answer. It must be quick: it runs on the thread that takes every
-        call's events (an admission bound, `rpc.admission.Admission.refusal`)."""
-        self._errors.on_arrival[method] = check
+        error it returns, if any, is the call's answer, and `counted(error)` is told once it is answered. It must
+        be quick and change nothing (it runs on the thread that takes every call's events, and also for calls
+        that authentication then refuses): an admission bound, `rpc.admission.Admission.refusal`."""
+        self._errors.add_check(method, check, counted)
 
     def start(self) -> int:
         """Binds and serves; OSError with the address when a port is taken or invalid."""

@@ -237,15 +237,14 @@ class LocalStack:
         from decode_service.metrics import DecodeMetrics
         from decode_service.replica import SERVICE_NAME as REPLICA
         from decode_service.replica import DecodeReplicaServicer, PoolEvents
-        from decode_service.server import SERVICE_NAME as DECODE
         from decode_service.server import DecodeServicer
+        from decode_service.server import add_to_server as add_decode
         from decode_service.service import DecodeService
         from prefill_service.client import PrefillClient, PrefillReplicas
         from prefill_service.metrics import PrefillMetrics
-        from prefill_service.server import SERVICE_NAME as PREFILL
-        from prefill_service.server import PrefillServicer
+        from prefill_service.server import add_to_server as add_prefill
         from prefill_service.service import PrefillService
-        from protos.kvserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+        from protos.kvserve.v1 import decode_pb2_grpc
         from rpc.server import Server
 
         self.arch = arch
@@ -259,7 +258,7 @@ class LocalStack:
                                 kv_cache_memory=TEST_KV_CACHE_BYTES)
         self.prefill = PrefillService(prefill_engine, self.store, prefill_metrics)  # type: ignore[arg-type]
         self.prefill.start()
-        self.prefill_server.add(prefill_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(self.prefill), PREFILL)
+        add_prefill(self.prefill_server, self.prefill)
         self.prefill_addr = f"127.0.0.1:{self.prefill_server.start()}"
         self.decode_server = Server("127.0.0.1:0", metrics_port=0)
         decode_model = _model(decode_arch or arch, "decode")
@@ -277,7 +276,7 @@ class LocalStack:
             local_prefill_tokens,
         )
         front = DecodeServicer(self.decode)
-        self.decode_server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, DECODE)
+        add_decode(self.decode_server, front)
         self.decode_server.add(decode_pb2_grpc.add_DecodeReplicaServicer_to_server,
                                DecodeReplicaServicer(front, decode_engine, self.store, self.decode_metrics,  # type: ignore[arg-type]
                                                      pool_events),

@@ -3,6 +3,7 @@ retry hint, and the client library comes back after the hint. In-process servers
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import threading
 import time
@@ -18,6 +19,7 @@ from client import Client, ResourceExhaustedError
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.retry import RETRY_AFTER, retry_after_s
 from rpc.admission import Admission
+from rpc.auth import Auth, Authenticator, TenantSalts
 from rpc.errors import ResourceExhausted
 from rpc.server import RESERVED_WORKERS, Server
 from tests.processes import KVSERVE
@@ -137,7 +139,8 @@ def test_a_call_refused_as_it_arrives_is_answered_without_its_request_being_read
     servicer = Held()
     server, addr = serve(servicer, max_workers=1)
     admission = Admission("test", max_seqs=1, max_tokens=100)
-    server.check_on_arrival(f"/{DECODE}/Generate", admission.refusal)
+    counted: list[BaseException] = []
+    server.check_on_arrival(f"/{DECODE}/Generate", admission.refusal, counted.append)
     try:
         with grpc.insecure_channel(addr) as channel:
             raw = channel.unary_stream(f"/{DECODE}/Generate")  # bytes as they are, no serializer
@@ -158,11 +161,62 @@ def test_a_call_refused_as_it_arrives_is_answered_without_its_request_being_read
             refused = answer()
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
             assert "--max-workers" in refused.details() and retry_after_s(refused) == pytest.approx(0.25)
-            assert servicer.calls == 1 and admission.refused == 1
+            assert servicer.calls == 1 and len(counted) == 1  # the check's refusal, not the limit's
             servicer.release.set()
             assert list(held)[-1].result.finish_reason == "length"
     finally:
         servicer.release.set()
+        server.stop(0)
+
+
+def test_a_refusal_on_arrival_is_counted_only_for_callers_that_authentication_lets_in(tmp_path: Path) -> None:
+    """Authentication answers first: a caller without a token gets UNAUTHENTICATED, not the busy refusal, and
+    is not counted as refused. Unary and streaming methods alike are refused as they arrive."""
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(f"acme {hashlib.sha256(b'a-token').hexdigest()}\n")
+    auth = Auth(Authenticator(tokens_file), TenantSalts(b"k" * 32))
+    server = Server("127.0.0.1:0", max_workers=4, interceptors=auth.interceptors())
+    served: list[bytes] = []
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        served.append(request)
+        return request
+
+    def echo_stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        served.append(request)
+        yield request
+
+    handler = grpc.method_handlers_generic_handler("test.Echo", {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        "EchoStream": grpc.unary_stream_rpc_method_handler(echo_stream),
+    })
+    server.add(lambda _servicer, s: s.add_generic_rpc_handlers((handler,)), None, "test.Echo")
+    admission = Admission("test", max_seqs=1, max_tokens=100)
+    counted: list[BaseException] = []
+    for method in ("Echo", "EchoStream"):
+        server.check_on_arrival(f"/test.Echo/{method}", admission.refusal, counted.append)
+    addr = f"127.0.0.1:{server.start()}"
+    ticket = admission.admit(10)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            calls = {"Echo": lambda md: channel.unary_unary("/test.Echo/Echo")(b"hi", metadata=md, timeout=10),
+                     "EchoStream": lambda md: list(channel.unary_stream("/test.Echo/EchoStream")(
+                         b"hi", metadata=md, timeout=10))}
+            for method, call in calls.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    call(())
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, info.value)
+                assert not counted
+            for method, call in calls.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    call((("authorization", "Bearer a-token"),))
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (method, info.value)
+                assert retry_after_s(info.value) == pytest.approx(0.1)
+            assert len(counted) == 2 and not served
+            ticket.release()
+            assert calls["Echo"]((("authorization", "Bearer a-token"),)) == b"hi"
+            assert calls["EchoStream"]((("authorization", "Bearer a-token"),)) == [b"hi"]
+    finally:
         server.stop(0)
 
 
@@ -189,11 +243,11 @@ def test_admission_bounds_waiting_sequences_and_tokens() -> None:
     with pytest.raises(ResourceExhausted, match="--max-waiting-tokens"):
         admission.admit(61)  # 40 + 61 > 100
     c = admission.admit(60)
-    assert "--max-waiting-seqs" in str(admission.refusal())  # any request arriving now: refused, and counted
+    assert "--max-waiting-seqs" in str(admission.refusal())  # any request arriving now would be refused
     b.release()
     assert admission.refusal() is None
     c.release()
-    assert (admission.seqs, admission.tokens, admission.refused) == (0, 0, 4)
+    assert (admission.seqs, admission.tokens) == (0, 0)
 
 
 def test_a_deadline_the_queue_cannot_meet_is_refused_at_the_measured_rate() -> None:

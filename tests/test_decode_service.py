@@ -296,6 +296,49 @@ def test_a_request_refused_for_bad_input_is_counted(stack: LocalStack, client: C
     assert refused() - before == 2
 
 
+def test_a_request_arriving_past_the_waiting_bound_is_refused_and_counted(stack: LocalStack) -> None:
+    """Decode's admission bound is checked as a Generate call arrives (decode_service.server.add_to_server): the
+    call is refused with a hint and counted, and served once the waiting work drops."""
+    from client.client import ResourceExhaustedError
+
+    admission = stack.decode.admission
+    saved = admission.max_seqs
+    before = stack.decode_metric("kvserve_decode_requests_total", outcome="resource_exhausted")
+    admission.max_seqs = 1
+    ticket = admission.admit(10)  # one request waits: the bound of one is reached
+    try:
+        with Client(stack.addr, timeout_s=60, busy_retries=0) as c:
+            with pytest.raises(ResourceExhaustedError, match="--max-waiting-seqs"):
+                greedy(c, tokens(20, seed=41), 2)
+            assert stack.decode_metric("kvserve_decode_requests_total", outcome="resource_exhausted") == before + 1
+            ticket.release()
+            assert len(greedy(c, tokens(20, seed=41), 2).token_ids) == 2
+    finally:
+        ticket.release()
+        admission.max_seqs = saved
+
+
+def test_a_prefill_past_its_waiting_bound_refuses_as_the_call_arrives_and_decode_computes_the_prompt(
+        stack: LocalStack, client: Client) -> None:
+    """Prefill's admission bound is checked as its calls arrive (prefill_service.server.add_to_server): decode's
+    call is refused and counted there, and decode computes the prompt itself, with the oracle's tokens."""
+    admission = stack.prefill.admission
+    saved = admission.max_seqs
+    refused = stack.prefill_metric("kvserve_prefill_requests_total", outcome="resource_exhausted")
+    overloaded = stack.decode_metric("kvserve_decode_prefill_fallbacks_total", reason="overloaded")
+    admission.max_seqs = 1
+    ticket = admission.admit(10)
+    try:
+        ids = tokens(2 * BLOCK_SIZE + 7, seed=42)
+        want, logits = oracle(ARCH, ids, 6)
+        assert_greedy_matches(greedy(client, ids, 6).token_ids, want, logits)
+        assert stack.prefill_metric("kvserve_prefill_requests_total", outcome="resource_exhausted") > refused
+        assert stack.decode_metric("kvserve_decode_prefill_fallbacks_total", reason="overloaded") == overloaded + 1
+    finally:
+        ticket.release()
+        admission.max_seqs = saved
+
+
 ISSUE_METRICS = (  # issue 4, item 7; then the engine's (issue 8, item 9)
     "requests_total", "prompt_tokens_total", "cached_tokens_total", "computed_tokens_total",
     "generated_tokens_total", "ttft_seconds_bucket", "running_requests", "waiting_requests",
