@@ -32,16 +32,8 @@ from client.health import credentials, known_credentials, positive_float  # noqa
 from client.metrics import parse_metrics  # noqa: E402
 from client.terminal import printable  # noqa: E402
 from stack.stack import Stack, StackConfig, StackError  # noqa: E402
-from stack.supervisor import (  # noqa: E402  # noqa: E402
-    STATUS_FILE,
-    Supervisor,
-    Unrecoverable,
-    UpStatus,
-    duration,
-    metrics_url,
-    no_up,
-    read_status,
-)
+from stack.status import STATUS_FILE, UpStatus, no_up, read_status  # noqa: E402
+from stack.supervisor import Supervisor, Unrecoverable, duration, metrics_url  # noqa: E402
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_STORE_ADDR = "127.0.0.1:50053"

@@ -11,7 +11,6 @@ answer, on stderr for a failure.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import socket
@@ -28,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import local
 from client.diagnose import Dialed, explain
 from client.local import Layout
-from stack.supervisor import UpStatus, no_up, read_status
+from stack.status import UpStatus, no_up, read_status
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
 URL_SCHEMES = ("http://", "https://")
@@ -174,6 +173,7 @@ def _file_problem(exc: OSError, unreadable: str) -> str:
 
 def _why(exc: Exception, url: urllib.parse.SplitResult, timeout_s: float) -> str:
     """A failed request's cause, in words, with a hint where the usual mistake is known."""
+    import http.client
     if isinstance(exc, ssl.SSLCertVerificationError):
         return (f"TLS: the server's certificate is not trusted: {exc.verify_message} (check it against the CA "
                 "that signed it with --tls-ca; the URL's host must be one the certificate names)")
@@ -196,6 +196,7 @@ def _why(exc: Exception, url: urllib.parse.SplitResult, timeout_s: float) -> str
 def check_url(url: str, timeout_s: float = 5.0, context: ssl.SSLContext | None = None) -> HttpAnswer:
     """GETs `url` (no proxy, no redirect followed), each step of it within `timeout_s`. Unreachable when it
     cannot be asked; ValueError for a URL that is not http:// or https:// with a host."""
+    import http.client  # here, not at the top: a gRPC probe, the frequent one, spares its import (client/entry.py)
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.local import Layout
 from stack.credentials import ensure as ensure_credentials
+from stack.status import describe_exit
 
 START_TIMEOUT_S = 120.0
 METRICS_OFFSETS = {"decode": 0, "prefill": 1, "kvstore": 2, "http": 3}  # each one's port past --metrics-base-port
@@ -90,16 +91,6 @@ def log_tail(log_path: Path | None, lines: int = 3, since: int = 0) -> str:
     """The last lines of a service log (past byte `since`), indented, for an error message ("" when
     there is none)."""
     return "".join(f"\n    {line}" for line in log_lines(log_path, lines, since))
-
-
-def describe_exit(returncode: int) -> str:
-    """"exited with code 1" or "was killed by SIGKILL" (Popen's negative return codes)."""
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        return f"was killed by {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"was killed by signal {-returncode}"
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -244,7 +244,7 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     from client.client import Client
     from client.local import Layout
     from stack.stack import wait_healthy
-    from stack.supervisor import UpStatus, read_status
+    from stack.status import UpStatus, read_status
 
     data = tmp_path / "data"
     (data / "logs").mkdir(parents=True)

@@ -27,7 +27,7 @@ from rpc.certs import make_certs
 from rpc.server import Server
 from rpc.tls import TLSConfig
 from stack.credentials import ensure
-from stack.supervisor import STATUS_FILE, ServiceStatus, UpStatus, write_status
+from stack.status import STATUS_FILE, ServiceStatus, UpStatus, write_status
 from tests.fake_decode import DECODE_SERVICE, FakeDecode
 from tests.kvstore_fixtures import REPO
 from tests.processes import free_ports

@@ -141,6 +141,18 @@ def test_the_kvserve_command_exits_with_the_status(store: StoreServer) -> None:
     assert (done.returncode, done.stdout) == (1, f"{store.address}: NOT_SERVING\n")
 
 
+def test_the_probe_imports_only_what_asking_health_needs(store: StoreServer) -> None:
+    """`kvserve health` runs every few seconds in each container, beside a service that may be busy: it loads
+    neither the stack, its supervisor nor cryptography (what the other commands need), nor HTTP for a gRPC
+    address."""
+    script = ("import sys; import client.entry as entry; sys.argv = ['kvserve', 'health', sys.argv[1]]; rc = entry.main(); "
+              "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('stack', 'cryptography', 'http', 'torch') "
+              "and m != 'stack.status' and m != 'stack'))")
+    done = subprocess.run([sys.executable, "-c", script, store.address], capture_output=True, text=True, cwd=REPO,
+                          timeout=60)
+    assert done.stdout.splitlines()[-1] == "0 []", (done.stdout, done.stderr)
+
+
 def test_the_health_listener_is_as_secure_as_the_port_and_drains_with_it(
         tmp_path: Path, certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--health-listen: the probes' own address answers health only, with the main port's TLS (an mTLS store:

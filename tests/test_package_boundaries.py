@@ -35,8 +35,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "stack": {"rpc", "client"},  # it starts the services as `python -m` processes, with credentials it makes
     "bench": set(LAYERS[:-1]),
 }
-# Besides every __main__.py: the `kvserve` command, `make demo`, `kvserve health` and the pytest plugin.
-ENTRY_POINTS = {"client.cli", "client.demo", "client.health", "client.pytest_plugin"}
+# Besides every __main__.py: the `kvserve` command (client.entry hands `health` to client.health, the rest to
+# client.cli), `make demo`, `kvserve health` and the pytest plugin.
+ENTRY_POINTS = {"client.entry", "client.cli", "client.demo", "client.health", "client.pytest_plugin"}
 # The only modules of these packages that other packages import (the store's public package holds KVStoreClient).
 PUBLIC = {"kvstore": {"kvstore"}, "prefill_service": {"prefill_service.client"}}
 STARTERS = {"stack", "bench"}  # they start the store, so they may reach into it

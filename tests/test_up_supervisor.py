@@ -21,7 +21,8 @@ import pytest
 
 from client.local import Layout
 from stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
-from stack.supervisor import STATUS_FILE, Backoff, Supervisor, Unrecoverable, read_status
+from stack.status import STATUS_FILE, read_status
+from stack.supervisor import Backoff, Supervisor, Unrecoverable
 from tests.polling import wait_until
 from tests.processes import free_ports, memfd_inodes
 

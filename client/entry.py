@@ -1,0 +1,19 @@
+"""The `kvserve` command. `kvserve health` is what the containers' probes run every few seconds, beside a
+service that may be busy: it imports only what asking a health service needs (client/health.py), not what the
+other commands do (client/cli.py: the stack, its supervisor, cryptography), which was half its start-up."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["health"]:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # its messages say what failed; client/cli.py says why
+        from client.health import main as health
+
+        return health(sys.argv[2:])
+    from client.cli import main as cli
+
+    return cli()
