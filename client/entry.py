@@ -10,7 +10,7 @@ import sys
 
 def main() -> int:
     if sys.argv[1:2] == ["health"]:
-        os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # its messages say what failed; client/cli.py says why
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # gRPC core's log lines would repeat its message (as in cli.py)
         from client.health import main as health
 
         return health(sys.argv[2:])
