@@ -256,15 +256,15 @@ def _as_tenant(fn: Callable[..., Any], tenant: str, *, streaming: bool) -> Calla
     return unary
 
 
-def _refused(handler: Any, kind: str, code: grpc.StatusCode, message: str) -> Any:
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+def _refused(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers `code` and never reads the request (a stream-request handler may leave its
+    iterator unread, whatever the method's kind: on the wire the call is the same), so a caller without a
+    valid token costs the service no worker waiting for its request, however large."""
+
+    def refuse(_requests: Any, context: grpc.ServicerContext) -> None:
         context.abort(code, message)
 
-    def refuse_stream(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-        yield  # a generator, as the streaming handler it stands in for
-
-    return handler._replace(**{kind: refuse_stream if kind.endswith("_stream") else refuse})
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def _token_problem(token: str | None, what: str) -> str:
@@ -301,19 +301,19 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if service is None:
                 if token and self.authenticator is not None and self.authenticator.tenant_of(token) is not None:
                     log.warning("refused %s to a tenant's token: internal API", method)
-                    return _refused(handler, kind, grpc.StatusCode.PERMISSION_DENIED,
+                    return _refused(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{method} is internal: it answers only kvserve's own services (a token from "
                                     "decode's --service-tokens, e.g. the router's), never a tenant's token")
                 problem = _token_problem(token, "a service's bearer token")
                 log.info("refused %s: %s", method, problem)
-                return _refused(handler, kind, grpc.StatusCode.UNAUTHENTICATED,
+                return _refused(grpc.StatusCode.UNAUTHENTICATED,
                                 f"{problem}: {method} is internal; services present a token from decode's "
                                 "--service-tokens file (`kvserve credentials` makes the router's)")
             on_behalf = _bearer_token(metadata, key=ON_BEHALF_OF)
             if on_behalf is not None and self.authenticator is not None:
                 tenant = self.authenticator.tenant_of(on_behalf) if on_behalf else None
                 if tenant is None:
-                    return _refused(handler, kind, grpc.StatusCode.UNAUTHENTICATED,
+                    return _refused(grpc.StatusCode.UNAUTHENTICATED,
                                     f"{_token_problem(on_behalf, 'a bearer token')} (the caller's, in "
                                     f"{ON_BEHALF_OF}): {HOW_TO_AUTHENTICATE}")
         elif self.authenticator is not None:
@@ -321,7 +321,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if tenant is None:
                 problem = _token_problem(token, "a bearer token")
                 log.info("refused %s: %s", method, problem)
-                return _refused(handler, kind, grpc.StatusCode.UNAUTHENTICATED, f"{problem}: {HOW_TO_AUTHENTICATE}")
+                return _refused(grpc.StatusCode.UNAUTHENTICATED, f"{problem}: {HOW_TO_AUTHENTICATE}")
         if tenant is None:
             return handler
         return handler._replace(**{kind: _as_tenant(getattr(handler, kind), tenant,

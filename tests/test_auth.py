@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,29 @@ def test_a_call_without_a_valid_token_is_unauthenticated(
     details = info.value.details()  # type: ignore[attr-defined]
     assert problem in details and "send metadata authorization: Bearer <token>" in details
     assert "`kvserve token`" in details
+
+
+def test_a_caller_without_a_token_is_answered_without_its_request_being_waited_for(echo_server: str) -> None:
+    """Callers without a token that open calls and never send the request are answered at once: none of them
+    holds one of the server's workers waiting for it (4 workers and 8 reserved here, 40 such calls), and a
+    caller with a token is served meanwhile."""
+    never = threading.Event()
+
+    def silent() -> Iterator[bytes]:
+        never.wait()
+        yield b""
+
+    with grpc.insecure_channel(echo_server) as channel:
+        raw = channel.stream_stream("/test.Echo/WhoStream")  # the request stream left open, nothing sent
+        calls = [raw(silent(), timeout=30) for _ in range(40)]
+        try:
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as info:
+                    next(call)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            assert _call(echo_server, "Who", (("authorization", "Bearer a-token"),)) == ["acme"]
+        finally:
+            never.set()
 
 
 def test_health_and_reflection_need_no_token(echo_server: str) -> None:
