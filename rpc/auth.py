@@ -35,7 +35,8 @@ from typing import Any
 
 import grpc
 
-from rpc.errors import ServiceError
+from rpc.errors import PermissionDenied, ServiceError
+from rpc.server import refusing
 
 log = logging.getLogger(__name__)
 
@@ -256,17 +257,6 @@ def _as_tenant(fn: Callable[..., Any], tenant: str, *, streaming: bool) -> Calla
     return unary
 
 
-def _refused(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler that answers `code` and never reads the request (a stream-request handler may leave its
-    iterator unread, whatever the method's kind: on the wire the call is the same), so a caller without a
-    valid token costs the service no worker waiting for its request, however large."""
-
-    def refuse(_requests: Any, context: grpc.ServicerContext) -> None:
-        context.abort(code, message)
-
-    return grpc.stream_unary_rpc_method_handler(refuse)
-
-
 def _token_problem(token: str | None, what: str) -> str:
     if token is None:
         return f"this service requires {what}"
@@ -301,27 +291,27 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if service is None:
                 if token and self.authenticator is not None and self.authenticator.tenant_of(token) is not None:
                     log.warning("refused %s to a tenant's token: internal API", method)
-                    return _refused(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"{method} is internal: it answers only kvserve's own services (a token from "
-                                    "decode's --service-tokens, e.g. the router's), never a tenant's token")
+                    return refusing(PermissionDenied(
+                        f"{method} is internal: it answers only kvserve's own services (a token from "
+                        "decode's --service-tokens, e.g. the router's), never a tenant's token"))
                 problem = _token_problem(token, "a service's bearer token")
                 log.info("refused %s: %s", method, problem)
-                return _refused(grpc.StatusCode.UNAUTHENTICATED,
-                                f"{problem}: {method} is internal; services present a token from decode's "
-                                "--service-tokens file (`kvserve credentials` makes the router's)")
+                return refusing(Unauthenticated(
+                    f"{problem}: {method} is internal; services present a token from decode's "
+                    "--service-tokens file (`kvserve credentials` makes the router's)"))
             on_behalf = _bearer_token(metadata, key=ON_BEHALF_OF)
             if on_behalf is not None and self.authenticator is not None:
                 tenant = self.authenticator.tenant_of(on_behalf) if on_behalf else None
                 if tenant is None:
-                    return _refused(grpc.StatusCode.UNAUTHENTICATED,
-                                    f"{_token_problem(on_behalf, 'a bearer token')} (the caller's, in "
-                                    f"{ON_BEHALF_OF}): {HOW_TO_AUTHENTICATE}")
+                    return refusing(Unauthenticated(
+                        f"{_token_problem(on_behalf, 'a bearer token')} (the caller's, in "
+                        f"{ON_BEHALF_OF}): {HOW_TO_AUTHENTICATE}"))
         elif self.authenticator is not None:
             tenant = self.authenticator.tenant_of(token) if token else None
             if tenant is None:
                 problem = _token_problem(token, "a bearer token")
                 log.info("refused %s: %s", method, problem)
-                return _refused(grpc.StatusCode.UNAUTHENTICATED, f"{problem}: {HOW_TO_AUTHENTICATE}")
+                return refusing(Unauthenticated(f"{problem}: {HOW_TO_AUTHENTICATE}"))
         if tenant is None:
             return handler
         return handler._replace(**{kind: _as_tenant(getattr(handler, kind), tenant,

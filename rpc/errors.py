@@ -56,6 +56,10 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The status an RPC ends with when `exc` escapes its handler."""
     if isinstance(exc, ServiceError):

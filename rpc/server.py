@@ -185,11 +185,12 @@ Check = Callable[[], BaseException | None]  # a call's refusal as it arrives, or
 Counted = Callable[[BaseException], None]  # told of each refusal answered
 
 
-def _refusing(exc: BaseException, counted: Counted | None = None) -> grpc.RpcMethodHandler:
-    """A handler that answers with `exc`'s status and never reads the request: the worker it takes is free again
-    at once, instead of waiting on the completion-queue thread for the request to be received (a stream-request
-    handler gets an iterator it may leave unread; on the wire the call is the same). `counted` hears of it only
-    here, once no interceptor before this one (authentication) has answered the call instead."""
+def refusing(exc: BaseException, counted: Counted | None = None) -> grpc.RpcMethodHandler:
+    """A handler that answers with `exc`'s status and never reads the request, whatever the method's kind: the
+    worker it takes is free again at once, instead of waiting on the completion-queue thread for a request it will
+    not use, or that never comes (a stream-request handler gets an iterator it may leave unread; on the wire the
+    call is the same). Refusals on arrival use it, and authentication's. `counted` hears of it only here, once no
+    interceptor before this one (authentication) has answered the call instead."""
 
     def refuse(requests: Any, context: grpc.ServicerContext) -> None:
         if counted is not None:
@@ -204,7 +205,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     the `exempt` methods' against it.
 
     It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a method's
-    check (`add_check`) refuses, is answered there and then, before its request is read (`_refusing`). That is
+    check (`add_check`) refuses, is answered there and then, before its request is read (`refusing`). That is
     the fast path, not the bound: calls that arrived but have not reached `CallLimit.enter` or their service's
     admission yet do not count here, and those are refused after their request is read."""
 
@@ -223,11 +224,11 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         limit = None if method in self.exempt else self.limit
         if limit is not None and (busy := limit.arrive()) is not None:
-            return _refusing(busy)
+            return refusing(busy)
         if method in self._checks:
             check, counted = self._checks[method]
             if (refusal := check()) is not None:
-                return _refusing(refusal, counted)
+                return refusing(refusal, counted)
         if handler.request_deserializer is not None:
             handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
         for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
@@ -314,7 +315,7 @@ class Server:
             futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_WORKERS),
             # `interceptors` come first (authentication), then errors map to statuses. Authentication asks this one for
             # the handler before it decides, so the checks here run first: a refusal's side effects wait for its
-            # handler to run (`_refusing`).
+            # handler to run (`refusing`).
             interceptors=[*interceptors, self._errors],
             # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
             options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],

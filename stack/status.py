@@ -119,5 +119,3 @@ def write_status(path: Path, status: UpStatus) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(status.to_json(), indent=2) + "\n")
     os.replace(tmp, path)
-
-
