@@ -25,7 +25,7 @@ from client.local import Layout
 from kvstore.block_format import checksum
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from rpc.certs import make_certs
-from tests.processes import KVSERVE, free_ports
+from tests.processes import KVSERVE, free_port_run, free_ports
 from tests.stack_fixtures import model_dir
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,8 @@ class Up:
 
 
 def _start_up(tmp: Path, *extra: str) -> Iterator[Up]:
-    ports = free_ports(4)
+    base = free_port_run(4)  # the metrics ports from it: decode's, prefill's, the store's, HTTP's
+    ports = [*[p for p in free_ports(7) if not base <= p < base + 4][:3], base]
     data_dir = tmp / "data"
     argv = [KVSERVE, "up", "--data-dir", str(data_dir), "--model", str(model_dir("llama")),
             "--decode-port", str(ports[0]), "--prefill-port", str(ports[1]), "--store-port", str(ports[2]),
