@@ -6,6 +6,8 @@ status codes, so handlers carry no try/except of their own.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -21,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from protos.retry import RETRY_AFTER
-from rpc.errors import InvalidArgument, ResourceExhausted, status_of
+from rpc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, status_of
 from rpc.tls import TLSConfig, describe, server_credentials
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ CLIENT_CHANNEL_OPTIONS = [
 # Worker threads kept for health checks (and the calls a server exempts, e.g. decode's Load) and for refusing
 # calls past the limit: those answer at once however many long calls (streams) hold the other workers.
 RESERVED_WORKERS = 8
+# Of those, the most that health checks and the exempt calls may hold at once (a probe takes a millisecond; more
+# at once are a flood, or callers that never send their request): the others stay free to answer refusals.
+PROBE_LIMIT = RESERVED_WORKERS // 2
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 BUSY_RETRY_S = 0.25  # the retry hint of a call refused because every worker is taken
 
@@ -119,11 +124,12 @@ class CallLimit:
     """At most `limit` calls at once (a stream counts until it ends); one more is refused at once with
     RESOURCE_EXHAUSTED and a retry hint, instead of queueing without bound for a worker thread."""
 
-    def __init__(self, limit: int, service: str) -> None:
+    def __init__(self, limit: int, service: str, calls: str = "calls at once (--max-workers)") -> None:
         if limit < 1:
             raise ValueError(f"the call limit must be at least 1, got {limit}")
         self.limit = limit
         self.service = service
+        self.calls = calls  # what the refusal says is at its limit
         self.active = 0
         self.arrived = 0  # calls that came since the start, taken or refused (`arrive`)
         self._lock = threading.Lock()
@@ -153,8 +159,8 @@ class CallLimit:
             return self._refusal() if self.active >= self.limit else None
 
     def _refusal(self) -> ResourceExhausted:
-        return ResourceExhausted(f"the {self.service} service is serving its limit of {self.limit} calls at once "
-                                 "(--max-workers): retry shortly", retry_after_s=BUSY_RETRY_S)
+        return ResourceExhausted(f"the {self.service} service is serving its limit of {self.limit} {self.calls}: "
+                                 "retry shortly", retry_after_s=BUSY_RETRY_S)
 
     def wrap(self, fn: Callable[..., Any], *, streaming: bool) -> Callable[..., Any]:
         """`fn` counted from its start to its end. A stream is released when its generator ends or the RPC
@@ -181,6 +187,68 @@ class CallLimit:
         return limited
 
 
+# The most a call may take to send its request once it has begun: a unary-request handler runs only once its
+# request has arrived, so until then a worker waits for it, uncounted by any limit (a caller that opens calls
+# and never sends one would hold every worker). Past it the call is cancelled.
+REQUEST_WAIT_S = 10.0
+
+
+class RequestWatch:
+    """Cancels each call whose request has not arrived within `wait_s` of its start (to within `every_s`): one
+    thread for them all, which looks once every `every_s`, so a call costs it no wake-up."""
+
+    def __init__(self, wait_s: float = REQUEST_WAIT_S, every_s: float = 1.0) -> None:
+        self.wait_s, self.every_s = wait_s, every_s
+        self._waiting: collections.deque[tuple[float, list[grpc.ServicerContext]]] = collections.deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def first(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The call's one request, or InvalidArgument when the call ends without one; DeadlineExceeded (the
+        call already cancelled) when none came within `wait_s`."""
+        waiting = [context]  # emptied once the request is in
+        with self._lock:
+            self._waiting.append((time.monotonic() + self.wait_s, waiting))  # in deadline order: one wait_s for all
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="request-watch", daemon=True)
+                self._thread.start()
+        try:
+            for request in requests:
+                return request
+        except grpc.RpcError:  # cancelled: by this watch, or by the caller
+            raise DeadlineExceeded(f"no request message within {self.wait_s:g} s of the call's start") from None
+        finally:
+            waiting.clear()
+        raise InvalidArgument("the call ended without its request message")
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            now, late = time.monotonic(), []
+            with self._lock:
+                while self._waiting and self._waiting[0][0] <= now:
+                    late.append(self._waiting.popleft()[1])
+            for waiting in late:
+                with contextlib.suppress(IndexError):  # its request came meanwhile
+                    waiting.pop().cancel()
+
+
+def _reading(fn: Callable[..., Any], watch: RequestWatch, *, streaming: bool) -> Callable[..., Any]:
+    """`fn(request, context)` as a stream-request handler that reads the one request itself, within `watch`'s
+    bound, after whatever wraps it (the call limit, which so counts the call while it waits for its request)."""
+    if streaming:
+
+        def reading_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            yield from fn(watch.first(requests, context), context)
+
+        return reading_stream
+
+    def reading(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return fn(watch.first(requests, context), context)
+
+    return reading
+
+
 Check = Callable[[], BaseException | None]  # a call's refusal as it arrives, or None (Server.check_on_arrival)
 Counted = Callable[[BaseException], None]  # told of each refusal answered
 
@@ -202,16 +270,20 @@ def refusing(exc: BaseException, counted: Counted | None = None) -> grpc.RpcMeth
 
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Ends an RPC whose handler raised with the status `status_of` gives; with `limit`, counts every call but
-    the `exempt` methods' against it.
+    the `exempt` methods' against it, and those against `probes`. A unary-request call is handed its request
+    within `watch`'s bound (RequestWatch), counted from its start.
 
     It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a method's
     check (`add_check`) refuses, is answered there and then, before its request is read (`refusing`). That is
     the fast path, not the bound: calls that arrived but have not reached `CallLimit.enter` or their service's
     admission yet do not count here, and those are refused after their request is read."""
 
-    def __init__(self, limit: CallLimit | None = None, exempt: Iterable[str] = ()) -> None:
+    def __init__(self, limit: CallLimit | None = None, exempt: Iterable[str] = (), watch: RequestWatch | None = None,
+                 probes: CallLimit | None = None) -> None:
         self.limit = limit
         self.exempt = frozenset(exempt)
+        self.watch = watch or RequestWatch()
+        self.probes = probes
         self._checks: dict[str, tuple[Check, Counted | None]] = {}
 
     def add_check(self, method: str, check: Check, counted: Counted | None = None) -> None:
@@ -222,7 +294,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        limit = None if method in self.exempt else self.limit
+        limit = self.probes if method in self.exempt else self.limit
         if limit is not None and (busy := limit.arrive()) is not None:
             return refusing(busy)
         if method in self._checks:
@@ -235,6 +307,10 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             fn = getattr(handler, kind)
             if fn:
                 streaming = kind.endswith("_stream")
+                if kind.startswith("unary"):  # read here, within the watch's bound (RequestWatch)
+                    fn = _reading(fn, self.watch, streaming=streaming)
+                    handler = handler._replace(request_streaming=True, **{kind: None})
+                    kind = "stream_stream" if streaming else "stream_unary"
                 if limit is not None:
                     fn = limit.wrap(fn, streaming=streaming)
                 return handler._replace(**{kind: with_status_mapping(fn, streaming=streaming)})
@@ -287,7 +363,8 @@ class Server:
     At most `max_workers` calls run at once; one more is refused at once (CallLimit). Health checks and the
     `exempt` methods (full names, "/package.Service/Method") do not count, and RESERVED_WORKERS threads
     beyond `max_workers` serve them and the refusals: a server busy with long streams still answers its
-    health check at once.
+    health check at once. They count against PROBE_LIMIT instead, here and on the `health_listen` server.
+    A call that does not send its request within `request_wait_s` of its start is cancelled (RequestWatch).
     """
 
     def __init__(
@@ -303,6 +380,7 @@ class Server:
         exempt: Iterable[str] = (),
         name: str = "",
         health_listen: str | None = None,
+        request_wait_s: float = REQUEST_WAIT_S,
     ) -> None:
         self.listen = listen
         self.tls = tls
@@ -310,7 +388,8 @@ class Server:
         self.metrics_port = metrics_port
         self.registry = registry or CollectorRegistry()
         self.limit = CallLimit(max_workers, name or "this")
-        self._errors = ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt})
+        watch = RequestWatch(request_wait_s)
+        self._errors = ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt}, watch, self._probe_limit(name))
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_WORKERS),
             # `interceptors` come first (authentication), then errors map to statuses. Authentication asks this one for
@@ -328,6 +407,7 @@ class Server:
         self._health_server: grpc.Server | None = None
         if health_listen is not None:
             self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=RESERVED_WORKERS),
+                                              interceptors=[ErrorInterceptor(self._probe_limit(name), watch=watch)],
                                               options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(CheckOnly(self._health), self._health_server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -335,6 +415,10 @@ class Server:
         self.port = 0
         self.bound_metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    @staticmethod
+    def _probe_limit(name: str) -> CallLimit:
+        return CallLimit(PROBE_LIMIT, name or "this", "probes at once (health checks, a router's load polls)")
 
     def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, service_name: str, *,
             internal: bool = False) -> None:

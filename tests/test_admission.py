@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from protos.retry import RETRY_AFTER, retry_after_s
 from rpc.admission import Admission
 from rpc.auth import Auth, Authenticator, TenantSalts
 from rpc.errors import ResourceExhausted
-from rpc.server import RESERVED_WORKERS, Server
+from rpc.server import HEALTH_CHECK, PROBE_LIMIT, RESERVED_WORKERS, Server
 from tests.processes import KVSERVE
 
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
@@ -165,6 +166,88 @@ def test_a_call_refused_as_it_arrives_is_answered_without_its_request_being_read
             servicer.release.set()
             assert list(held)[-1].result.finish_reason == "length"
     finally:
+        servicer.release.set()
+        server.stop(0)
+
+
+def silent_calls(channel: grpc.Channel, method: str, n: int, never: threading.Event) -> list[Any]:
+    """`n` calls of `method` that never send their request (the request stream left open, nothing in it)."""
+
+    def silent() -> Iterator[bytes]:
+        never.wait()
+        yield b""
+
+    raw = channel.stream_stream(method)
+    return [raw(silent(), timeout=30) for _ in range(n)]
+
+
+def codes_of(calls: list[Any]) -> list[grpc.StatusCode]:
+    codes = []
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        codes.append(info.value.code())  # type: ignore[attr-defined]
+    return codes
+
+
+def test_calls_that_never_send_their_request_count_against_the_limit_and_end_after_the_bound() -> None:
+    """A caller that opens calls and never sends the request: each counts against the call limit from its start
+    (the rest are refused at once), health and the refusals still answer, and each is cancelled once
+    `request_wait_s` has passed, its slot back."""
+    servicer = Held()
+    server = Server("127.0.0.1:0", max_workers=4, name="test", request_wait_s=1.0)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, DECODE)
+    addr = f"127.0.0.1:{server.start()}"
+    never = threading.Event()
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            calls = silent_calls(channel, f"/{DECODE}/Generate", 40, never)
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                next(stub.Generate(request(), timeout=10))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            assert serving(addr) and server.limit.active == 4
+            codes = codes_of(calls)
+            assert set(codes) == {grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+            assert codes.count(grpc.StatusCode.CANCELLED) == 4, codes
+            servicer.release.set()
+            assert list(stub.Generate(request(), timeout=10))[-1].result.finish_reason == "length"
+            assert servicer.calls == 1
+    finally:
+        never.set()
+        servicer.release.set()
+        server.stop(0)
+
+
+def test_health_checks_that_never_send_their_request_hold_a_few_workers_for_the_bound_at_most(tmp_path: Path) -> None:
+    """Health checks count against PROBE_LIMIT, on the port and on --health-listen: a caller that opens them and
+    never sends the request holds that many for `request_wait_s` at most, the rest are refused at once, and the
+    workers that serve calls and refusals stay free."""
+    servicer = Held()
+    socket = f"unix:{tmp_path}/health.sock"
+    server = Server("127.0.0.1:0", max_workers=4, name="test", health_listen=socket, request_wait_s=1.0)
+    server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, DECODE)
+    addr = f"127.0.0.1:{server.start()}"
+    never = threading.Event()
+    try:
+        with grpc.insecure_channel(addr) as channel, grpc.insecure_channel(socket) as own:
+            calls = [*silent_calls(channel, HEALTH_CHECK, 20, never), *silent_calls(own, HEALTH_CHECK, 20, never)]
+            time.sleep(0.2)  # each has reached its server
+            with pytest.raises(grpc.RpcError) as info:  # every probe slot is held: a probe is refused at once
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            assert "probes at once" in info.value.details()  # type: ignore[attr-defined]
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            held = stub.Generate(request(), timeout=30)
+            next(held)  # a call is served meanwhile
+            codes = codes_of(calls)
+            assert codes.count(grpc.StatusCode.CANCELLED) == 2 * PROBE_LIMIT, codes  # ended after the bound
+            assert set(codes) == {grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+            assert serving(addr) and serving(socket)
+            servicer.release.set()
+            assert list(held)[-1].result.finish_reason == "length"
+    finally:
+        never.set()
         servicer.release.set()
         server.stop(0)
 
