@@ -60,6 +60,10 @@ class PermissionDenied(ServiceError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unimplemented(ServiceError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The status an RPC ends with when `exc` escapes its handler."""
     if isinstance(exc, ServiceError):

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from protos.retry import RETRY_AFTER
-from rpc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, status_of
+from rpc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unimplemented, status_of
 from rpc.tls import TLSConfig, describe, server_credentials
 
 log = logging.getLogger(__name__)
@@ -349,7 +349,7 @@ class CheckOnly(health_pb2_grpc.HealthServicer):
         return self.servicer.Check(request, context)
 
     def Watch(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "this address answers Check only; Watch on the service's port")
+        raise Unimplemented("this address answers Check only; Watch on the service's port")
 
 
 class Server:
