@@ -187,15 +187,17 @@ class CallLimit:
         return limited
 
 
-# The most a call may take to send its request once it has begun: a unary-request handler runs only once its
-# request has arrived, so until then a worker waits for it, uncounted by any limit (a caller that opens calls
-# and never sends one would hold every worker). Past it the call is cancelled.
+# The most a call may take to send its request once it has begun, or the next message of a request stream once
+# the one before came: a unary-request handler runs only once its request has arrived, so until then a worker
+# waits for it, uncounted by any limit (a caller that opens calls and never sends one would hold every worker),
+# and a stream-request handler waits for each message. Past it the call is cancelled.
 REQUEST_WAIT_S = 10.0
 
 
 class RequestWatch:
-    """Cancels each call whose request has not arrived within `wait_s` of its start (to within `every_s`): one
-    thread for them all, which looks once every `every_s`, so a call costs it no wake-up."""
+    """Cancels each call whose next request message has not arrived within `wait_s` of its start or of the message
+    before (to within `every_s`): one thread for them all, which looks once every `every_s`, so a message costs it
+    no wake-up."""
 
     def __init__(self, wait_s: float = REQUEST_WAIT_S, every_s: float = 1.0) -> None:
         self.wait_s, self.every_s = wait_s, every_s
@@ -203,22 +205,31 @@ class RequestWatch:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
+    def each(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        """The call's request messages, each within `wait_s`; DeadlineExceeded (the call already cancelled) at one
+        that did not come in time."""
+        while True:
+            waiting = [context]  # emptied once the message is in
+            with self._lock:
+                self._waiting.append((time.monotonic() + self.wait_s, waiting))  # in deadline order: one wait_s
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="request-watch", daemon=True)
+                    self._thread.start()
+            try:
+                request = next(requests)
+            except StopIteration:
+                return
+            except grpc.RpcError:  # cancelled: by this watch, or by the caller
+                raise DeadlineExceeded(f"no request message within {self.wait_s:g} s of the call's start or "
+                                       "of the message before") from None
+            finally:
+                waiting.clear()
+            yield request
+
     def first(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        """The call's one request, or InvalidArgument when the call ends without one; DeadlineExceeded (the
-        call already cancelled) when none came within `wait_s`."""
-        waiting = [context]  # emptied once the request is in
-        with self._lock:
-            self._waiting.append((time.monotonic() + self.wait_s, waiting))  # in deadline order: one wait_s for all
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="request-watch", daemon=True)
-                self._thread.start()
-        try:
-            for request in requests:
-                return request
-        except grpc.RpcError:  # cancelled: by this watch, or by the caller
-            raise DeadlineExceeded(f"no request message within {self.wait_s:g} s of the call's start") from None
-        finally:
-            waiting.clear()
+        """The call's one request (`each`), or InvalidArgument when the call ends without one."""
+        for request in self.each(requests, context):
+            return request
         raise InvalidArgument("the call ended without its request message")
 
     def _run(self) -> None:
@@ -229,24 +240,29 @@ class RequestWatch:
                 while self._waiting and self._waiting[0][0] <= now:
                     late.append(self._waiting.popleft()[1])
             for waiting in late:
-                with contextlib.suppress(IndexError):  # its request came meanwhile
+                with contextlib.suppress(IndexError):  # its message came meanwhile
                     waiting.pop().cancel()
 
 
-def _reading(fn: Callable[..., Any], watch: RequestWatch, *, streaming: bool) -> Callable[..., Any]:
-    """`fn(request, context)` as a stream-request handler that reads the one request itself, within `watch`'s
-    bound, after whatever wraps it (the call limit, which so counts the call while it waits for its request)."""
+def _watched(fn: Callable[..., Any], watch: RequestWatch, *, unary: bool, streaming: bool) -> Callable[..., Any]:
+    """`fn(request, context)` as a stream-request handler whose request messages come through `watch`, each within
+    its bound; for a unary-request method (`unary`) the one request read here, after whatever wraps this (the
+    call limit, which so counts the call while it waits for its request)."""
+
+    def requests_for(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return watch.first(requests, context) if unary else watch.each(requests, context)
+
     if streaming:
 
-        def reading_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            yield from fn(watch.first(requests, context), context)
+        def watched_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            yield from fn(requests_for(requests, context), context)
 
-        return reading_stream
+        return watched_stream
 
-    def reading(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        return fn(watch.first(requests, context), context)
+    def watched(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return fn(requests_for(requests, context), context)
 
-    return reading
+    return watched
 
 
 Check = Callable[[], BaseException | None]  # a call's refusal as it arrives, or None (Server.check_on_arrival)
@@ -270,8 +286,8 @@ def refusing(exc: BaseException, counted: Counted | None = None) -> grpc.RpcMeth
 
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Ends an RPC whose handler raised with the status `status_of` gives; with `limit`, counts every call but
-    the `exempt` methods' against it, and those against `probes`. A unary-request call is handed its request
-    within `watch`'s bound (RequestWatch), counted from its start.
+    the `exempt` methods' against it, and those against `probes`. Each request message must come within `watch`'s
+    bound (RequestWatch); a unary-request call is counted from its start, while it waits for its request.
 
     It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a method's
     check (`add_check`) refuses, is answered there and then, before its request is read (`refusing`). That is
@@ -307,8 +323,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             fn = getattr(handler, kind)
             if fn:
                 streaming = kind.endswith("_stream")
-                if kind.startswith("unary"):  # read here, within the watch's bound (RequestWatch)
-                    fn = _reading(fn, self.watch, streaming=streaming)
+                unary = kind.startswith("unary")  # its request read here: every message within the watch's bound
+                fn = _watched(fn, self.watch, unary=unary, streaming=streaming)
+                if unary:
                     handler = handler._replace(request_streaming=True, **{kind: None})
                     kind = "stream_stream" if streaming else "stream_unary"
                 if limit is not None:
@@ -364,7 +381,8 @@ class Server:
     `exempt` methods (full names, "/package.Service/Method") do not count, and RESERVED_WORKERS threads
     beyond `max_workers` serve them and the refusals: a server busy with long streams still answers its
     health check at once. They count against PROBE_LIMIT instead, here and on the `health_listen` server.
-    A call that does not send its request within `request_wait_s` of its start is cancelled (RequestWatch).
+    A call that does not send its request within `request_wait_s` of its start (a request stream, each message
+    within that of the one before) is cancelled (RequestWatch).
     """
 
     def __init__(

@@ -252,6 +252,42 @@ def test_health_checks_that_never_send_their_request_hold_a_few_workers_for_the_
         server.stop(0)
 
 
+def test_a_request_stream_silent_for_longer_than_the_bound_is_cancelled_and_a_slow_one_is_not() -> None:
+    """A stream-request method (the store's Put): each message must come within `request_wait_s` of the one
+    before. A stream that goes silent ends after the bound; one whose messages come more slowly than a stream
+    would, but each within it, completes, however long it takes in all."""
+    sink = grpc.stream_unary_rpc_method_handler(lambda requests, context: b"%d" % sum(len(r) for r in requests))
+    server = Server("127.0.0.1:0", max_workers=4, name="test", request_wait_s=1.0)
+    server.add(lambda _, s: s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Sink", {
+        "Put": sink}),)), None, "test.Sink")
+    addr = f"127.0.0.1:{server.start()}"
+    never = threading.Event()
+
+    def messages(gap_s: float, n: int, then_silent: bool) -> Iterator[bytes]:
+        for _ in range(n):
+            yield b"x"
+            time.sleep(gap_s)
+        if then_silent:
+            never.wait()
+
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            put = channel.stream_unary("/test.Sink/Put")
+            t = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                put(messages(0.0, 2, then_silent=True), timeout=30)
+            assert info.value.code() == grpc.StatusCode.CANCELLED, info.value  # type: ignore[attr-defined]
+            assert time.monotonic() - t < 10
+            deadline = time.monotonic() + 5
+            while server.limit.active and time.monotonic() < deadline:  # its worker lets go of the slot
+                time.sleep(0.01)
+            assert server.limit.active == 0
+            assert put(messages(0.4, 5, then_silent=False), timeout=30) == b"5"  # 2 s in all, 0.4 s apart
+    finally:
+        never.set()
+        server.stop(0)
+
+
 def test_a_refusal_on_arrival_is_counted_only_for_callers_that_authentication_lets_in(tmp_path: Path) -> None:
     """Authentication answers first: a caller without a token gets UNAUTHENTICATED, not the busy refusal, and
     is not counted as refused. Unary and streaming methods alike are refused as they arrive."""
