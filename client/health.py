@@ -1,7 +1,8 @@
 """`kvserve health ADDR`: asks a server's standard gRPC health service (grpc.health.v1 Health/Check), or GETs
 an http:// or https:// URL (the HTTP front's /health), for container health checks, probes and scripts.
 
-Exit code 0 when the server (or `--service`) is SERVING, or the URL answers HTTP 200; 1 when it answers
+Exit code 0 when the server (or `--service`) is SERVING, or BUSY (it refused the check as RESOURCE_EXHAUSTED: a
+server answers only a few health checks at once, and busy is not down), or the URL answers HTTP 200; 1 when it answers
 anything else (NOT_SERVING, as while it drains before a stop, or a service it does not know; any other
 HTTP status, as 503 while the HTTP front's upstream does not serve); 2 when it cannot be asked (nothing
 listens, the TLS handshake fails, the deadline passes, bad arguments). One line on stdout for an
@@ -45,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvserve health",
         description="Ask a kvserve server's gRPC health service (grpc.health.v1 Health/Check), or GET an http:// "
-                    "or https:// URL such as the HTTP front's /health. Exit code 0: SERVING (HTTP 200); 1: "
+                    "or https:// URL such as the HTTP front's /health. Exit code 0: SERVING, or BUSY (the check refused "
+                    "as RESOURCE_EXHAUSTED: busy is not down) (HTTP 200); 1: "
                     "NOT_SERVING (draining), an unknown --service, or any other HTTP status (503: the HTTP front's "
                     "upstream does not serve); 2: not reachable or bad arguments.",
         epilog="The TLS flags default to KVSERVE_TLS_CA, KVSERVE_TLS_CERT and KVSERVE_TLS_KEY, so inside a "
@@ -113,7 +115,8 @@ def credentials(args: argparse.Namespace, addr: str, up: UpStatus | None = None
 def check(addr: str, service: str = "", timeout_s: float = 5.0,
           creds: grpc.ChannelCredentials | None = None) -> str:
     """The status name the server at `addr` gives `service` ("SERVING", "NOT_SERVING", ...; "SERVICE_UNKNOWN"
-    for a name it does not serve). grpc.RpcError when it cannot be asked."""
+    for a name it does not serve; "BUSY" when it refuses the check as RESOURCE_EXHAUSTED). grpc.RpcError when it
+    cannot be asked."""
     with grpc.insecure_channel(addr) if creds is None else grpc.secure_channel(addr, creds) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -121,6 +124,8 @@ def check(addr: str, service: str = "", timeout_s: float = 5.0,
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # the standard servicer's answer for an unknown name
                 return "SERVICE_UNKNOWN"
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its health checks at their limit: it runs
+                return "BUSY"
             raise
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
 
@@ -263,7 +268,7 @@ def _main_grpc(args: argparse.Namespace, addr: str, up: UpStatus | None = None) 
         print(json.dumps({"addr": addr, "service": args.service, "status": status}))
     else:
         print(f"{what}: {status}")
-    return SERVING if status == "SERVING" else NOT_SERVING
+    return SERVING if status in ("SERVING", "BUSY") else NOT_SERVING
 
 
 def _main_up(args: argparse.Namespace) -> int:

@@ -202,13 +202,15 @@ class Front:
         return JSONResponse(self._model_card())
 
     async def health(self, _request: Request) -> Response:
-        """200 while the front door answers health SERVING; 503 otherwise."""
+        """200 while the front door answers health SERVING, or refuses the check as busy (it answers only a few at
+        once: busy is not down); 503 otherwise."""
         try:
             reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             why = "the gRPC front door is not serving (starting or draining)"
         except grpc.aio.AioRpcError as exc:
-            serving, why = False, f"the gRPC front door at {self.upstream} does not answer: {exc.code().name}"
+            serving = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            why = f"the gRPC front door at {self.upstream} does not answer: {exc.code().name}"
         if serving:
             return JSONResponse({"status": "ok"})
         return ApiError(503, why, "service_unavailable_error", code="upstream_unavailable").response()

@@ -21,8 +21,9 @@ What a replica says is checked (protos.bounds) and its indexes are capped in byt
 lies is distrusted, its claims dropped, so that it can neither steer placement nor grow this process.
 
 Busy is not dead: a replica is left out when it says it does not serve or its connection is refused or
-reset, not when a health check times out (until DEAD_AFTER_S of them), nor when it refuses a request as
-busy (the next replica is asked, then all again after a backoff). A stream whose replica dies after its
+reset, not when a health check times out (until DEAD_AFTER_S of them) or is refused as busy (a replica
+answers only a few at once: a caller holding those must not take it out of service), nor when it refuses a
+request as busy (the next replica is asked, then all again after a backoff). A stream whose replica dies after its
 first token goes on from another replica, which resumes after the tokens the caller has.
 """
 
@@ -248,12 +249,16 @@ class Replica:
 
     def _check(self) -> bool | None:
         """True when the replica says it serves; False when it says it does not (draining, not loaded) or its
-        connection is refused or reset; None when it did not answer in time."""
+        connection is refused or reset; None when it did not answer in time; the verdict it had when it refuses
+        the check as busy (its few health checks at once taken: it answers, so it is not dead)."""
         try:
             status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE),
                                         timeout=self._check_timeout_s)
         except grpc.RpcError as exc:
-            return None if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return self.healthy
+            return None if code == grpc.StatusCode.DEADLINE_EXCEEDED else False
         except ValueError:  # the channel was closed
             return False
         return status.status == health_pb2.HealthCheckResponse.SERVING

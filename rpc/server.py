@@ -6,14 +6,12 @@ status codes, so handlers carry no try/except of their own.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import faulthandler
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -43,13 +41,17 @@ CLIENT_CHANNEL_OPTIONS = [
 ]
 
 
-# Worker threads kept for health checks (and the calls a server exempts, e.g. decode's Load) and for refusing
-# calls past the limit: those answer at once however many long calls (streams) hold the other workers.
-RESERVED_WORKERS = 8
-# Of those, the most that health checks and the exempt calls may hold at once (a probe takes a millisecond; more
-# at once are a flood, or callers that never send their request): the others stay free to answer refusals.
-PROBE_LIMIT = RESERVED_WORKERS // 2
+# Worker threads kept for health checks (and the calls a server exempts, e.g. decode's Load), for the streams
+# open to every caller (health's Watch, reflection), and for refusing calls past the limit: those answer at once
+# however many long calls (streams) hold the other workers.
+RESERVED_WORKERS = 12
+# The most that health checks and the exempt calls may hold at once (a probe takes a millisecond; more at once are a
+# flood, or callers that never send their request), and so the open streams: the other reserved workers stay free
+# to answer refusals, and neither takes a slot of the calls the service is for.
+PROBE_LIMIT = 4
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# Methods that every caller may call without a token (rpc.auth) and hold for as long as they like.
+OPEN_STREAMS = ("/grpc.health.v1.Health/Watch", "/grpc.reflection.")
 BUSY_RETRY_S = 0.25  # the retry hint of a call refused because every worker is taken
 
 
@@ -196,52 +198,70 @@ REQUEST_WAIT_S = 10.0
 
 class RequestWatch:
     """Cancels each call whose next request message has not arrived within `wait_s` of its start or of the message
-    before (to within `every_s`): one thread for them all, which looks once every `every_s`, so a message costs it
-    no wake-up."""
+    before (to within `every_s`): one thread for them all, which looks once every `every_s` over the calls
+    waiting for a message, so a message costs it no wake-up, and a call one record however many it sends."""
 
     def __init__(self, wait_s: float = REQUEST_WAIT_S, every_s: float = 1.0) -> None:
         self.wait_s, self.every_s = wait_s, every_s
-        self._waiting: collections.deque[tuple[float, list[grpc.ServicerContext]]] = collections.deque()
+        self._calls: dict[int, list[Any]] = {}  # id -> [the time its next message is due by, or 0; its context]
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
-    def each(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    def each(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Generator[Any, None, None]:
         """The call's request messages, each within `wait_s`; DeadlineExceeded (the call already cancelled) at one
         that did not come in time."""
-        while True:
-            waiting = [context]  # emptied once the message is in
+        call = [0.0, context]
+        with self._lock:
+            self._calls[id(call)] = call
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="request-watch", daemon=True)
+                self._thread.start()
+        try:
+            while True:
+                call[0] = time.monotonic() + self.wait_s
+                try:
+                    request = next(requests)
+                except StopIteration:  # the stream's end, or (gRPC reports either) the call cancelled
+                    if not context.is_active():
+                        raise self._late() from None
+                    return
+                except grpc.RpcError:  # cancelled: by this watch, or by the caller
+                    raise self._late() from None
+                finally:
+                    call[0] = 0.0
+                yield request
+        finally:
             with self._lock:
-                self._waiting.append((time.monotonic() + self.wait_s, waiting))  # in deadline order: one wait_s
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="request-watch", daemon=True)
-                    self._thread.start()
-            try:
-                request = next(requests)
-            except StopIteration:
-                return
-            except grpc.RpcError:  # cancelled: by this watch, or by the caller
-                raise DeadlineExceeded(f"no request message within {self.wait_s:g} s of the call's start or "
-                                       "of the message before") from None
-            finally:
-                waiting.clear()
-            yield request
+                del self._calls[id(call)]
 
     def first(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The call's one request (`each`), or InvalidArgument when the call ends without one."""
-        for request in self.each(requests, context):
-            return request
+        messages = self.each(requests, context)
+        try:
+            for request in messages:
+                return request
+        finally:
+            messages.close()
         raise InvalidArgument("the call ended without its request message")
 
+    def close(self) -> None:
+        self._closed.set()
+
+    def _late(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"no request message within {self.wait_s:g} s of the call's start or of the message "
+                                "before (or the caller cancelled)")
+
     def _run(self) -> None:
-        while True:
-            time.sleep(self.every_s)
-            now, late = time.monotonic(), []
+        while not self._closed.wait(self.every_s):
+            now = time.monotonic()
             with self._lock:
-                while self._waiting and self._waiting[0][0] <= now:
-                    late.append(self._waiting.popleft()[1])
-            for waiting in late:
-                with contextlib.suppress(IndexError):  # its message came meanwhile
-                    waiting.pop().cancel()
+                late = [context for due, context in self._calls.values() if 0 < due <= now]
+            for context in late:
+                try:
+                    context.cancel()
+                except Exception:  # never the end of the watch
+                    log.exception("cancelling a call whose request did not come")
 
 
 def _watched(fn: Callable[..., Any], watch: RequestWatch, *, unary: bool, streaming: bool) -> Callable[..., Any]:
@@ -285,21 +305,20 @@ def refusing(exc: BaseException, counted: Counted | None = None) -> grpc.RpcMeth
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Ends an RPC whose handler raised with the status `status_of` gives; with `limit`, counts every call but
-    the `exempt` methods' against it, and those against `probes`. Each request message must come within `watch`'s
-    bound (RequestWatch); a unary-request call is counted from its start, while it waits for its request.
+    """Ends an RPC whose handler raised with the status `status_of` gives; counts each call against the limit
+    `limit_of(method)` names, if any, from its start. Each request message must come within `watch`'s bound
+    (RequestWatch): a unary-request call is handed its request here, counted while it waits for it.
 
-    It runs on gRPC's completion-queue thread as each call arrives: a call past `limit`, or one that a method's
+    It runs on gRPC's completion-queue thread as each call arrives: a call past its limit, or one that a method's
     check (`add_check`) refuses, is answered there and then, before its request is read (`refusing`). That is
     the fast path, not the bound: calls that arrived but have not reached `CallLimit.enter` or their service's
-    admission yet do not count here, and those are refused after their request is read."""
+    admission yet do not count here; the limit counts them as their handler starts, and admission once their
+    request is read."""
 
-    def __init__(self, limit: CallLimit | None = None, exempt: Iterable[str] = (), watch: RequestWatch | None = None,
-                 probes: CallLimit | None = None) -> None:
-        self.limit = limit
-        self.exempt = frozenset(exempt)
+    def __init__(self, limit_of: Callable[[str], CallLimit | None] = lambda _: None,
+                 watch: RequestWatch | None = None) -> None:
+        self.limit_of = limit_of
         self.watch = watch or RequestWatch()
-        self.probes = probes
         self._checks: dict[str, tuple[Check, Counted | None]] = {}
 
     def add_check(self, method: str, check: Check, counted: Counted | None = None) -> None:
@@ -310,7 +329,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        limit = self.probes if method in self.exempt else self.limit
+        limit = self.limit_of(method)
         if limit is not None and (busy := limit.arrive()) is not None:
             return refusing(busy)
         if method in self._checks:
@@ -378,11 +397,12 @@ class Server:
     that CA.
 
     At most `max_workers` calls run at once; one more is refused at once (CallLimit). Health checks and the
-    `exempt` methods (full names, "/package.Service/Method") do not count, and RESERVED_WORKERS threads
-    beyond `max_workers` serve them and the refusals: a server busy with long streams still answers its
-    health check at once. They count against PROBE_LIMIT instead, here and on the `health_listen` server.
-    A call that does not send its request within `request_wait_s` of its start (a request stream, each message
-    within that of the one before) is cancelled (RequestWatch).
+    `exempt` methods (full names, "/package.Service/Method") count against a limit of their own instead,
+    PROBE_LIMIT (here and on the `health_listen` server), and so do the OPEN_STREAMS: RESERVED_WORKERS threads
+    beyond `max_workers` serve them and the refusals, so a server busy with long streams still answers its
+    health check at once, and callers without a token cannot take the service's slots. A call that does not
+    send its request within `request_wait_s` of its start (a request stream, each message within that of the
+    one before) is cancelled (RequestWatch).
     """
 
     def __init__(
@@ -406,8 +426,11 @@ class Server:
         self.metrics_port = metrics_port
         self.registry = registry or CollectorRegistry()
         self.limit = CallLimit(max_workers, name or "this")
-        watch = RequestWatch(request_wait_s)
-        self._errors = ErrorInterceptor(self.limit, {HEALTH_CHECK, *exempt}, watch, self._probe_limit(name))
+        self._exempt = frozenset({HEALTH_CHECK, *exempt})
+        self._probes = self._probe_limit(name)
+        self._open_streams = CallLimit(PROBE_LIMIT, name or "this", "health watches and reflection streams at once")
+        self._watch = RequestWatch(request_wait_s)
+        self._errors = ErrorInterceptor(self._limit_of, self._watch)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers + RESERVED_WORKERS),
             # `interceptors` come first (authentication), then errors map to statuses. Authentication asks this one for
@@ -424,8 +447,9 @@ class Server:
         self.health_listen = health_listen
         self._health_server: grpc.Server | None = None
         if health_listen is not None:
+            health_limit = self._probe_limit(name)
             self._health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=RESERVED_WORKERS),
-                                              interceptors=[ErrorInterceptor(self._probe_limit(name), watch=watch)],
+                                              interceptors=[ErrorInterceptor(lambda _: health_limit, self._watch)],
                                               options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(CheckOnly(self._health), self._health_server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -437,6 +461,11 @@ class Server:
     @staticmethod
     def _probe_limit(name: str) -> CallLimit:
         return CallLimit(PROBE_LIMIT, name or "this", "probes at once (health checks, a router's load polls)")
+
+    def _limit_of(self, method: str) -> CallLimit:
+        if method in self._exempt:
+            return self._probes
+        return self._open_streams if method.startswith(OPEN_STREAMS) else self.limit
 
     def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, service_name: str, *,
             internal: bool = False) -> None:
@@ -508,6 +537,7 @@ class Server:
         self._server.stop(grace_s).wait()
         if self._health_server is not None:
             self._health_server.stop(0).wait()
+        self._watch.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
 

@@ -147,17 +147,22 @@ class FakeReplica(decode_pb2_grpc.DecodeReplicaServicer):
 
 class FakeHealth(health.HealthServicer):
     """Standard health, which a test can hang (`hung.set()`: a check gets no answer until its caller gives up),
-    as a replica whose workers are all taken, or whose process is stopped. `checks` counts the checks."""
+    as a replica whose workers are all taken, or whose process is stopped, or made to refuse checks as busy
+    (`refusing.set()`: RESOURCE_EXHAUSTED, as a replica whose probe slots are taken). `checks` counts the checks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.hung = threading.Event()
+        self.refusing = threading.Event()
         self.checks = 0
 
     def Check(  # noqa: N802 - gRPC method name
         self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
         self.checks += 1
+        if self.refusing.is_set():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the decode service is serving its limit of 4 probes "
+                          "at once: retry shortly")
         while self.hung.is_set() and context.is_active():
             time.sleep(0.01)
         return super().Check(request, context)

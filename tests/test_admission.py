@@ -221,11 +221,12 @@ def test_calls_that_never_send_their_request_count_against_the_limit_and_end_aft
 
 def test_health_checks_that_never_send_their_request_hold_a_few_workers_for_the_bound_at_most(tmp_path: Path) -> None:
     """Health checks count against PROBE_LIMIT, on the port and on --health-listen: a caller that opens them and
-    never sends the request holds that many for `request_wait_s` at most, the rest are refused at once, and the
-    workers that serve calls and refusals stay free."""
+    never sends the request holds that many for `request_wait_s` at most, the rest are refused at once (which
+    `kvserve health`, the probes' command, takes as BUSY: the server runs), and the workers that serve calls and
+    refusals stay free."""
     servicer = Held()
     socket = f"unix:{tmp_path}/health.sock"
-    server = Server("127.0.0.1:0", max_workers=4, name="test", health_listen=socket, request_wait_s=1.0)
+    server = Server("127.0.0.1:0", max_workers=4, name="test", health_listen=socket, request_wait_s=5.0)
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, DECODE)
     addr = f"127.0.0.1:{server.start()}"
     never = threading.Event()
@@ -237,6 +238,8 @@ def test_health_checks_that_never_send_their_request_hold_a_few_workers_for_the_
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
             assert "probes at once" in info.value.details()  # type: ignore[attr-defined]
+            probe = subprocess.run([KVSERVE, "health", socket], capture_output=True, text=True, timeout=60)
+            assert (probe.returncode, probe.stdout.strip()) == (0, f"{socket}: BUSY"), probe  # busy is not down
             stub = decode_pb2_grpc.DecodeStub(channel)
             held = stub.Generate(request(), timeout=30)
             next(held)  # a call is served meanwhile
@@ -248,6 +251,35 @@ def test_health_checks_that_never_send_their_request_hold_a_few_workers_for_the_
             assert list(held)[-1].result.finish_reason == "length"
     finally:
         never.set()
+        servicer.release.set()
+        server.stop(0)
+
+
+def test_streams_open_to_every_caller_take_none_of_the_services_slots() -> None:
+    """Health's Watch and reflection need no token and may last as long as their caller likes: they count against
+    a limit of their own (PROBE_LIMIT), so a caller holding many takes no slot of --max-workers."""
+    servicer = Held()
+    server, addr = serve(servicer, max_workers=2)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(PROBE_LIMIT)]
+            for watch in watches:
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # each holds a worker now
+            with pytest.raises(grpc.RpcError) as info:
+                next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            assert "health watches and reflection streams" in info.value.details()  # type: ignore[attr-defined]
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            held = [stub.Generate(request(), timeout=30) for _ in range(2)]  # the service's two slots, both free
+            for call in held:
+                next(call)
+            assert serving(addr)
+            servicer.release.set()
+            assert [list(call)[-1].result.finish_reason for call in held] == ["length"] * 2
+            for watch in watches:
+                watch.cancel()
+    finally:
         servicer.release.set()
         server.stop(0)
 

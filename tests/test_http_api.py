@@ -10,19 +10,24 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
 from client.local import Layout
 from client.metrics import parse_metrics
+from rpc.server import PROBE_LIMIT
 from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, wait_http_healthy
+from tests.polling import wait_until
 from tests.processes import free_port_run, free_ports
 from tests.stack_fixtures import assert_greedy_matches, model_dir, oracle, tokens
 
@@ -242,12 +247,39 @@ def test_models_health_and_metrics_on_their_own_port(served: HTTPStack) -> None:
     context = ssl.create_default_context(cafile=str(served.layout.ca))
     with urllib.request.urlopen(f"{served.http.url}/health", context=context, timeout=10) as reply:
         assert json.loads(reply.read()) == {"status": "ok"}
+    # Its upstream's health checks all held by callers that never send theirs (rpc.server.PROBE_LIMIT): the
+    # upstream refuses the front's as busy, and busy is not down.
+    never = threading.Event()
+    creds = grpc.ssl_channel_credentials(root_certificates=served.layout.ca.read_bytes())
+    with grpc.secure_channel(served.stack.addr, creds) as channel:
+        def silent() -> Iterator[bytes]:
+            never.wait()
+            yield b""
+
+        calls = [channel.stream_stream("/grpc.health.v1.Health/Check")(silent(), timeout=30)
+                 for _ in range(PROBE_LIMIT + 2)]
+        try:
+            wait_until(lambda: refused_as_busy(channel), message="the probe slots were never all taken")
+            with urllib.request.urlopen(f"{served.http.url}/health", context=context, timeout=10) as reply:
+                assert json.loads(reply.read()) == {"status": "ok"}
+        finally:
+            never.set()
+            for call in calls:
+                call.cancel()
     page = served.decode_metrics(METRICS_OFFSETS["http"])  # on its metrics port, as every service's
     assert page['kvserve_http_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert page["kvserve_http_ttft_seconds_count"] >= 1
     with pytest.raises(urllib.error.HTTPError) as public:  # not on the public port
         urllib.request.urlopen(f"{served.http.url}/metrics", context=context, timeout=10)
     assert public.value.code == 404
+
+
+def refused_as_busy(channel: grpc.Channel) -> bool:
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.RpcError as exc:
+        return bool(exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)  # type: ignore[attr-defined]
+    return False
 
 
 @pytest.fixture()

@@ -142,6 +142,19 @@ def test_a_replica_whose_health_times_out_keeps_its_place_until_it_is_taken_as_d
         wait_until(lambda: r.router.num_healthy == 1, message="never healthy again")
 
 
+def test_a_replica_that_refuses_its_health_checks_as_busy_keeps_its_place() -> None:
+    """A replica answers only a few health checks at once (rpc.server.PROBE_LIMIT): callers holding those make it
+    refuse the router's as busy. It answers, so it is alive: it keeps its place however long that lasts."""
+    with fakes(1) as (busy,), routed([busy.addr], dead_after_s=0.5) as r:
+        wait_until(lambda: r.router.num_healthy == 1, message="the replica was never healthy")
+        busy.health.refusing.set()
+        checks = busy.health.checks
+        wait_until(lambda: busy.health.checks >= checks + 20, message="no more health checks")  # 1 s of refusals
+        assert r.router.num_healthy == 1
+        answer = generate(r.addr, request())
+        assert answer.code == Code.OK and len(answer.tokens) == 4 and len(busy.servicer.requests) == 1
+
+
 def test_a_replica_that_says_not_serving_is_skipped() -> None:
     with fakes(2) as (draining, serving), routed([draining.addr, serving.addr]) as r:
         draining.health.set(DECODE_SERVICE, NOT_SERVING)
