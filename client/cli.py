@@ -31,6 +31,7 @@ from client.diagnose import Dialed, explain  # noqa: E402
 from client.health import credentials, known_credentials, positive_float  # noqa: E402
 from client.metrics import parse_metrics  # noqa: E402
 from client.terminal import printable  # noqa: E402
+from engine.fetch import REAL_MODEL  # noqa: E402  (stdlib only: no torch)
 from stack.stack import Stack, StackConfig, StackError  # noqa: E402
 from stack.status import STATUS_FILE, UpStatus, no_up, read_status  # noqa: E402
 from stack.supervisor import Supervisor, Unrecoverable, duration, metrics_url  # noqa: E402
@@ -187,7 +188,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                     help="models/, kvstore/ (the disk tier), logs/ and up.json live here (default %(default)s)")
     up.add_argument("--model", type=Path, default=None,
-                    help="model folder (default: the tiny llama under DATA_DIR, built if missing)")
+                    help="model folder (default: DATA_DIR/models/smollm2-135m-instruct where `kvserve model fetch` "
+                         "put it, else the tiny random-weight llama under DATA_DIR, built if missing)")
     up.add_argument("--host", default="127.0.0.1",
                     help="interface the three services listen on (default %(default)s; 0.0.0.0 for all)")
     up.add_argument("--decode-port", type=int, default=50051, help="front door (default %(default)s)")
@@ -279,10 +281,16 @@ def _raise_interrupted(signum: int, _frame: Any) -> None:
 SUPERVISE_INTERVAL_S = 0.2  # how often `up` looks at its services
 
 
+def _default_model(data_dir: Path) -> Path:
+    """The real model where it has been fetched into data_dir, else the tiny one (built by `up` if missing)."""
+    real = data_dir / "models" / REAL_MODEL
+    return real if (real / "config.json").exists() else data_dir / "models" / "tiny-llama"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from client.terminal import Progress
 
-    model_dir = args.model or args.data_dir / "models" / "tiny-llama"
+    model_dir = args.model or _default_model(args.data_dir)
     config = StackConfig(
         model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,
         prefill_port=args.prefill_port, store_port=args.store_port,
