@@ -64,7 +64,7 @@ from bench.report import (
 )
 from bench.streams import Streams, StreamTrace, stream_into
 from bench.target import (
-    DEFAULT_MODEL_DIR,
+    MODEL_HELP,
     add_device_flags,
     device_flags,
     ensure_model,
@@ -376,8 +376,7 @@ def panels(r: dict[str, Any]) -> list[Panel]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve bench decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
-                    help="model folder (default %(default)s, built if missing)")
+    ap.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
     ap.add_argument("--streams", default="1,4,16,64", help="concurrencies, comma-separated (default %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="per stream (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=64, help="generated per stream (default %(default)s)")
@@ -403,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--unchunked-budget {args.unchunked_budget} cannot hold the long prompt and the streams' tokens "
                  f"in one forward (needs {args.long_prompt_tokens + args.itl_streams})")
     levels = sorted({int(n) for n in args.streams.split(",")})
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     with Progress(progress_steps(args, levels), "decode: HF baseline", quiet=args.quiet) as progress:
         report = run(args, levels, progress)
     if args.json != "-":

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--record-key sets the store started here: not with --addr")
     if min(args.prefix_tokens, args.new_tokens, args.repeats) < 1:
         ap.error("--prefix-tokens, --new-tokens and --repeats must be >= 1")
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     limit = max_positions(args.model)
     if limit is not None and args.prefix_tokens + args.new_tokens + 2 > limit:
         ap.error(f"--prefix-tokens + --new-tokens + the 2 tokens generated = {args.prefix_tokens + args.new_tokens + 2} "

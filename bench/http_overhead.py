@@ -1,12 +1,13 @@
 """`kvserve bench http`: what the HTTP API adds to a request, against the same request through gRPC, in one run.
 
-One stack (plaintext, the tiny model by default) with its HTTP front (`kvserve http`) in front of decode.
-Each request is one chat turn over a shared system prompt (`--system-words`, cached after the untimed
-warm-up) with a question of its own, `--answer-tokens` greedy tokens, EOS ignored: the cached-turn case,
-where TTFT is shortest and an added hop shows most. Requests go in pairs, the same workload once through
-`client.AsyncClient` (gRPC, to decode) and once through `openai.AsyncOpenAI` (HTTP, to the front, which
-calls decode), one at a time by default or `--concurrency` of each path at once; the path that goes first
-alternates from pair to pair, so neither gets the warmer cache or the quieter second.
+One stack (plaintext; on the real model where it has been fetched, else the tiny one, by default) with its
+HTTP front (`kvserve http`) in front of decode. Each request is one chat turn over a shared system prompt
+(`--system-words`, cached after the untimed warm-up) with a question of its own, `--answer-tokens` greedy
+tokens, EOS ignored: the cached-turn case, where TTFT is shortest and an added hop shows most. Requests go
+in pairs, the same workload once through `client.AsyncClient` (gRPC, to decode) and once through
+`openai.AsyncOpenAI` (HTTP, to the front, which calls decode), one at a time by default or `--concurrency`
+of each path at once; the path that goes first alternates from pair to pair, so neither gets the warmer
+cache or the quieter second.
 
 Both are measured as a client sees them: TTFT to the first chunk with text, ITL as the gaps between chunks
 with text (the tiny byte-level model's partial characters have none, on both paths), end-to-end to the
@@ -44,7 +45,7 @@ from bench.report import (
     percentile,
 )
 from bench.serve import words
-from bench.target import DEFAULT_MODEL_DIR, ensure_model, local_stack
+from bench.target import MODEL_HELP, ensure_model, local_stack
 
 PATHS = ("grpc", "http")
 TTFT_GOAL, ITL_GOAL_MS = 1.1, 1.0
@@ -156,7 +157,8 @@ def report_text(r: dict[str, Any]) -> str:
     g, c = r["goals"], r["http_cpu"]
     return "\n".join([
         f"kvserve bench http: {r['settings']['pairs']} pairs x {r['settings']['concurrency']} at once, "
-        f"{r['settings']['answer_tokens']} tokens each, a cached {r['settings']['system_words']}-word system prompt",
+        f"{r['settings']['answer_tokens']} tokens each, a cached {r['settings']['system_words']}-word system prompt; "
+        f"model {r['settings']['model']}",
         table,
         f"the HTTP front's CPU: {c['per_request_s'] * 1000:.1f} ms per request, {c['per_token_s'] * 1e6:.0f} us "
         f"per token",
@@ -175,8 +177,7 @@ def panels(r: dict[str, Any]) -> list[Panel]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvserve bench http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
-                    help="model folder (default %(default)s, built if missing)")
+    ap.add_argument("--model-dir", type=Path, default=None, help=MODEL_HELP)
     ap.add_argument("--pairs", type=int, default=30, help="requests per path, in alternating order (default %(default)s)")
     ap.add_argument("--concurrency", type=int, default=1, help="requests of one path at once (default %(default)s)")
     ap.add_argument("--system-words", type=int, default=400, help="shared system prompt (default %(default)s)")
@@ -192,7 +193,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    ensure_model(args.model_dir)
+    args.model_dir = ensure_model(args.model_dir)
     with Progress(2 * args.pairs + 1, "http: starting the stack", quiet=args.quiet) as progress, \
             tempfile.TemporaryDirectory(prefix="kvserve-bench-http-") as tmp, \
             local_stack(args.model_dir, Path(tmp), "stack", None, http=True) as stack:
@@ -206,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs = paired(traces, args.concurrency)
     http_requests = len(traces["http"]) + 1  # and its warm-up
     report = {
-        "settings": {k: getattr(args, k) for k in ("pairs", "concurrency", "system_words", "question_words",
-                                                   "answer_tokens")},
+        "settings": {**{k: getattr(args, k) for k in ("pairs", "concurrency", "system_words", "question_words",
+                                                      "answer_tokens")}, "model": str(args.model_dir)},
         "paths": paths,
         "paired": pairs,
         "http_cpu": {"seconds": front_cpu, "per_request_s": front_cpu / http_requests,

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from bench.target import MODEL_HELP, ensure_model
 from engine.engine import Engine
 from engine.hashing import Namespace, prefix_hashes
 from engine.kv_cache import KVCache
@@ -41,10 +42,19 @@ SYSTEM_PROMPT = (
 )
 
 
-def build_prompt(target_tokens: int) -> list[dict[str, str]]:
-    """A chat whose long system prompt (a shared prefix) renders to about ``target_tokens`` byte tokens."""
-    system = (SYSTEM_PROMPT * (target_tokens // len(SYSTEM_PROMPT) + 1))[:target_tokens]
+def build_prompt(chars: int) -> list[dict[str, str]]:
+    """A chat whose long system prompt (a shared prefix) is ``chars`` characters."""
+    system = (SYSTEM_PROMPT * (chars // len(SYSTEM_PROMPT) + 1))[:chars]
     return [{"role": "system", "content": system}, {"role": "user", "content": "Why is node 7 slow?"}]
+
+
+def chat_prompt(model: Model, target_tokens: int) -> list[int]:
+    """`build_prompt`'s chat rendered to at least ``target_tokens`` tokens of the model's tokenizer (a byte-level
+    one has a token per character; a BPE one, fewer): its system prompt lengthened until it does."""
+    chars = target_tokens
+    while len(prompt := encode_prompt(model, messages=build_prompt(chars))) < target_tokens:
+        chars += max(1, (target_tokens - len(prompt)) * chars // len(prompt))
+    return prompt
 
 
 def prefill_flops(model: Model, num_tokens: int) -> float:
@@ -219,19 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["baselines"]:
         return baselines_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvserve bench prefill", description=__doc__)
-    parser.add_argument("--model", type=Path, required=True, help="local Hugging Face model folder")
+    parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens,
                         help="the engine's token budget per forward, as the services' flag (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    args.model = ensure_model(args.model)
     hf_logging.disable_progress_bar()
 
     engine = Engine(load_model(args.model), block_size=args.block_size,
                     config=SchedulerConfig(args.max_num_batched_tokens, max_num_seqs=1))
     model, namespace = engine.model, engine.namespace()
-    prompt = encode_prompt(model, messages=build_prompt(args.prompt_tokens))
+    prompt = chat_prompt(model, args.prompt_tokens)
     store = DictStore(namespace, prefix_hashes(prompt, engine.block_size, namespace.root()))
 
     prefill(engine, prompt[:64], DictStore(namespace, []), 0)  # warm-up: one-time start-up costs

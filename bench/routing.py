@@ -36,7 +36,7 @@ from bench.report import (
 )
 from bench.sessions import Settings, random_tokens, run_session
 from bench.streams import StreamTrace, timed_stream
-from bench.target import delta, ensure_model, free_port, local_stack, scrape
+from bench.target import delta, free_port, local_stack, scrape
 from client.client import Client
 from stack.stack import Stack, start_service, stop_service
 
@@ -64,7 +64,6 @@ def nodes_and_routers(args: argparse.Namespace, policies: list[str]) -> Iterator
                                                                                       dict[str, str]]]:
     """N local stacks and a router per policy in front of their decode services: (nodes, router address by
     policy, router metrics URL by policy)."""
-    ensure_model(args.model)
     threads = str(max(1, (os.cpu_count() or 1) // args.replicas))
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-routing-") as tmp, contextlib.ExitStack() as stack, \
             environ(OMP_NUM_THREADS=threads):

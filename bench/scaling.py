@@ -13,8 +13,10 @@ sessions around it, so that the machine's drift over the repeat weighs on both s
 moved from 23.5 to 30.4 tok/s between sessions minutes apart on the same stack).
 
 Goal printed as met or not: the ratio >= 3x in every repeat. With --peer vllm, vLLM serves the same
-sessions (the same token ids, in the same order) before the stack starts, its server stopped before, and its
-own ratios are reported beside kvserve's.
+sessions (the same token ids, in the same order) before the stack starts, its server stopped before, twice
+(bench.vllm_peer): with its default threads and with every core bound, each on a server of its own; each
+setting's ratios are reported beside kvserve's, and which is faster (the higher output tok/s over its
+sessions), the one the panels show.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peer_steps = vllm_peer.progress_steps(plan) if args.peer else 0
     with Progress(2 + requests + peer_steps, "scaling", quiet=args.quiet) as progress:
         # The peer before the stack starts, its server stopped before: one side on the cores at a time.
-        peer, peer_sessions = vllm_peer.run_vllm(args, plan, progress, "scaling") if args.peer else (None, None)
+        peer, peer_runs = vllm_peer.run_vllm(args, plan, progress, "scaling") if args.peer else (None, {})
         progress.step(label="scaling: starting the stack")
         with open_target(args, "scaling") as target, Client(target.addr, timeout_s=600) as client:
             progress.step(label="scaling: warm-up")
@@ -103,8 +105,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "goals": {"ratio_every_repeat": goal(worst, GOAL, at_most=False)},
     }
     if peer is not None:
-        if peer_sessions is not None:
-            peer["repeats"] = repeats([tok_s(traces) for traces in peer_sessions])
+        for setting in peer["threads"]:
+            if setting["name"] in peer_runs:
+                setting["repeats"] = repeats([tok_s(traces) for traces in peer_runs[setting["name"]]])
         report["peer"] = peer
     return report
 
@@ -138,8 +141,10 @@ def report_text(r: dict[str, Any]) -> str:
         if peer.get("skipped"):
             lines.append(f"vLLM: skipped: {peer['skipped']}")
         else:
-            lines += [f"vLLM {peer.get('version', '?')} (CPU build, its OpenAI server, prefix caching on; the same "
-                      "sessions before the stack started):", table(peer["repeats"])]
+            lines += vllm_peer.peer_lines(peer, "the same sessions", s["rounds"])
+            for setting in peer["threads"]:
+                if "repeats" in setting:
+                    lines += [f"vLLM, {setting['name']}:", table(setting["repeats"])]
     lines.append(goal_line(f"kvserve's {s['users']} users >= {GOAL:g}x 1 user's tok/s in every repeat (the worst)",
                            r["goals"]["ratio_every_repeat"]))
     return "\n".join(lines)
@@ -147,8 +152,9 @@ def report_text(r: dict[str, Any]) -> str:
 
 def panels(r: dict[str, Any]) -> list[Panel]:
     sides = {"kvserve": r["repeats"]}
-    if r.get("peer") and r["peer"].get("repeats"):
-        sides["vLLM"] = r["peer"]["repeats"]
+    best = vllm_peer.faster(r["peer"]) if r.get("peer") else None
+    if best is not None:
+        sides[f"vLLM {best['name']}"] = best["repeats"]
     ratios = {name: [x["ratio"] for x in rows] for name, rows in sides.items()}
     users = r["settings"]["users"]
     rates = {f"{name}, {label}": [(x[a] + x[b]) / 2 if b else x[a] for x in rows]
@@ -190,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     report = run(args)
     emit(args, report, report_text(report), lambda: panels(report), "kvserve bench scaling")
     return 0

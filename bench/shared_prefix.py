@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = sorted({int(n) for n in args.users.split(",")})
     if levels[0] < 1 or args.cold_repeats < 1 or args.question_tokens < 1 or args.answer_tokens < 1:
         ap.error("--users, --cold-repeats, --question-tokens and --answer-tokens must be >= 1")
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     report = run(args, levels)
     emit(args, report, report_text(report), lambda: panels(report), "kvserve bench shared-prefix")
     return 0

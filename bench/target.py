@@ -16,19 +16,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.metrics import parse_metrics
+from engine.fetch import REAL_MODEL, REAL_MODEL_DIR
 from kvstore.record_key import write_new
 from stack.stack import Stack, StackConfig
 
-DEFAULT_MODEL_DIR = Path("data/models/tiny-llama")
+TINY_MODEL_DIR = Path("data/models/tiny-llama")
+MODEL_HELP = (f"model folder (default: {REAL_MODEL_DIR} where `kvserve model fetch {REAL_MODEL}` has put it, "
+              f"else the tiny random-weight {TINY_MODEL_DIR}, built if missing)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the services' --dtype (rpc.cli)
 
 
-def ensure_model(model: Path) -> None:
-    """Builds the default tiny llama when it is missing (any other folder must exist)."""
-    if model == DEFAULT_MODEL_DIR and not (model / "config.json").exists():
+def ensure_model(model: Path | None) -> Path:
+    """The model folder a benchmark runs: `model`, or by default the real model where it has been fetched, else
+    the tiny llama (said on stderr); the tiny llama is built when it is the one and missing."""
+    if model is None:
+        if (REAL_MODEL_DIR / "config.json").exists():
+            return REAL_MODEL_DIR
+        print(f"no {REAL_MODEL} in {REAL_MODEL_DIR}: benchmarking the tiny random-weight {TINY_MODEL_DIR} "
+              f"(`kvserve model fetch {REAL_MODEL}` fetches the real one)", file=sys.stderr, flush=True)
+        model = TINY_MODEL_DIR
+    if model == TINY_MODEL_DIR and not (model / "config.json").exists():
         print(f"building the tiny model in {model} ...", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model), "--arch", "llama"],
                        check=True)
+    return model
 
 
 def free_port() -> int:
@@ -111,8 +122,7 @@ class Target:
 
 
 def add_target_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
-                    help="model folder (default %(default)s, built if missing); with --addr, the stack's model")
+    ap.add_argument("--model", type=Path, default=None, help=f"{MODEL_HELP}; with --addr, the stack's model")
     ap.add_argument("--addr", default=None,
                     help="a running stack's front door (default: start the three services on a temporary folder)")
     ap.add_argument("--kvstore", default=None, help="with --addr: that stack's store address")
@@ -130,7 +140,6 @@ def open_target(args: argparse.Namespace, name: str, engine_args: Sequence[str] 
     if args.addr:
         yield Target(args.addr, args.kvstore, tuple(args.metrics), args.model)
         return
-    ensure_model(args.model)
     ports = {service: free_port() for service in ("kvstore", "prefill", "decode")}
     with tempfile.TemporaryDirectory(prefix=f"kvserve-bench-{name}-") as tmp, \
             local_stack(args.model, Path(tmp), name, args.log_dir, metrics_ports=ports, engine_args=engine_args,

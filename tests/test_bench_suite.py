@@ -1,6 +1,7 @@
 """`kvserve bench multi-turn | shared-prefix | handoff | store` in short forms on a tiny model: each runs,
 writes a valid PNG and a JSON holding every figure its table names, and its figures add up. The report
-helpers they share are tested without a stack. No wall-clock thresholds: timings are only read."""
+helpers they share, and the model they run by default, are tested without a stack. No wall-clock
+thresholds: timings are only read."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 
 import pytest
 from matplotlib import image
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from bench import handoff as bench_handoff
 from bench import http_overhead as bench_http
@@ -22,6 +25,7 @@ from bench import routing as bench_routing
 from bench import scaling as bench_scaling
 from bench import shared_prefix as bench_shared_prefix
 from bench import store as bench_store
+from bench import vllm_peer
 from bench.report import (
     Column,
     Line,
@@ -33,8 +37,9 @@ from bench.report import (
     percentiles_s,
     save_plot,
 )
-from bench.target import free_port, local_stack
+from bench.target import TINY_MODEL_DIR, ensure_model, free_port, local_stack
 from client import cli
+from engine.fetch import REAL_MODEL, REAL_MODEL_DIR
 from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -124,6 +129,27 @@ def test_environ_sets_variables_and_restores_them(monkeypatch: pytest.MonkeyPatc
     assert (os.environ["KVSERVE_PROBE_SET"], os.environ.get("KVSERVE_PROBE_UNSET")) == ("before", None)
 
 
+def test_benchmarks_run_the_real_model_by_default_where_it_has_been_fetched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # the model folders are relative to the working directory
+    (tmp_path / TINY_MODEL_DIR).mkdir(parents=True)
+    (tmp_path / TINY_MODEL_DIR / "config.json").write_text("{}")  # built already: nothing to build
+    assert ensure_model(None) == TINY_MODEL_DIR
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith(f"no {REAL_MODEL} in {REAL_MODEL_DIR}: benchmarking the tiny")
+    assert f"`kvserve model fetch {REAL_MODEL}`" in said[0]
+    (tmp_path / REAL_MODEL_DIR).mkdir(parents=True)
+    assert ensure_model(None) == TINY_MODEL_DIR  # a folder without its config is not fetched
+    (tmp_path / REAL_MODEL_DIR / "config.json").write_text("{}")
+    capsys.readouterr()
+    assert ensure_model(None) == REAL_MODEL_DIR
+    assert ensure_model(Path("elsewhere")) == Path("elsewhere")  # a folder given is taken as it is
+    assert capsys.readouterr().err == ""
+    for parse in (bench_multi_turn.parse_args, bench_scaling.parse_args, bench_http.parse_args):
+        args = parse([])
+        assert getattr(args, "model", getattr(args, "model_dir", "-")) is None  # main resolves it
+
+
 def test_the_cli_keeps_its_own_commands() -> None:
     assert cli.forwarded(["bench", "nothing"]) is None
     assert cli.forwarded(["generate", "hi"]) is None
@@ -184,6 +210,33 @@ def test_scaling_runs_one_user_then_many_then_one_each_with_prompts_of_its_own()
     rows = bench_scaling.repeats([10.0, 36.0, 8.0, 12.0, 30.0, 8.0])
     assert [r["ratio"] for r in rows] == [4.0, 3.0]  # over the mean of the one-user sessions around it
     assert rows[1] == {"one_user_before_tok_s": 12.0, "one_user_after_tok_s": 8.0, "users_tok_s": 30.0, "ratio": 3.0}
+
+
+def test_scaling_reports_both_vllm_settings_and_plots_the_faster() -> None:
+    rows = bench_scaling.repeats([10.0, 36.0, 8.0])
+    default: dict[str, Any] = {
+        "name": "default", "env": {}, "startup_s": 80.0, "ttft_p50_rounds_2_plus_s": 0.5, "throughput_tok_s": 20.0,
+        "repeats": bench_scaling.repeats([5.0, 10.0, 5.0])}
+    every: dict[str, Any] = {
+        "name": "all-cores", "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        "startup_s": 70.0, "ttft_p50_rounds_2_plus_s": 0.3, "throughput_tok_s": 30.0,
+        "repeats": bench_scaling.repeats([8.0, 24.0, 8.0])}
+    r: dict[str, Any] = {
+        "settings": {"users": 4, "rate": 2.0, "rounds": 3, "system_tokens": 48, "question_tokens": 16,
+                     "answer_tokens": 4, "repeats": 1, "seed": 0, "model": "m", "peer": "vllm"},
+        "repeats": rows, "goals": {"ratio_every_repeat": goal(4.0, 3.0, at_most=False)},
+        "peer": {"name": "vllm", "version": "0.32.0", "dtype": "float32", "kv_space_gib": 4,
+                 "threads": [default, every], "faster": "all-cores"}}
+    text = bench_scaling.report_text(r)
+    assert "  default, vLLM's default threads (a core kept for its API server): ready in 80 s; TTFT p50 over " \
+           "rounds 2-3 500.0 ms, output tok/s 20.0" in text
+    assert "kvserve is compared with the faster (the higher output tok/s): all-cores" in text
+    assert "vLLM, default:" in text and "vLLM, all-cores:" in text
+    assert text.index("vLLM, all-cores:") < text.index("3.00") < text.index("goal:")  # its N / 1
+    assert vllm_peer.faster(r["peer"]) is every
+    ax = Figure().subplots()
+    bench_scaling.panels(r)[1](ax)  # the ratios' bars: kvserve's and the faster setting's
+    assert [p.get_height() for p in ax.patches if isinstance(p, Rectangle)] == [4.0, 3.0]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
-"""`kvserve bench multi-turn --peer vllm` (bench/vllm_peer.py) without vLLM: its flags, the skipped peer
-when there is no venv or its server does not start (no process left behind), the session over the OpenAI
-SDK against a fake server that speaks vLLM's streamed completions, and the side-by-side figures and goals
-on synthetic traces. No test starts vLLM: the real run is `make bench-peers`."""
+"""`kvserve bench multi-turn --peer vllm` (bench/vllm_peer.py) without vLLM: its flags and thread settings, the
+skipped peer when there is no venv or its server does not start (no process left behind), the session over
+the OpenAI SDK against a fake server that speaks vLLM's streamed completions, once per thread setting, and the
+side-by-side figures and goals on synthetic traces. No test starts vLLM: the real run is `make bench-peers`."""
 
 from __future__ import annotations
 
@@ -77,12 +77,30 @@ def test_the_server_gets_the_models_dtype_a_bounded_kv_space_and_stays_offline(t
     assert cmd[:3] == ["v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert {"--enable-prompt-tokens-details", "127.0.0.1", "8123"} <= set(cmd)
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--model") + 1] == str(model)
-    env = vllm_peer.vllm_env(Path("v/bin/python"), 3, {"PATH": "/usr/bin", "VIRTUAL_ENV": "/x/.venv",
-                                                        "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    default, every = vllm_peer.thread_settings([0, 1, 2, 3])
+    caller = {"PATH": "/usr/bin", "VIRTUAL_ENV": "/x/.venv", "VLLM_CPU_OMP_THREADS_BIND": "1",
+              "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "OMP_NUM_THREADS": "3"}
+    env = vllm_peer.vllm_env(Path("v/bin/python"), 3, default, caller)
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"  # the caller's settings pass through
     assert env["PATH"].split(os.pathsep) == ["v/bin", "/usr/bin"] and "VIRTUAL_ENV" not in env
+    # vLLM's default: the caller's thread variables are not passed on; every core: bound, none reserved.
+    assert not set(vllm_peer.THREAD_VARS) & set(env) and env["OMP_NUM_THREADS"] == "3"
+    env = vllm_peer.vllm_env(Path("v/bin/python"), 3, every, caller)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == ("0-3", "0")
+
+
+def test_the_thread_settings_are_vllms_default_and_every_core_bound() -> None:
+    default, every = vllm_peer.thread_settings([1, 0])
+    assert (default.name, dict(default.env)) == ("default", {})
+    assert (every.name, dict(every.env)) == ("all-cores", {"VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                                                           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    assert vllm_peer.thread_settings([0, 2, 3])[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "0,2,3"
+    cores = sorted(os.sched_getaffinity(0))  # by default, the cores this process may run on
+    assert vllm_peer.thread_settings()[1].env["VLLM_CPU_OMP_THREADS_BIND"] == \
+        vllm_peer.thread_settings(cores)[1].env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert every.describe() == "every core bound (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0)"
+    assert "default" in default.describe()
 
 
 # ---- skipped ----------------------------------------------------------------------------------
@@ -90,8 +108,10 @@ def test_the_server_gets_the_models_dtype_a_bounded_kv_space_and_stays_offline(t
 
 def test_without_the_venv_the_peer_is_skipped_with_how_to_install_it(tmp_path: Path) -> None:
     missing = tmp_path / "no-venv" / "bin" / "python"
-    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, missing), [SMALL], Progress(1, quiet=True))
-    assert traces is None
+    progress = Progress(100, quiet=True)
+    peer, runs = vllm_peer.run_vllm(peer_args(tmp_path, missing), [SMALL], progress)
+    assert runs == {} and peer["threads"] == [] and "faster" not in peer
+    assert progress.done == vllm_peer.progress_steps([SMALL])  # the bar goes on past the peer's part
     assert peer["skipped"].startswith(f"no vLLM: {missing} is missing")
     assert "`make bench-peers` installs it" in peer["skipped"]
     text = vllm_peer.comparison_text(peer, {})
@@ -105,16 +125,20 @@ def test_a_python_without_vllm_is_skipped_too(tmp_path: Path) -> None:
 
 
 def fake_python(tmp_path: Path, body: str) -> Path:
-    """An executable named python whose `-c` answers a version and whose `-m` runs `body` (Python)."""
+    """An executable named python whose `-c` answers a version and whose `-m` prints its thread variables and
+    runs `body` (Python; `all_cores` says which setting it runs under)."""
     path = tmp_path / "venv" / "bin" / "python"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""\
-        import sys
+        import os, sys
         if sys.argv[1] == "-c":
             print("0.0-fake")
             raise SystemExit(0)
         args = sys.argv[3:]
         port = int(args[args.index("--port") + 1])
+        print("threads:", *(os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")),
+              flush=True)
+        all_cores = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == "0"
         """) + textwrap.dedent(body))
     path.chmod(0o755)
     return path
@@ -126,10 +150,12 @@ def test_a_server_that_dies_is_skipped_with_its_log(tmp_path: Path) -> None:
         print("RuntimeError: no CPU attention backend for head size 7", flush=True)
         raise SystemExit(3)
         """)
-    peer, traces = vllm_peer.run_vllm(peer_args(tmp_path, python), [SMALL], Progress(1, quiet=True))
-    assert traces is None
+    peer, runs = vllm_peer.run_vllm(peer_args(tmp_path, python), [SMALL], Progress(1, quiet=True))
+    assert runs == {} and "faster" not in peer
     assert peer["version"] == "0.0-fake"
-    assert "vLLM's server exited (3) before it was ready" in peer["skipped"]
+    assert [t["name"] for t in peer["threads"]] == ["default", "all-cores"]
+    assert all("vLLM's server exited (3) before it was ready" in t["skipped"] for t in peer["threads"])
+    assert peer["skipped"].startswith("default: vLLM's server exited (3)") and "; all-cores: vLLM's" in peer["skipped"]
     assert "no CPU attention backend for head size 7" in peer["skipped"]
 
 
@@ -145,7 +171,8 @@ def test_a_server_never_ready_is_stopped_with_its_children(tmp_path: Path) -> No
         """)
     log = tmp_path / "vllm.log"
     with pytest.raises(vllm_peer.PeerSkipped, match=r"not ready in 1 s \(--vllm-start-timeout\)(.|\n)*loading the model"), \
-            vllm_peer.vllm_server(python, tmp_path, kv_space_gib=1, start_timeout_s=1, log_path=log):
+            vllm_peer.vllm_server(python, tmp_path, kv_space_gib=1, threads=vllm_peer.thread_settings()[0],
+                                  start_timeout_s=1, log_path=log):
         pass
     child = int(pids.read_text())
 
@@ -170,7 +197,7 @@ def test_signals_raise_system_exit_only_while_the_server_runs() -> None:
 # ---- the session over the OpenAI SDK, against a fake server -----------------------------------
 
 FAKE_SERVER = """\
-    import json
+    import json, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     seen = []
@@ -199,6 +226,7 @@ FAKE_SERVER = """\
             head = {"id": "c", "object": "text_completion", "created": 0, "model": body["model"]}
             n = body["max_tokens"]
             for i in range(n):
+                time.sleep(0 if all_cores else 0.02)  # the default setting is the slower
                 token = (sum(prompt) + i) % 256
                 event({**head, "choices": [{"index": 0, "text": chr(65 + token % 26), "logprobs": None,
                        "finish_reason": "length" if i == n - 1 else None, "token_ids": [token]}]})
@@ -210,19 +238,37 @@ FAKE_SERVER = """\
     """
 
 
-def test_the_session_runs_over_the_openai_sdk_with_the_same_token_ids(tmp_path: Path) -> None:
+def test_the_session_runs_over_the_openai_sdk_with_the_same_token_ids(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "5")  # not passed on to either setting
     python = fake_python(tmp_path, FAKE_SERVER)
-    # two sessions on one server (bench scaling's): the second, of other token ids, after the first
+    # two sessions on each server (bench scaling's): the second, of other token ids, after the first
     other = dataclasses.replace(SMALL, users=1, seed=4)
-    peer, sessions = vllm_peer.run_vllm(peer_args(tmp_path, python, log_dir=tmp_path / "logs"), [SMALL, other],
-                                        Progress(1, quiet=True))
-    assert sessions is not None, peer.get("skipped")
-    traces, (alone,) = sessions
+    progress = Progress(100, quiet=True)
+    peer, runs = vllm_peer.run_vllm(peer_args(tmp_path, python, log_dir=tmp_path / "logs"), [SMALL, other],
+                                    progress)
+    assert progress.done == vllm_peer.progress_steps([SMALL, other]) == 2 * (2 + 6 + 3)
+    # Each thread setting on a server of its own, with its variables; the faster is the higher output tok/s.
+    assert set(runs) == {"default", "all-cores"}, peer
+    bind = vllm_peer.thread_settings()[1].env["VLLM_CPU_OMP_THREADS_BIND"]
+    assert "threads: None None" in (tmp_path / "logs" / "vllm-default.log").read_text()
+    assert f"threads: {bind} 0" in (tmp_path / "logs" / "vllm-all-cores.log").read_text()
+    default, every = peer["threads"]
+    assert (default["name"], default["env"], every["name"]) == ("default", {}, "all-cores")
+    assert every["env"] == {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    for setting in peer["threads"]:
+        assert setting["startup_s"] > 0 and setting["ttft_p50_rounds_2_plus_s"] > 0
+        assert setting["throughput_tok_s"] == pytest.approx(vllm_peer.setting_figures(runs[setting["name"]])
+                                                            ["throughput_tok_s"])
+    assert every["throughput_tok_s"] > default["throughput_tok_s"] and peer["faster"] == "all-cores"
+    assert vllm_peer.faster(peer) is every
+    assert [[t.token_ids for u in s for t in u] for s in runs["default"]] == \
+        [[t.token_ids for u in s for t in u] for s in runs["all-cores"]]
+    traces, (alone,) = runs["all-cores"]
     assert [len(t.token_ids) for t in alone] == [SMALL.answer_tokens] * SMALL.rounds
     assert alone[0].result is not None and list(alone[0].result.prompt_token_ids)[:SMALL.system_tokens] == \
         random_tokens(random.Random(other.seed), SMALL.system_tokens)
-    assert peer["version"] == "0.0-fake" and peer["dtype"] == "float32" and peer["startup_s"] > 0
-    assert (tmp_path / "logs" / "vllm.log").exists()
+    assert peer["version"] == "0.0-fake" and peer["dtype"] == "float32"
     assert len(traces) == SMALL.users and all(len(u) == SMALL.rounds for u in traces)
     # The prompts the stack would get: each round the history (answers included) and a new question.
     system = random_tokens(random.Random(SMALL.seed), SMALL.system_tokens)
@@ -249,6 +295,29 @@ def test_the_session_runs_over_the_openai_sdk_with_the_same_token_ids(tmp_path: 
 
     run_session_with(record, SMALL, Progress(1, quiet=True))
     assert sorted(sent) == sorted(list(t.result.prompt_token_ids) for u in traces for t in u if t.result)
+
+
+@pytest.mark.slow
+def test_a_setting_whose_server_dies_is_reported_and_the_other_compared(tmp_path: Path) -> None:
+    python = fake_python(tmp_path, textwrap.dedent("""\
+        if all_cores:
+            print("RuntimeError: cannot bind the cores", flush=True)
+            raise SystemExit(4)
+        """) + textwrap.dedent(FAKE_SERVER))
+    peer, runs = vllm_peer.run_vllm(peer_args(tmp_path, python), [SMALL], Progress(1, quiet=True))
+    assert set(runs) == {"default"} and peer["faster"] == "default" and "skipped" not in peer
+    default, every = peer["threads"]
+    assert default["throughput_tok_s"] > 0 and "skipped" not in default
+    assert "vLLM's server exited (4) before it was ready" in every["skipped"]
+    assert "cannot bind the cores" in every["skipped"]
+    (traces,) = runs["default"]
+    versus = vllm_peer.compare(kv_rows(traces), traces, traces)
+    peer.update(comparison=versus["rounds"], summary=versus["summary"])
+    text = vllm_peer.comparison_text(peer, versus["goals"])
+    assert "  default, vLLM's default threads (a core kept for its API server): ready in " in text
+    assert "  all-cores, every core bound (VLLM_CPU_OMP_THREADS_BIND=" in text and \
+        "VLLM_CPU_NUM_OF_RESERVED_CPU=0): skipped: vLLM's server exited (4)" in text
+    assert "kvserve is compared with the faster (the higher output tok/s): default" in text
 
 
 def test_run_session_keeps_its_signature_over_kvserves_client() -> None:
@@ -331,12 +400,23 @@ def test_side_by_side_rounds_ratios_and_goals_with_several_users() -> None:
                            "question_tokens": 8, "answer_tokens": 4, "model": "m"},
               "rounds": kv_rows(kv), "throughput_tok_s": 1.0, **multi_turn.summarize(kv_rows(kv))}
     peer = {"name": "vllm", "version": "0.32.0", "dtype": "float32", "kv_space_gib": 4,
-            "omp_threads_bind": "auto", "startup_s": 95.0, "comparison": versus["rounds"],
-            "rounds": versus["vllm_rounds"], "summary": sm}
+            "threads": [{"name": "default", "env": {}, "startup_s": 95.0, "ttft_p50_rounds_2_plus_s": 0.6,
+                         "throughput_tok_s": 9.5},
+                        {"name": "all-cores", "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                                                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                         "startup_s": 90.0, "ttft_p50_rounds_2_plus_s": 0.4, "throughput_tok_s": 12.25}],
+            "faster": "all-cores", "comparison": versus["rounds"], "rounds": versus["vllm_rounds"], "summary": sm}
     report["goals"].update(goals)
     report["peer"] = peer
     text = multi_turn.report_text(report)
     assert "vs vLLM 0.32.0 (CPU build" in text and "kvserve TTFT p50" in text and "vLLM tok/s" in text
+    # Both settings and their figures, and the faster, the one compared.
+    assert "  default, vLLM's default threads (a core kept for its API server): ready in 95 s; TTFT p50 over " \
+           "rounds 2-3 600.0 ms, output tok/s 9.5" in text
+    assert "  all-cores, every core bound (VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0): ready " \
+           "in 90 s; TTFT p50 over rounds 2-3 400.0 ms, output tok/s 12.2" in text
+    assert "kvserve is compared with the faster (the higher output tok/s): all-cores" in text
+    assert "x = kvserve / vLLM all-cores" in text
     assert "over rounds 2-3: TTFT p50 kvserve 250.0 ms, vLLM 400.0 ms (x0.62)" in text
     assert "goal: kvserve TTFT p50 over rounds 2+ <= 1.0x vLLM's: met (x0.62)" in text
     assert "goal: kvserve output tok/s over the session >= 1.0x vLLM's: met" in text
@@ -352,8 +432,10 @@ def test_one_user_has_the_ttft_goal_only_and_it_can_fail() -> None:
     assert set(versus["goals"]) == {"ttft_rounds_2_plus_vs_vllm"}
     g = versus["goals"]["ttft_rounds_2_plus_vs_vllm"]
     assert g["goal"] == 0.7 and g["value"] == pytest.approx(0.5 / 0.6) and not g["met"]
-    peer = {"version": "0.32.0", "dtype": "float32", "kv_space_gib": 4, "omp_threads_bind": "auto",
-            "startup_s": 1.0, "comparison": versus["rounds"], "summary": versus["summary"]}
+    peer = {"version": "0.32.0", "dtype": "float32", "kv_space_gib": 4, "faster": "default",
+            "threads": [{"name": "default", "env": {}, "startup_s": 1.0, "ttft_p50_rounds_2_plus_s": 0.6,
+                         "throughput_tok_s": 10.0}],
+            "comparison": versus["rounds"], "summary": versus["summary"]}
     assert "goal: kvserve TTFT p50 over rounds 2+ <= 0.7x vLLM's: NOT met (x0.83)" in \
         vllm_peer.comparison_text(peer, versus["goals"])
 
