@@ -82,8 +82,8 @@ def check_the_readme_http_examples_and_a_killed_front(up: Up) -> None:
     url = f"https://127.0.0.1:{up.http}/v1"
     assert f"OpenAI API at {url} for model 'model-llama'; HTTPS: trust " in up.output()
     curl, python = readme_http_examples(up.http)
-    python = python.replace('"tiny-llama"', '"model-llama"')  # this up serves the tests' model folder
-    curl = curl.replace('"tiny-llama"', '"model-llama"')
+    python = python.replace('"smollm2-135m-instruct"', '"model-llama"')  # this up serves the tests' model folder
+    curl = curl.replace('"smollm2-135m-instruct"', '"model-llama"')
 
     def ask() -> None:
         done = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, timeout=120,
