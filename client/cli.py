@@ -38,7 +38,6 @@ from stack.supervisor import Supervisor, Unrecoverable, duration, metrics_url  #
 
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_STORE_ADDR = "127.0.0.1:50053"
-DEFAULT_MODEL_DIR = DEFAULT_DATA_DIR / "models" / "tiny-llama"
 
 Main = Callable[[list[str]], int]
 
