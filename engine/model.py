@@ -16,19 +16,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
+from engine.model_check import UnsupportedModelError, check_model_folder
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # config.json keys that vary with the tool or folder that wrote the model, not with the model.
 VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash", "name_or_path"})
-STATE_SPACE_MODEL_TYPES = frozenset(
-    {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "retnet"}
-)
-HYBRID_MODEL_TYPES = frozenset(
-    {
-        "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
-        "lfm2_moe", "qwen3_next", "minimax", "plamo2", "gemma2", "gemma3", "gemma3_text", "gemma3n",
-        "gemma3n_text", "gemma4", "cohere2", "gpt_oss",
-    }
-)  # fmt: skip
 _STATE_CONFIG_HINTS = ("ssm_", "mamba", "conv_kernel", "linear_attn", "time_step")
 # Forward keywords for the cache object, preferred first: transformers 5.17 takes `past_key_values`
 # and ignores `cache`; 5.24 takes `cache` (and `past_key_values`, deprecated).
@@ -38,10 +30,6 @@ CACHE_KEYWORDS = ("cache", "past_key_values")
 DEFAULT_MAX_NEW_TOKENS = 256
 # --dtype of the services and benchmarks; "auto" is the dtype the model's config names (model_dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UnsupportedModelError(ValueError):
-    """The model's cache is not plain per-layer full-attention KV; the message names why."""
 
 
 class ContextLengthError(ValueError):
@@ -107,15 +95,9 @@ def model_fingerprint(path: str | Path) -> str:
 
 
 def check_full_attention(config: PretrainedConfig) -> None:
-    """Raise UnsupportedModelError unless every layer keeps a plain, unbounded KV cache."""
+    """Raise UnsupportedModelError unless every layer keeps a plain, unbounded KV cache (the model types
+    refused by name are check_model_folder's)."""
     text = config.get_text_config(decoder=True)
-    model_type = str(getattr(text, "model_type", ""))
-    if model_type in STATE_SPACE_MODEL_TYPES:
-        raise UnsupportedModelError(f"state-space model type {model_type!r} has no per-token KV cache")
-    if model_type in HYBRID_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"hybrid model type {model_type!r} mixes full attention with sliding-window or recurrent layers"
-        )
     hints = sorted(k for k in text.to_dict() if k.startswith(_STATE_CONFIG_HINTS))
     if hints:
         raise UnsupportedModelError(f"hybrid/state-space config (keys {hints}) has recurrent state, not plain KV")
@@ -229,15 +211,12 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str |
     """Load a local HF causal-LM folder (never downloads), in eval mode, on ``device``, in ``dtype``: a
     torch dtype, or a --dtype name (None: "auto", see model_dtype). ValueError for an unknown name.
 
-    Raises UnsupportedModelError before loading weights when the cache is not plain full attention,
+    Raises FileNotFoundError without a config.json, UnsupportedModelError before loading weights when the
+    model is not a causal LM the engine serves (check_model_folder) or its cache is not plain full attention,
     and after when no forward keyword of the installed transformers fills a cache (see probe_cache).
     """
     root = Path(path).resolve()
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no model at {root}: expected a local Hugging Face model folder with config.json "
-            "(`kvserve model init DIR` builds a tiny one)"
-        )
+    check_model_folder(root)
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     check_full_attention(config)
     torch_device = torch.device(device)

@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import signal
+import struct
 import sys
 import sysconfig
 import threading
@@ -161,9 +162,6 @@ def add_model_flags(p: argparse.ArgumentParser, *, model_help: str) -> None:
                    help="deadline of each KV store call; past it the request recomputes (default %(default)s)")
 
 
-# How far below a service's gRPC threads its engine's threads run (--engine-nice, EnginePriority): BENCHMARKS.md,
-# "Overload".
-ENGINE_NICE = 10
 
 
 def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda: int, why: str) -> None:
@@ -190,10 +188,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
     p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="0-19",
                    help="lower this service's CPU priority by this much at start (Unix nice), against other "
                         "work on the host that has no budget of its own (default 0)")
-    p.add_argument("--engine-nice", type=int, default=ENGINE_NICE, choices=range(20), metavar="0-19",
-                   help="the engine's threads run this much below the service's other threads in CPU priority "
-                        "(Unix nice, Linux): on busy cores a call is then taken, or refused, sooner "
-                        "(default %(default)s; 0: the same priority)")
+    p.add_argument("--engine-nice", type=int, default=0, choices=range(20), metavar="0-19",
+                   help="run the engine's threads this much below the service's priority (Unix nice, Linux); the "
+                        "threads that take calls run above it regardless (docs/OPERATIONS.md, \"CPU priority\"; "
+                        "default %(default)s: the engine computes at the service's priority, as other work on the "
+                        "host does)")
     p.set_defaults(token_budget_defaults=(budget_cpu, budget_cuda))
 
 
@@ -329,33 +328,66 @@ def prepare_engine_process(args: argparse.Namespace | int) -> None:
             pass
 
 
+# How far above the service's priority the threads that take calls run where the process may (EnginePriority),
+# and the slice they ask for: EEVDF's shortest, 0.1 ms (the default is 0.7 ms times 1 + log2 of the cores).
+FRONT_RAISE = 10
+FRONT_SLICE_NS = 100_000
+_SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(os.uname().machine) if hasattr(os, "uname") else None
+
+
 class EnginePriority:
-    """--engine-nice: the engine's threads run `nice` steps below the service's other threads in CPU priority
-    (Linux, where nice is per thread; elsewhere it would lower the whole process, so nothing changes there).
+    """CPU priority inside an engine service (Linux, where nice is per thread; elsewhere nothing changes): the
+    engine computes at the service's own priority (`--engine-nice` lowers it further), and the threads that take
+    calls run above it, so that on cores the engine keeps busy a call is taken, or refused, at once.
 
-    On cores that the engines keep busy, the threads that take calls (gRPC's completion-queue thread, which
-    takes each new call, request and token sent, and the worker that admits or refuses it) waited for a core
-    behind a step: with 600 streams arriving within a second on 2 cores, refusals reached their callers up to
-    0.9 s late. Lowered, a step gives its core at once to a thread that takes a call, and has it back when that
-    thread waits again: the engine loses only the intake's own CPU time. The engine's threads are its loop
-    (`run`), the threads that start while `starting()` is open (torch's OpenMP workers, which loading the model
-    starts), and those that these start later, which inherit it (more OpenMP workers, the KV I/O threads)."""
+    The front's threads (gRPC's completion-queue thread, which takes each new call, request and token sent, and
+    the workers that admit, refuse and stream) are raised `front_raise` above the service where the process may
+    (root, CAP_SYS_NICE, or an RLIMIT_NICE that allows it: compose's `ulimits: nice`), and everywhere get the
+    scheduler's shortest slice (Linux 6.12 or later, no privilege needed), so that a thread woken by a call
+    preempts a running step instead of waiting out its slice. The engine keeps the default slice and the
+    service's priority: beside other work on the host it takes its fair share, as any process does.
 
-    def __init__(self, nice: int) -> None:
-        self.nice = nice if sys.platform == "linux" else 0
+    Create it on the main thread before any other thread starts (every thread inherits the raise); the engine's
+    threads are its loop (`run`), the threads that start while `starting()` is open (torch's OpenMP workers,
+    which loading the model starts), and those that these start later, which inherit their priority (more
+    OpenMP workers, the KV I/O threads)."""
+
+    def __init__(self, engine_nice: int, front_raise: int = FRONT_RAISE) -> None:
+        self.enabled = sys.platform == "linux"
+        self.base = os.getpriority(os.PRIO_PROCESS, 0) if self.enabled else 0
+        self.engine = min(19, self.base + engine_nice)
+        self.front = self.base
+        self.short_slice = False
+        if not self.enabled:
+            return
+        log = logging.getLogger("rpc.cli")
+        if front_raise:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, max(-20, self.base - front_raise))
+                self.front = os.getpriority(os.PRIO_PROCESS, 0)
+            except PermissionError:
+                log.info("the threads that take calls keep the service's priority: raising them needs CAP_SYS_NICE "
+                         "or RLIMIT_NICE (docs/OPERATIONS.md, \"CPU priority\")")
+        self.short_slice = _set_slice(0, self.front, FRONT_SLICE_NS)
+        log.info("CPU priority: the threads that take calls at nice %d%s, the engine's at nice %d", self.front,
+                 f" with a {FRONT_SLICE_NS // 1000} us slice" if self.short_slice else "", self.engine)
+
+    @property
+    def changes(self) -> bool:
+        return self.enabled and (self.front != self.engine or self.short_slice)
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
-        """Lowers the threads started within (nothing of the gRPC server's may start there)."""
-        before = _thread_ids() if self.nice else set()
+        """Puts the threads started within at the engine's priority (nothing of the gRPC server's may start there)."""
+        before = _thread_ids() if self.changes else set()
         try:
             yield
         finally:
-            if self.nice:
+            if self.changes:
                 self._lower_started(before)
 
     def run(self, loop: Callable[[], None]) -> Callable[[], None]:
-        """`loop` (the engine's step loop), run lowered on the thread that calls it."""
+        """`loop` (the engine's step loop), run at the engine's priority on the thread that calls it."""
 
         def run() -> None:
             self._lower(threading.get_native_id())
@@ -366,19 +398,37 @@ class EnginePriority:
     def _lower_started(self, before: set[int]) -> None:
         log = logging.getLogger("rpc.cli")
         if not before:  # a process has a thread: /proc is not there
-            log.warning("--engine-nice: /proc/self/task is not readable, so torch's threads keep the service's "
-                        "priority; only the engine's loop is lowered")
+            log.warning("/proc/self/task is not readable, so torch's threads run at the priority of the threads "
+                        "that take calls; only the engine's loop is put at its own")
             return
         started = _thread_ids() - before
         for tid in started:
             self._lower(tid)
-        log.info("the engine's threads run %d below the service's (--engine-nice): its loop, and %d started as the "
-                 "model loaded", self.nice, len(started))
+        log.info("the engine's loop and %d threads started as the model loaded run at nice %d", len(started),
+                 self.engine)
 
     def _lower(self, tid: int) -> None:
-        if self.nice:  # the kernel stops at 19: a service already at --nice 10 or more keeps a smaller gap
-            with contextlib.suppress(ProcessLookupError):  # the thread has ended
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.nice)
+        if not self.changes:
+            return
+        with contextlib.suppress(ProcessLookupError):  # the thread has ended
+            if self.short_slice:
+                _set_slice(tid, self.engine, 0)  # also sets its nice
+            else:
+                os.setpriority(os.PRIO_PROCESS, tid, self.engine)
+
+
+def _set_slice(tid: int, nice: int, slice_ns: int) -> bool:
+    """Thread `tid`'s (0: the caller's) nice and scheduler slice (`slice_ns`, 0: the default), by sched_setattr:
+    False where the kernel or the platform has no such call (a custom slice for SCHED_OTHER came in Linux 6.12;
+    before, the kernel takes the call and ignores the slice)."""
+    if _SYS_SCHED_SETATTR is None:
+        return False
+    # struct sched_attr: size, policy (SCHED_OTHER), flags, nice, priority, runtime (the slice), deadline, period
+    attr = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 48, 0, 0, nice, 0, slice_ns, 0, 0))
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(_SYS_SCHED_SETATTR, tid, attr, 0) == 0
+    except (AttributeError, OSError):
+        return False
 
 
 def _thread_ids() -> set[int]:

@@ -1,0 +1,106 @@
+"""kvserve on a host doing other work: two busy loops beside a `kvserve up` on the real model, as on a developer's
+laptop or a CI runner. A 32-token answer must cost about what Hugging Face's `generate` costs in the same
+conditions, not many times more (the engine used to compute 10 nice levels below everything, and lost its cores
+to the loops: 3-22x). Ratios of times measured in the same run, never absolute times."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.processes import KVSERVE, free_ports, openmp_as_deployed
+from tests.real_model import cached_model
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 32
+# The goal is 1.5x (BENCHMARKS.md, "On a busy host"); the test fails well before the 3-22x it guards against.
+MAX_RATIO = 2.5
+
+# Hugging Face's greedy generate of TOKENS tokens in a process of its own, the model loaded and warmed first:
+# it prints "ready", and then the seconds of one generate per line it reads.
+_HF = """
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+def gen(ids):
+    ids = torch.tensor([ids])
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(sys.argv[2]),
+                             min_new_tokens=int(sys.argv[2]), do_sample=False)
+        return time.perf_counter() - t
+gen(list(range(10, 40)))
+print("ready", flush=True)
+for line in sys.stdin:
+    print(gen([int(x) for x in line.split(",")]), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(1.0)
+        yield
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+def _prompt(seed: int) -> list[int]:
+    return [(37 * i + 11 * seed) % 40000 + 100 for i in range(40)]
+
+
+def test_an_answer_beside_two_busy_loops_costs_about_what_hugging_face_does(request: pytest.FixtureRequest,
+                                                                              tmp_path: Path) -> None:
+    from client import Client
+
+    model = cached_model(request.config)
+    decode, prefill, store = free_ports(3)
+    with openmp_as_deployed():
+        up = subprocess.Popen([KVSERVE, "up", "--data-dir", str(tmp_path / "data"), "--model", str(model),
+                               "--decode-port", str(decode), "--prefill-port", str(prefill), "--store-port",
+                               str(store), "--no-http"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        hf = subprocess.Popen([sys.executable, "-c", _HF, str(model), str(TOKENS)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout is not None and hf.stdout is not None and hf.stdin is not None
+        for line in up.stdout:
+            if line.startswith("ready:"):
+                break
+        else:
+            pytest.fail(f"kvserve up exited: {up.wait()}")
+        assert hf.stdout.readline().strip() == "ready"
+
+        def hf_s(seed: int) -> float:
+            assert hf.stdin is not None and hf.stdout is not None
+            hf.stdin.write(",".join(map(str, _prompt(seed))) + "\n")
+            hf.stdin.flush()
+            return float(hf.stdout.readline())
+
+        with Client(f"127.0.0.1:{decode}", timeout_s=600) as client:
+            def kvserve_s(seed: int) -> float:
+                t = time.perf_counter()
+                r = client.generate(token_ids=_prompt(seed), max_tokens=TOKENS, ignore_eos=True)
+                assert r.usage.completion_tokens == TOKENS
+                return time.perf_counter() - t
+
+            kvserve_s(0)  # warm-up: the first steps of each shape
+            idle = kvserve_s(1), hf_s(1)
+            with busy_loops(2):
+                busy = kvserve_s(2), hf_s(2)
+    finally:
+        hf.kill()
+        up.terminate()
+        up.wait(60)
+    print(f"\n{TOKENS} tokens, kvserve / Hugging Face: idle {idle[0]:.2f} / {idle[1]:.2f} s = "
+          f"{idle[0] / idle[1]:.2f}x; beside two busy loops {busy[0]:.2f} / {busy[1]:.2f} s = {busy[0] / busy[1]:.2f}x")
+    assert busy[0] / busy[1] <= MAX_RATIO
