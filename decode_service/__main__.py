@@ -41,6 +41,7 @@ from rpc.cli import (
     prepare_engine_process,
     serve,
     tls_from_args,
+    trim_heap,
 )
 from rpc.server import Server
 
@@ -113,12 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
         pool_events = PoolEvents()
         with priority.starting():  # before the server, whose threads keep their priority
-            model = load_model(args.model, device=args.device, dtype=args.dtype)
+            model = load_model(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
             cores = service_share(args.share_cores, "decode", engine_threads(args), args.device)
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs,
                                                    long_prompt_chunk(args)),
-                            on_pool_change=pool_events.changed, cores=cores)
+                            on_pool_change=pool_events.changed, cores=cores, keep_cached=0)
+        trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen,
                         interceptors=auth.interceptors() if auth else (),

@@ -3,12 +3,17 @@ finished sequences kept by hash for reuse (automatic prefix caching). No tensors
 in engine.kv_cache.
 
 A block is in exactly one state:
-- free: no owner, no hash; on the free list;
+- free: no owner, no hash; on the free list, or never used yet (fresh: its memory not yet touched);
 - used: owned by one or more sequences (reference count > 0);
 - cached: no owner but holds the KV of a known prefix hash; reused by a later sequence that
   asks for the same hash, or evicted (least recently freed first) when free blocks run out.
 
 Every operation is O(1) per block. Only the engine's thread calls it.
+
+Fresh blocks are taken lowest first, before the free list, so a pool touches the least memory it can for what
+it holds. With ``keep_cached``, a pool touches a fresh block only where no free block is left and fewer than
+``keep_cached`` blocks are cached; else it evicts: its resident memory then follows the peak of the blocks in
+use (plus ``keep_cached``), not its size (the services' pools, whose store keeps what they evict).
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ class PoolExhausted(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, keep_cached: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self._refs = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._by_hash: dict[BlockHash, int] = {}
-        self._free: deque[int] = deque(range(num_blocks))
+        self._fresh = 0  # blocks _fresh.. have never been taken
+        self._free: deque[int] = deque()
+        self.keep_cached = keep_cached
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first: evicted first
         self.num_evicted = 0
         # With ``record_changes``, the hashes named and evicted since ``take_changes`` (e.g. for a router
@@ -42,7 +49,12 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
+
+    @property
+    def num_touched(self) -> int:
+        """Blocks ever taken: the pool's memory in use (the rest may never have been touched)."""
+        return self._fresh
 
     @property
     def num_cached(self) -> int:
@@ -50,12 +62,12 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._cached)
+        return self.num_blocks - self.num_free - len(self._cached)
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation can take: free ones, then cached ones (evicting them)."""
-        return len(self._free) + len(self._cached)
+        return self.num_free + len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for one owner (reference count 1), evicting cached blocks when no free one is left."""
@@ -63,8 +75,15 @@ class BlockPool:
             raise PoolExhausted(f"{n} blocks asked for, {self.num_available} of {self.num_blocks} available")
         blocks = []
         for _ in range(n):
-            if self._free:
+            fresh = self._fresh < self.num_blocks
+            if fresh and (self.keep_cached is None or (not self._free and len(self._cached) < self.keep_cached)):
+                block = self._fresh
+                self._fresh += 1
+            elif self._free:
                 block = self._free.popleft()
+            elif not self._cached:
+                block = self._fresh
+                self._fresh += 1
             else:
                 block, _ = self._cached.popitem(last=False)
                 evicted = self._hash[block]
@@ -142,8 +161,9 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raises AssertionError unless free + used + cached == total and every index agrees."""
-        free, cached = set(self._free), set(self._cached)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        free, cached = set(self._free) | set(range(self._fresh, self.num_blocks)), set(self._cached)
+        assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
+        assert all(b < self._fresh for b in self._free), "a fresh block is on the free list"
         assert not free & cached, "a block is both free and cached"
         used = {b for b in range(self.num_blocks) if self._refs[b] > 0}
         assert not used & (free | cached), "a block in use is also free or cached"

@@ -89,7 +89,10 @@ class Engine:
         io_threads: int = 4,
         on_pool_change: Callable[[list[BlockHash], list[BlockHash]], None] | None = None,
         cores: CoreShare | None = None,
+        keep_cached: int | None = None,
     ) -> None:
+        """`keep_cached`: the pool's engine.block_pool policy (None: it fills before it evicts; N: it grows past
+        what its sequences use for at most N cached blocks, so its memory follows their peak)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
@@ -98,16 +101,20 @@ class Engine:
         self.cores = cores  # the host's cores this engine shares with other services' (engine.cores)
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
+        config = config or SchedulerConfig()
         self.kv_cache = KVCache(
-            kv_cache_blocks(model, block_size, kv_cache_memory), num_layers=model.num_layers,
+            kv_cache_blocks(model, block_size, kv_cache_memory, config.max_num_seqs), num_layers=model.num_layers,
             block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype,
             device=model.device,
         )
-        self.pool = BlockPool(self.kv_cache.num_blocks)
+        self.pool = BlockPool(self.kv_cache.num_blocks, keep_cached)
+        log.info("KV pool: %d blocks of %d tokens (%d MiB, %d tokens)%s", self.kv_cache.num_blocks, block_size,
+                 self.kv_cache.kv.nbytes >> 20, self.kv_cache.num_blocks * block_size,
+                 "; its memory is taken as its blocks are used" if keep_cached is not None else "")
         # (hashes the pool named, hashes it evicted) after each step that changed them, on the step thread
         self.on_pool_change = on_pool_change
         self.pool.record_changes = on_pool_change is not None
-        self.scheduler = Scheduler(self.pool, block_size, config or SchedulerConfig())
+        self.scheduler = Scheduler(self.pool, block_size, config)
         self.runner = ModelRunner(model, self.kv_cache)
         self.connector = KVConnector(self.pool, self.kv_cache, functools.partial(self._post, internal=True),
                                      io_threads)

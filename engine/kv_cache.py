@@ -3,15 +3,18 @@ engine.block_pool; this is only the memory."""
 
 from __future__ import annotations
 
+import math
+import mmap
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
+from rpc.cli import MEMORY_SHARE, available_memory
+
 if TYPE_CHECKING:
     from engine.model import Model
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB on CPU, when --kv-cache-memory is not given
 DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5  # of the device memory free once the model is loaded
 
 
@@ -26,10 +29,17 @@ class KVCache:
         self.block_size = block_size
         # [blocks, layers, 2, block_size, kv_heads, head_dim]: a block is one contiguous slot, in the
         # layout of a stored block (docs/DESIGN.md, "KV block format"), so moving it is one copy.
-        self.kv = torch.empty(
-            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
-        self.kv.zero_()  # writes every page now: a block copied into a page never written costs 2.3x
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self._map: mmap.mmap | None = None
+        if torch.device(device).type == "cpu":
+            # Anonymous memory, zero and untouched until a block is first written: the process holds the
+            # blocks its pool has taken (engine.block_pool takes fresh ones last), not the pool's size.
+            self._map = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+            with warnings.catch_warnings():  # torch warns that a buffer might not be writable: this one is
+                warnings.simplefilter("ignore", UserWarning)
+                self.kv = torch.frombuffer(self._map, dtype=dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.block_bytes = self.kv[0].nbytes
         self._bytes: memoryview | None = None  # the whole cache's bytes (slot_bytes)
 
@@ -71,8 +81,21 @@ class KVCache:
             dst[:, :, :num_tokens].copy_(src.view(layers, 2, num_tokens, heads, dim))
 
 
-def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None) -> int:
-    """Blocks that fit ``kv_cache_memory`` bytes (default: 1 GiB on CPU, half the free memory on CUDA)."""
+def default_kv_cache_memory(per_block: int, block_size: int, max_model_len: int | None, max_num_seqs: int,
+                            available: int | None) -> int:
+    """--kv-cache-memory's default on CPU: the blocks of `max_num_seqs` sequences of `max_model_len` tokens, at
+    most MEMORY_SHARE of the `available` memory, and at least one such sequence (a request the model
+    takes must fit). Its memory is touched only as blocks are used (KVCache)."""
+    share = int(MEMORY_SHARE * available) if available else 1 << 30
+    if max_model_len is None:
+        return share
+    seq = (math.ceil(max_model_len / block_size) + 1) * per_block
+    return max(seq, min(max_num_seqs * seq, share))
+
+
+def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None, max_num_seqs: int = 1) -> int:
+    """Blocks that fit ``kv_cache_memory`` bytes (default: on CPU `default_kv_cache_memory`, on CUDA half the
+    free device memory)."""
     per_block = KVCache.bytes_per_block(
         num_layers=model.num_layers, block_size=block_size, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, dtype=model.dtype,
@@ -82,7 +105,8 @@ def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None) 
             free, _ = torch.cuda.mem_get_info(model.device)
             kv_cache_memory = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
         else:
-            kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+            kv_cache_memory = default_kv_cache_memory(per_block, block_size, model.max_positions, max_num_seqs,
+                                                      available_memory())
     blocks = kv_cache_memory // per_block
     if blocks < 1:
         raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {per_block} bytes")

@@ -54,6 +54,7 @@ class Model:
     eos_token_ids: frozenset[int]
     cache_keyword: str  # the forward keyword that fills a cache object, one of CACHE_KEYWORDS
     max_token_bytes: int = 64  # no token's text is longer in UTF-8 (a bound, for refusing long prompts early)
+    max_model_len: int | None = None  # --max-model-len: fewer positions than the config's
 
     @property
     def kv_dtype_name(self) -> str:
@@ -65,9 +66,10 @@ class Model:
 
     @property
     def max_positions(self) -> int | None:
-        """Most positions (prompt + generated tokens) the model takes, if its config says."""
+        """Most positions (prompt + generated tokens) a request may take: --max-model-len, else what the model's
+        config says, if it does."""
         value = getattr(self.hf_model.config, "max_position_embeddings", None)
-        return int(value) if value else None
+        return self.max_model_len or (int(value) if value else None)
 
 
 def _sha256_file(path: Path) -> str:
@@ -207,9 +209,11 @@ def model_dtype(config: PretrainedConfig, name: str = "auto") -> torch.dtype:
     return value if isinstance(value, torch.dtype) else torch.float32
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None) -> Model:
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None,
+               max_model_len: int | None = None) -> Model:
     """Load a local HF causal-LM folder (never downloads), in eval mode, on ``device``, in ``dtype``: a
-    torch dtype, or a --dtype name (None: "auto", see model_dtype). ValueError for an unknown name.
+    torch dtype, or a --dtype name (None: "auto", see model_dtype). ValueError for an unknown name, and for a
+    ``max_model_len`` past the model's positions.
 
     Raises FileNotFoundError without a config.json, UnsupportedModelError before loading weights when the
     model is not a causal LM the engine serves (check_model_folder) or its cache is not plain full attention,
@@ -219,6 +223,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str |
     check_model_folder(root)
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     check_full_attention(config)
+    positions = getattr(config, "max_position_embeddings", None)
+    if max_model_len is not None and positions and max_model_len > positions:
+        raise ValueError(f"--max-model-len {max_model_len} is more than the model's {positions} positions")
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: CUDA is not available to this torch ({torch.__version__})")
@@ -247,6 +254,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype | str |
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         cache_keyword=probe.keyword,
         max_token_bytes=4 * max(len(token) for token in tokenizer.get_vocab()),  # 4: UTF-8 bytes per character
+        max_model_len=max_model_len,
     )
 
 

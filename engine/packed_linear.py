@@ -136,4 +136,17 @@ def pack_linear_layers(hf_model: Any) -> int:
             if type(child) is torch.nn.Linear and not (tied and child is out) and child.weight.dtype in PACKED_DTYPES:
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
+    if replaced:
+        _own_copies(hf_model)
     return replaced
+
+
+def _own_copies(hf_model: torch.nn.Module) -> None:
+    """The parameters and buffers left as they were loaded (embeddings, norms) copied into this process's own
+    memory: loaded from safetensors they are views of the file's mapping, which then stayed resident whole, the
+    packed layers' originals included (on SmolLM2, 525 MB beside the 420 MB packed). Once nothing views it, the
+    mapping goes."""
+    with torch.no_grad():
+        for tensor in [*hf_model.parameters(), *hf_model.buffers()]:
+            if tensor.layout == torch.strided:
+                tensor.data = tensor.data.clone()

@@ -12,7 +12,9 @@ from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
 from kvstore.leases import MAX_TTL_S
 from kvstore.server import StoreServer
 from rpc.cli import (
+    MEMORY_SHARE,
     add_server_flags,
+    available_memory,
     configure_logging,
     env_epilog,
     exit_with_parent,
@@ -25,6 +27,12 @@ from rpc.cli import (
 log = logging.getLogger("kvstore")
 
 
+def default_host_capacity() -> int:
+    """--host-capacity's default: MEMORY_SHARE of the memory available at start (1 GiB where it cannot be read)."""
+    available = available_memory()
+    return int(MEMORY_SHARE * available) if available else 1 << 30
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(epilog=env_epilog("kvstore"), prog="kvserve kvstore", description="Run the tiered KV block store (gRPC kvserve.v1.KVStore).")
     add_server_flags(p, listen="127.0.0.1:50053")
@@ -32,12 +40,14 @@ def parser() -> argparse.ArgumentParser:
                    help="device tier: cuda (an arena in GPU memory that same-node clients open by CUDA IPC), "
                         "cpu (the same arena in CPU memory, for tests) or off (default)")
     p.add_argument("--device-capacity", type=parse_size, default=parse_size("1GiB"), help="device tier bytes (default 1GiB)")
-    p.add_argument("--host-capacity", type=parse_size, default=parse_size("1GiB"), help="host RAM tier bytes; 0 turns it off (default 1GiB)")
+    p.add_argument("--host-capacity", type=parse_size, default=None,
+                   help="host RAM tier bytes, taken as the tier fills; 0 turns it off (default: a fifth of the "
+                        "memory available at start)")
     p.add_argument("--disk-capacity", type=parse_size, default=parse_size("0"),
                    help="LMDB disk tier bytes; 0 turns it off (default 0; e.g. 8GiB with --disk-path)")
     p.add_argument("--disk-path", type=Path, default=None, help="directory of the LMDB disk tier")
     p.add_argument("--shm", action=argparse.BooleanOptionalAction, default=True,
-                   help="hold the host tier in a shared-memory arena (allocated and pre-faulted at start) that "
+                   help="hold the host tier in a shared-memory arena that "
                         "same-host clients map, moving each block with one copy; its socket lives in /dev/shm "
                         "(default on)")
     p.add_argument("--shm-root", default="/dev/shm", help=argparse.SUPPRESS)
@@ -127,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     tls = tls_from_args(args, "kvstore")
     try:
         config = StoreConfig(
-            host_capacity=args.host_capacity, disk_capacity=args.disk_capacity, disk_path=args.disk_path,
+            host_capacity=default_host_capacity() if args.host_capacity is None else args.host_capacity,
+            disk_capacity=args.disk_capacity, disk_path=args.disk_path,
             device_capacity=args.device_capacity if args.device != "off" else 0, device=args.device,
             shm=args.shm, shm_root=args.shm_root, flush_timeout_s=args.flush_timeout,
             max_block_bytes=args.max_block_bytes, max_lease_ttl_s=args.max_lease_ttl_s,

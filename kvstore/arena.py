@@ -78,9 +78,9 @@ class Arena:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
-            os.posix_fallocate(self.fd, 0, self.size)  # every page exists now: no fault can fail later
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            # Pages are taken as blocks are first written: the store holds what its tier holds, up to `capacity`.
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(self.fd)
             raise

@@ -144,7 +144,7 @@ class HostSegment:
         if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
             raise OSError("the store's arena is not sealed against resizing: not mapping it")
         self.size = os.fstat(fd).st_size
-        self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # no faults later
+        self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)  # (populated, it would take every page)
         self.view = memoryview(self._map)
 
     def read(self, offset: int, size: int, checksum: int) -> bytes | None:

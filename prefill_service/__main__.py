@@ -35,6 +35,7 @@ from rpc.cli import (
     prepare_engine_process,
     serve,
     tls_from_args,
+    trim_heap,
 )
 from rpc.server import Server
 
@@ -63,10 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     priority = EnginePriority(args.engine_nice)
     try:
         with priority.starting():  # before the server, whose threads keep their priority
-            model = load_model(args.model, device=args.device, dtype=args.dtype)
+            model = load_model(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
             cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                            config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores)
+                            config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores,
+                            keep_cached=0)
+        trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen, tls=tls,
                         name="prefill")

@@ -16,6 +16,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from rpc.server import Server, run_until_signal
@@ -168,8 +169,14 @@ def add_engine_flags(p: argparse.ArgumentParser, *, budget_cpu: int, budget_cuda
     """The flags of the batched engine (prefill, decode): KV pool size and what one step may hold.
     The token budget's default depends on the device (see `engine_token_budget`)."""
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="BYTES",
-                   help="size of the KV pool, e.g. 2GiB (default: 1GiB on CPU, half the free device memory "
-                        "on CUDA); a request that cannot fit it even alone is refused")
+                   help="most memory the KV pool takes, e.g. 2GiB; on CPU it takes it as its blocks are used, and "
+                        "keeps finished sequences' blocks only within what it has taken (the store keeps the rest). "
+                        "Default on CPU: what --max-num-seqs sequences of --max-model-len tokens need, at most a "
+                        "fifth of the memory available at start, at least one such sequence; on CUDA half the free "
+                        "device memory. A request that cannot fit it even alone is refused")
+    p.add_argument("--max-model-len", type=positive_int, default=None, metavar="TOKENS",
+                   help="most tokens (prompt and answer) of one request; longer ones are refused (default: the "
+                        "model's positions)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"most tokens in one forward: every decoding sequence's next token, then prompt "
                         f"chunks; {why} (default {budget_cpu} on CPU, {budget_cuda} on CUDA)")
@@ -232,6 +239,34 @@ def usable_cores() -> set[int]:
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
     return set(range(os.cpu_count() or 1))
+
+
+# The share of the memory available at start that a cache takes at most by default: each engine's KV pool
+# (--kv-cache-memory, engine.kv_cache) and the store's host tier (--host-capacity). Each takes its memory as
+# it fills.
+MEMORY_SHARE = 0.2
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process could still take: the kernel's MemAvailable, or less where the memory cgroup it runs in
+    (a container's, cgroup v2) has a limit closer by; None where neither can be read."""
+    found = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        rel = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        folder = cgroup / rel.strip("/")
+        limit = (folder / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((folder / "memory.current").read_text()))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return max(0, min(found)) if found else None
 
 
 def default_threads(device: str, cores: int) -> int:
@@ -326,6 +361,14 @@ def prepare_engine_process(args: argparse.Namespace | int) -> None:
             libc.mallopt(_M_TRIM_THRESHOLD, 2 * _HEAP_BUFFER_MAX)
         except (AttributeError, OSError):
             pass
+
+
+def trim_heap() -> None:
+    """Gives back to the kernel what the heap holds free (glibc's malloc_trim): once the model is loaded and its
+    layers packed, the buffers of the loading (about 45 MB on SmolLM2) would otherwise stay resident."""
+    if sys.platform == "linux":
+        with contextlib.suppress(AttributeError, OSError):
+            ctypes.CDLL(None).malloc_trim(0)
 
 
 # How far above the service's priority the threads that take calls run where the process may (EnginePriority),

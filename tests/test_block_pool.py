@@ -172,9 +172,26 @@ def test_pool_exhausted_takes_nothing() -> None:
         BlockPool(0)
 
 
+def test_a_pool_that_keeps_few_cached_blocks_evicts_before_it_touches_fresh_ones() -> None:
+    """keep_cached=2: a freed block is taken again before a fresh one; at two cached blocks, the oldest cached
+    one is evicted rather than a fresh block touched; the pool still grows for blocks in use."""
+    pool = BlockPool(8, keep_cached=2)
+    a, b = pool.allocate(2)
+    pool.register(a, _h("a"))
+    pool.free([a, b])  # b free, a cached
+    assert pool.allocate(1) == [b] and pool.num_touched == 2
+    assert pool.allocate(1) == [2]  # fewer than two cached: a fresh one
+    c = pool.allocate(1)[0]
+    pool.register(c, _h("c"))
+    pool.free([c])  # two cached now
+    assert pool.allocate(1) == [a] and pool.num_evicted == 1  # the oldest cached, not a fresh block
+    assert pool.allocate(5) == [4, 5, 6, 7, c] and pool.num_touched == 8
+    pool.check_integrity()
+
+
 def test_check_integrity_fails_on_a_broken_pool() -> None:
     pool = _pool(3)
-    pool.allocate(1)
+    pool.free(pool.allocate(2)[1:])
     pool._free.append(1)  # block 1 on the free list twice: no public operation can do this
     with pytest.raises(AssertionError, match="free list twice"):
         pool.check_integrity()
