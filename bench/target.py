@@ -16,26 +16,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.metrics import parse_metrics
-from engine.fetch import REAL_MODEL, REAL_MODEL_DIR
+from engine.fetch import DATA_DIR_DEFAULT, REAL_MODEL, models_dir, real_model_dir
 from kvstore.record_key import write_new
 from stack.stack import Stack, StackConfig
 
-TINY_MODEL_DIR = Path("data/models/tiny-llama")
-MODEL_HELP = (f"model folder (default: {REAL_MODEL_DIR} where `kvserve model fetch {REAL_MODEL}` has put it, "
-              f"else the tiny random-weight {TINY_MODEL_DIR}, built if missing)")
+MODEL_HELP = (f"model folder (default: DATA_DIR/models/{REAL_MODEL} where `kvserve model fetch {REAL_MODEL}` has "
+              f"put it, else the tiny random-weight DATA_DIR/models/tiny-llama, built if missing; DATA_DIR: "
+              f"{DATA_DIR_DEFAULT})")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the services' --dtype (rpc.cli)
+
+
+def tiny_model_dir() -> Path:
+    return models_dir() / "tiny-llama"
 
 
 def ensure_model(model: Path | None) -> Path:
     """The model folder a benchmark runs: `model`, or by default the real model where it has been fetched, else
     the tiny llama (said on stderr); the tiny llama is built when it is the one and missing."""
+    real, tiny = real_model_dir(), tiny_model_dir()
     if model is None:
-        if (REAL_MODEL_DIR / "config.json").exists():
-            return REAL_MODEL_DIR
-        print(f"no {REAL_MODEL} in {REAL_MODEL_DIR}: benchmarking the tiny random-weight {TINY_MODEL_DIR} "
+        if (real / "config.json").exists():
+            return real
+        print(f"no {REAL_MODEL} in {real}: benchmarking the tiny random-weight {tiny} "
               f"(`kvserve model fetch {REAL_MODEL}` fetches the real one)", file=sys.stderr, flush=True)
-        model = TINY_MODEL_DIR
-    if model == TINY_MODEL_DIR and not (model / "config.json").exists():
+        model = tiny
+    if model == tiny and not (model / "config.json").exists():
         print(f"building the tiny model in {model} ...", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "client.cli", "model", "init", str(model), "--arch", "llama"],
                        check=True)

@@ -31,12 +31,13 @@ from client.diagnose import Dialed, explain  # noqa: E402
 from client.health import credentials, known_credentials, positive_float  # noqa: E402
 from client.metrics import parse_metrics  # noqa: E402
 from client.terminal import printable  # noqa: E402
-from engine.fetch import REAL_MODEL  # noqa: E402  (stdlib only: no torch)
+from engine.fetch import DATA_DIR_DEFAULT, REAL_MODEL, default_data_dir  # noqa: E402  (stdlib only: no torch)
+from engine.model_check import check_model_folder  # noqa: E402  (stdlib only)
+from stack.memory import size  # noqa: E402
 from stack.stack import Stack, StackConfig, StackError  # noqa: E402
 from stack.status import STATUS_FILE, UpStatus, no_up, read_status  # noqa: E402
 from stack.supervisor import Supervisor, Unrecoverable, duration, metrics_url  # noqa: E402
 
-DEFAULT_DATA_DIR = Path("data")
 DEFAULT_STORE_ADDR = "127.0.0.1:50053"
 
 Main = Callable[[list[str]], int]
@@ -106,8 +107,8 @@ def _request_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None,
                    help=f"decode service address (default: the front door of the `kvserve up` on --data-dir, else "
                         f"{DEFAULT_ADDR})")
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                   help="where the `kvserve up` to call runs, without --addr (default %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                   help=f"where the `kvserve up` to call runs, without --addr (default: {DATA_DIR_DEFAULT})")
     p.add_argument("--max-tokens", type=_non_negative_int, default=64,
                    help="most tokens to generate; 0 is the server's default (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
@@ -184,8 +185,8 @@ def parser() -> argparse.ArgumentParser:
                     "DATA_DIR/up.json holds each service's address, pid, state, restarts and metrics URL, the "
                     "HTTP URL and the CA and admin token files: generate, chat, health and stats read it.",
     )
-    up.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                    help="models/, kvstore/ (the disk tier), logs/ and up.json live here (default %(default)s)")
+    up.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                    help=f"models/, kvstore/ (the disk tier), logs/ and up.json live here (default: {DATA_DIR_DEFAULT})")
     up.add_argument("--model", type=Path, default=None,
                     help="model folder (default: DATA_DIR/models/smollm2-135m-instruct where `kvserve model fetch` "
                          "put it, else the tiny random-weight llama under DATA_DIR, built if missing)")
@@ -200,7 +201,20 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-base-port", type=int, default=None,
                     help="Prometheus ports: decode BASE, prefill BASE+1, store BASE+2, HTTP API BASE+3 "
                          "(default: no metrics)")
-    up.add_argument("--host-capacity", default="1GiB", help="store's RAM tier (default %(default)s)")
+    memory = up.add_argument_group(
+        "memory", "each cache takes its memory as it fills, up to its size; `kvserve stats` shows what each service "
+                  "holds")
+    memory.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                        help="most memory each of prefill's and decode's KV pools takes, e.g. 512MiB (default: what "
+                             "--max-num-seqs sequences of --max-model-len tokens need, at most a fifth of the memory "
+                             "available at start)")
+    memory.add_argument("--host-capacity", default=None, metavar="BYTES",
+                        help="most memory the store's RAM tier takes (default: a fifth of the memory available at "
+                             "start)")
+    memory.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                        help="most tokens of one request, prompt and answer (default: the model's positions)")
+    memory.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="most sequences each engine runs at once (default: prefill's and decode's, 64)")
     up.add_argument("--disk-capacity", default="8GiB", help="store's LMDB tier (default %(default)s)")
     up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     up.add_argument("--insecure", action="store_true",
@@ -243,10 +257,10 @@ def parser() -> argparse.ArgumentParser:
         description="The KV store's tiers, from its Stats call, and the kvserve figures of each --metrics "
                     "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2, the HTTP API B+3). "
                     "Where a `kvserve up` runs on DATA_DIR, its services come first: state, pid, address, "
-                    "restarts and last exit (from DATA_DIR/up.json; under \"up\" with --json).",
+                    "restarts, memory held and last exit (from DATA_DIR/up.json; under \"up\" with --json).",
     )
-    stats.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                       help="where a `kvserve up` to report on runs (default %(default)s)")
+    stats.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                       help=f"where a `kvserve up` to report on runs (default: {DATA_DIR_DEFAULT})")
     stats.add_argument("--kvstore", default=None,
                        help=f"store address (default: that of the `kvserve up` on DATA_DIR, else {DEFAULT_STORE_ADDR})")
     stats.add_argument("--metrics", action="append", default=[],
@@ -294,6 +308,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,
         prefill_port=args.prefill_port, store_port=args.store_port,
         metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         disk_capacity=args.disk_capacity, block_size=args.block_size,
         insecure=args.insecure, http_port=None if args.no_http else args.http_port,
     )
@@ -321,6 +336,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(built.stderr, end="", file=sys.stderr)
             return 1
         say(built.stdout.strip())
+    try:  # before any service starts: a folder the services would refuse is said here, in one line
+        check_model_folder(model_dir)
+    except FileNotFoundError as exc:
+        print(f"kvserve up: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:  # an unreadable config.json, a model the engine does not serve
+        print(f"kvserve up: cannot serve {model_dir}: {exc}", file=sys.stderr)
+        return 2
     # While starting, a signal aborts the start (Stack.start stops what it has started).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupted)
@@ -592,10 +615,11 @@ def _print_up_status(up: UpStatus) -> None:
     print("plaintext, no auth (--insecure)" if up.insecure else f"TLS: CA {up.ca}, admin token in {up.admin_token}")
     if up.http_url is not None:
         print(f"OpenAI API at {up.http_url}/v1")
-    print(f"{'service':8s} {'state':8s} {'pid':>8s} {'address':22s} {'restarts':>8s}  last exit")
+    print(f"{'service':8s} {'state':8s} {'pid':>8s} {'address':22s} {'restarts':>8s} {'memory':>9s}  last exit")
     for name, s in up.services.items():
         last = f"{s.last_exit}, {_ago(s.last_exit.at)} ago" if s.last_exit else "-"
-        print(f"{name:8s} {s.state:8s} {s.pid or '-':>8} {s.addr:22s} {s.restarts:8d}  {last}")
+        held = "-" if s.memory_bytes is None else size(s.memory_bytes)
+        print(f"{name:8s} {s.state:8s} {s.pid or '-':>8} {s.addr:22s} {s.restarts:8d} {held:>9s}  {last}")
     print()
 
 

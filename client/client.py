@@ -36,6 +36,12 @@ _CHANNEL_OPTIONS = [
 
 Message = Mapping[str, str]
 BUSY_RETRIES = 8  # times a request refused by a busy server (RESOURCE_EXHAUSTED with a hint) is sent again
+# How long a call that failed UNAVAILABLE waits, once, for the server to answer again (gRPC connects again after
+# about a second): a service that `kvserve up` starts again has a placeholder on its port within a fraction of one,
+# which answers UNAVAILABLE with why, and a retry hint (stack/placeholder.py).
+RECONNECT_S = 2.0
+SERVER_SAYS = "; the server now says: "  # before the reason a server gives for a stream that broke
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # called with the empty request's bytes: no grpc_health here
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +153,10 @@ _ERRORS: dict[grpc.StatusCode, type[KVServeError]] = {
 }
 
 
-def _error(exc: grpc.RpcError) -> KVServeError:
+def _error(exc: grpc.RpcError, server_says: str | None = None) -> KVServeError:
     code = exc.code()  # type: ignore[attr-defined]
-    return _ERRORS.get(code, KVServeError)(code, exc.details() or "")  # type: ignore[attr-defined]
+    details = (exc.details() or "") + ("" if server_says is None else SERVER_SAYS + server_says)  # type: ignore[attr-defined]
+    return _ERRORS.get(code, KVServeError)(code, details)
 
 
 _UINT32 = 2**32
@@ -308,6 +315,24 @@ def _busy_wait(exc: grpc.RpcError, attempt: int, retries: int, deadline: float) 
     return wait if time.monotonic() + wait < deadline else None
 
 
+def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    code = getattr(exc, "code", None)  # a grpc.Call's, or an AioRpcError's (which is no grpc.Call)
+    return code() if callable(code) else None
+
+
+def _unavailable(exc: grpc.RpcError) -> bool:
+    return _code(exc) == grpc.StatusCode.UNAVAILABLE
+
+
+def _probed(exc: grpc.RpcError | None) -> tuple[bool, str | None] | None:
+    """What a health check (waiting for a connection) that ended with `exc` (None: it was answered) says: whether
+    the server answers, and its reason when it says it is unavailable; None to check again. A server's own
+    UNAVAILABLE comes with a retry hint; gRPC's own (a connection that broke as the check went out) without."""
+    if exc is None or not _unavailable(exc):
+        return exc is None or _code(exc) != grpc.StatusCode.DEADLINE_EXCEEDED, None
+    return (True, exc.details()) if retry_after_s(exc) is not None else None  # type: ignore[attr-defined]
+
+
 def _item(msg: decode_pb2.GenerateResponse) -> Chunk | Result:
     if msg.WhichOneof("kind") == "token":
         return Chunk(msg.token.token_id, msg.token.text)
@@ -345,11 +370,15 @@ class Client:
 
         Closing the iterator early cancels the request on the server. A request that a busy server refuses
         (RESOURCE_EXHAUSTED with a retry hint) is sent again after the hint, with jitter, at most
-        `busy_retries` times within `timeout_s`.
+        `busy_retries` times within `timeout_s`. After the first UNAVAILABLE (the server died, or is being
+        started again), the client waits for the server's hint, if any, then up to RECONNECT_S for the server
+        to answer a health check; once it does, a request that had no token yet is sent once more, and for one
+        that had, the error says what the server now says (a restart's placeholder: "decode restarting
+        (killed: out of memory); retry in a few seconds").
         """
         request = build_request(prompt, **kwargs)
         deadline = time.monotonic() + self.timeout_s
-        attempt = 0
+        attempt, probed = 0, False
         while True:
             call = self._stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
                                        metadata=self._metadata)
@@ -367,12 +396,38 @@ class Client:
                 return
             except grpc.RpcError as exc:
                 wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline)
+                if wait is None and _unavailable(exc) and not probed:
+                    probed = True
+                    hint = retry_after_s(exc) or 0.0
+                    if time.monotonic() + hint < deadline:
+                        time.sleep(hint)
+                        answers, why = self._probe(deadline)
+                        if answers and not answered:
+                            wait = 0.0
+                        elif why is not None:
+                            raise _error(exc, why) from None
                 if wait is None:
                     raise _error(exc) from None
             finally:
                 call.cancel()
             time.sleep(wait)
             attempt += 1
+
+    def _probe(self, deadline: float) -> tuple[bool, str | None]:
+        """Whether the server answers a health check within RECONNECT_S (and the deadline), and its reason if it
+        says it is unavailable (`_probed`)."""
+        until = min(deadline, time.monotonic() + RECONNECT_S)
+        check = self._channel.unary_unary(_HEALTH_CHECK)
+        while (left := until - time.monotonic()) > 0:
+            try:
+                check(b"", timeout=left, wait_for_ready=True)
+                answer = _probed(None)
+            except grpc.RpcError as exc:
+                answer = _probed(exc)
+            if answer is not None:
+                return answer
+            time.sleep(0.05)
+        return False, None
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Runs one request to the end and returns its `Result`."""
@@ -410,14 +465,14 @@ class AsyncClient:
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
     async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Chunk | Result]:
-        """Yields a `Chunk` per generated token, then the final `Result` (as `Client.stream`, busy retries
-        included).
+        """Yields a `Chunk` per generated token, then the final `Result` (as `Client.stream`, busy retries and
+        the one after UNAVAILABLE included).
 
         Closing the iterator early (`aclose()`) cancels the request on the server.
         """
         request = build_request(prompt, **kwargs)
         deadline = time.monotonic() + self.timeout_s
-        attempt = 0
+        attempt, probed = 0, False
         while True:
             call = self._stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
                                        metadata=self._metadata)
@@ -433,12 +488,36 @@ class AsyncClient:
                 return
             except grpc.RpcError as exc:
                 wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline)
+                if wait is None and _unavailable(exc) and not probed:
+                    probed = True
+                    hint = retry_after_s(exc) or 0.0
+                    if time.monotonic() + hint < deadline:
+                        await asyncio.sleep(hint)
+                        answers, why = await self._probe(deadline)
+                        if answers and not answered:
+                            wait = 0.0
+                        elif why is not None:
+                            raise _error(exc, why) from None
                 if wait is None:
                     raise _error(exc) from None
             finally:
                 call.cancel()
             await asyncio.sleep(wait)
             attempt += 1
+
+    async def _probe(self, deadline: float) -> tuple[bool, str | None]:
+        until = min(deadline, time.monotonic() + RECONNECT_S)
+        check = self._channel.unary_unary(_HEALTH_CHECK)
+        while (left := until - time.monotonic()) > 0:
+            try:
+                await check(b"", timeout=left, wait_for_ready=True)
+                answer = _probed(None)
+            except grpc.RpcError as exc:
+                answer = _probed(exc)
+            if answer is not None:
+                return answer
+            await asyncio.sleep(0.05)
+        return False, None
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Runs one request to the end and returns its `Result`."""

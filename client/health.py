@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import local
 from client.diagnose import Dialed, explain
 from client.local import Layout
+from engine.fetch import DATA_DIR_DEFAULT, default_data_dir
 from stack.status import UpStatus, no_up, read_status
 
 SERVING, NOT_SERVING, UNREACHABLE = 0, 1, 2
@@ -61,8 +62,8 @@ def parser() -> argparse.ArgumentParser:
                    help="HOST:PORT (or unix:PATH) of a kvstore, prefill, decode or router server, or of its "
                         "--health-listen; or a URL, e.g. https://127.0.0.1:8000/health (the HTTP front). Default: "
                         "each service of the `kvserve up` on --data-dir, one line each (exit code: the worst)")
-    p.add_argument("--data-dir", type=Path, default=Path("data"),
-                   help="where the `kvserve up` to ask runs, without ADDR (default %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                   help=f"where the `kvserve up` to ask runs, without ADDR (default: {DATA_DIR_DEFAULT})")
     p.add_argument("--service", default="",
                    help="a service name, e.g. kvserve.v1.Decode (default: the whole server)")
     p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",

@@ -37,6 +37,7 @@ from rpc.cli import (
     engine_token_budget,
     env_epilog,
     exit_with_parent,
+    memory_cap,
     parse_args,
     prepare_engine_process,
     serve,
@@ -119,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs,
                                                    long_prompt_chunk(args)),
-                            on_pool_change=pool_events.changed, cores=cores, keep_cached=0)
+                            on_pool_change=pool_events.changed, cores=cores, keep_cached=0, kv_cache_cap=memory_cap())
         trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen,

@@ -90,9 +90,11 @@ class Engine:
         on_pool_change: Callable[[list[BlockHash], list[BlockHash]], None] | None = None,
         cores: CoreShare | None = None,
         keep_cached: int | None = None,
+        kv_cache_cap: int | None = None,
     ) -> None:
         """`keep_cached`: the pool's engine.block_pool policy (None: it fills before it evicts; N: it grows past
-        what its sequences use for at most N cached blocks, so its memory follows their peak)."""
+        what its sequences use for at most N cached blocks, so its memory follows their peak). `kv_cache_cap`:
+        most bytes the default pool takes on CPU (engine.kv_cache.default_kv_cache_memory)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
@@ -103,7 +105,8 @@ class Engine:
         self._inbox: deque[Callable[[], None]] = deque()
         config = config or SchedulerConfig()
         self.kv_cache = KVCache(
-            kv_cache_blocks(model, block_size, kv_cache_memory, config.max_num_seqs), num_layers=model.num_layers,
+            kv_cache_blocks(model, block_size, kv_cache_memory, config.max_num_seqs, kv_cache_cap),
+            num_layers=model.num_layers,
             block_size=block_size, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype,
             device=model.device,
         )

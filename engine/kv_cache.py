@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rpc.cli import MEMORY_SHARE, available_memory
-
 if TYPE_CHECKING:
     from engine.model import Model
 
@@ -81,21 +79,25 @@ class KVCache:
             dst[:, :, :num_tokens].copy_(src.view(layers, 2, num_tokens, heads, dim))
 
 
+DEFAULT_CPU_KV_CACHE_CAP = 1 << 30  # where the service gives no cap (rpc.cli.memory_cap)
+
+
 def default_kv_cache_memory(per_block: int, block_size: int, max_model_len: int | None, max_num_seqs: int,
-                            available: int | None) -> int:
+                            cap: int | None) -> int:
     """--kv-cache-memory's default on CPU: the blocks of `max_num_seqs` sequences of `max_model_len` tokens, at
-    most MEMORY_SHARE of the `available` memory, and at least one such sequence (a request the model
-    takes must fit). Its memory is touched only as blocks are used (KVCache)."""
-    share = int(MEMORY_SHARE * available) if available else 1 << 30
+    most `cap` bytes (a service's share of the memory available, rpc.cli.memory_cap), and at least one such
+    sequence (a request the model takes must fit). Its memory is touched only as blocks are used (KVCache)."""
+    share = DEFAULT_CPU_KV_CACHE_CAP if cap is None else cap
     if max_model_len is None:
         return share
     seq = (math.ceil(max_model_len / block_size) + 1) * per_block
     return max(seq, min(max_num_seqs * seq, share))
 
 
-def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None, max_num_seqs: int = 1) -> int:
-    """Blocks that fit ``kv_cache_memory`` bytes (default: on CPU `default_kv_cache_memory`, on CUDA half the
-    free device memory)."""
+def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None, max_num_seqs: int = 1,
+                    cap: int | None = None) -> int:
+    """Blocks that fit ``kv_cache_memory`` bytes (default: on CPU `default_kv_cache_memory` under ``cap``, on
+    CUDA half the free device memory)."""
     per_block = KVCache.bytes_per_block(
         num_layers=model.num_layers, block_size=block_size, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, dtype=model.dtype,
@@ -105,8 +107,7 @@ def kv_cache_blocks(model: Model, block_size: int, kv_cache_memory: int | None, 
             free, _ = torch.cuda.mem_get_info(model.device)
             kv_cache_memory = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
         else:
-            kv_cache_memory = default_kv_cache_memory(per_block, block_size, model.max_positions, max_num_seqs,
-                                                      available_memory())
+            kv_cache_memory = default_kv_cache_memory(per_block, block_size, model.max_positions, max_num_seqs, cap)
     blocks = kv_cache_memory // per_block
     if blocks < 1:
         raise ValueError(f"--kv-cache-memory {kv_cache_memory} bytes holds no block of {per_block} bytes")

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import faulthandler
 import gc
+import os
 import resource
 import socket
 import sys
@@ -29,7 +30,7 @@ from rpc.cli import (
     positive_int,
     tls_from_args,
 )
-from rpc.server import CLIENT_CHANNEL_OPTIONS, listen_host, start_metrics_server
+from rpc.server import CLIENT_CHANNEL_OPTIONS, SHARE_PORT_ENV, listen_host, start_metrics_server
 
 GRACE_S = 5  # on SIGTERM, streams in flight get this long to finish
 
@@ -132,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     host, _, port = args.listen.rpartition(":")
     try:
-        sock = socket.create_server((listen_host(args.listen) or "0.0.0.0", int(port)))
+        sock = socket.create_server((listen_host(args.listen) or "0.0.0.0", int(port)),  # beside `up`'s placeholder:
+                                    reuse_port=os.environ.get(SHARE_PORT_ENV) == "1")  # stack/placeholder.py
     except (OSError, ValueError) as exc:
         print(f"http: cannot listen on {args.listen}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2

@@ -12,12 +12,11 @@ from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
 from kvstore.leases import MAX_TTL_S
 from kvstore.server import StoreServer
 from rpc.cli import (
-    MEMORY_SHARE,
     add_server_flags,
-    available_memory,
     configure_logging,
     env_epilog,
     exit_with_parent,
+    memory_cap,
     parse_args,
     parse_size,
     serve,
@@ -28,9 +27,9 @@ log = logging.getLogger("kvstore")
 
 
 def default_host_capacity() -> int:
-    """--host-capacity's default: MEMORY_SHARE of the memory available at start (1 GiB where it cannot be read)."""
-    available = available_memory()
-    return int(MEMORY_SHARE * available) if available else 1 << 30
+    """--host-capacity's default: rpc.cli.memory_cap, a share of the memory available at start (1 GiB where it
+    cannot be read)."""
+    return memory_cap() or 1 << 30
 
 
 def parser() -> argparse.ArgumentParser:

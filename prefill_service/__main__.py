@@ -31,6 +31,7 @@ from rpc.cli import (
     engine_token_budget,
     env_epilog,
     exit_with_parent,
+    memory_cap,
     parse_args,
     prepare_engine_process,
     serve,
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores,
-                            keep_cached=0)
+                            keep_cached=0, kv_cache_cap=memory_cap())
         trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen, tls=tls,

@@ -247,6 +247,12 @@ def usable_cores() -> set[int]:
 MEMORY_SHARE = 0.2
 
 
+def memory_cap() -> int | None:
+    """MEMORY_SHARE of `available_memory()`; None where it cannot be read."""
+    available = available_memory()
+    return int(MEMORY_SHARE * available) if available else None
+
+
 def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes this process could still take: the kernel's MemAvailable, or less where the memory cgroup it runs in
     (a container's, cgroup v2) has a limit closer by; None where neither can be read."""

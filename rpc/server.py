@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import threading
 import time
@@ -53,6 +54,7 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # Methods that every caller may call without a token (rpc.auth) and hold for as long as they like.
 OPEN_STREAMS = ("/grpc.health.v1.Health/Watch", "/grpc.reflection.")
 BUSY_RETRY_S = 0.25  # the retry hint of a call refused because every worker is taken
+SHARE_PORT_ENV = "KVSERVE_SHARE_PORT"  # set by `kvserve up` (stack.stack) for a service it starts again
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
@@ -437,8 +439,9 @@ class Server:
             # the handler before it decides, so the checks here run first: a refusal's side effects wait for its
             # handler to run (`refusing`).
             interceptors=[*interceptors, self._errors],
-            # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
-            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+            # No SO_REUSEPORT: a second server on a taken port must fail, not share it; but beside the placeholder
+            # that holds the port while `kvserve up` starts this service again (stack.placeholder), it shares it.
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", int(os.environ.get(SHARE_PORT_ENV) == "1"))],
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -24,7 +24,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.local import Layout
+from rpc.server import SHARE_PORT_ENV  # "1": a service binds with SO_REUSEPORT (stack.placeholder)
 from stack.credentials import ensure as ensure_credentials
+from stack.memory import held_bytes, size
 from stack.status import describe_exit
 
 START_TIMEOUT_S = 120.0
@@ -139,7 +141,7 @@ def remove_shm_leftovers(pid: int, root: Path = Path("/dev/shm")) -> list[Path]:
 PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by rpc.cli.exit_with_parent in each service
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(share_port: bool = False) -> dict[str, str]:
     """The services' environment. From the main thread it names this process as their parent, so
     that on Linux each asks to get SIGTERM when this process dies (even by SIGKILL) and a killed
     `kvserve up` leaves no orphan servers holding its ports and data folder. Off the main thread
@@ -148,18 +150,24 @@ def _child_env() -> dict[str, str]:
     between fork and exec in a process that already has gRPC threads can deadlock or crash."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop(PARENT_PID_ENV, None)
+    env.pop(SHARE_PORT_ENV, None)
+    if share_port:
+        env[SHARE_PORT_ENV] = "1"
     if threading.current_thread() is threading.main_thread():
         env[PARENT_PID_ENV] = str(os.getpid())
     return env
 
 
-def port_in_use(host: str, port: int) -> bool:
+def port_in_use(host: str, port: int, *, shared: bool = False) -> bool:
     """Whether a server listens on `port` of `host`. A bind without SO_REUSEPORT fails where one
     does (gRPC servers set SO_REUSEPORT, and would share the port); SO_REUSEADDR lets the bind
-    pass over connections of a stopped server that linger in TIME_WAIT."""
+    pass over connections of a stopped server that linger in TIME_WAIT. `shared`: bind with
+    SO_REUSEPORT, so that a server of ours that shares its port (stack.placeholder) does not count."""
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind((host.strip("[]") or "0.0.0.0", port))
         except OSError as exc:
@@ -187,12 +195,14 @@ def start_service(
 
 
 def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | None = None,
-                  host: str = "127.0.0.1", port: int = 0, health_url: str | None = None) -> Service:
+                  host: str = "127.0.0.1", port: int = 0, health_url: str | None = None,
+                  share_port: bool = False) -> Service:
     """Starts `python -m module args...` and returns at once: `wait_started` waits for it to serve.
 
     Call it from the main thread: a service started by another thread is stopped when that thread ends
     (see `_child_env`). `port` is the one it is expected to listen on (0: not known yet). `health_url`: the
-    service is an HTTP one, healthy once a GET of that path answers 200 (over HTTPS with its --tls-cert)."""
+    service is an HTTP one, healthy once a GET of that path answers 200 (over HTTPS with its --tls-cert).
+    `share_port`: it binds with SO_REUSEPORT, beside a placeholder that holds its port (stack.placeholder)."""
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - owned by the drain thread
     offset = log.seek(0, os.SEEK_END) if log is not None else 0
     try:
@@ -201,7 +211,7 @@ def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | 
             stdout=subprocess.PIPE,
             stderr=log if log is not None else None,
             text=True,
-            env=_child_env(),
+            env=_child_env(share_port),
         )
     except BaseException:
         if log is not None:
@@ -224,9 +234,11 @@ class StartFailed(StackError):
         self.reason = reason
 
 
-def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S) -> Service:
-    """Waits for a spawned service's LISTENING line (setting its port) and for health SERVING; kills it
-    and raises StartFailed when it exits or does not get there within timeout_s. Any thread may wait."""
+def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S,
+                 listening: Callable[[], None] | None = None) -> Service:
+    """Waits for a spawned service's LISTENING line (setting its port; then calls `listening`) and for
+    health SERVING; kills it and raises StartFailed when it exits or does not get there within timeout_s.
+    Any thread may wait."""
     proc = service.process
     draining = False
     try:
@@ -241,6 +253,8 @@ def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S) -> Servic
         if port is None:
             raise StartFailed(service, f"{describe_exit(proc.wait())} before listening")
         service.port = port
+        if listening is not None:
+            listening()
         threading.Thread(target=_drain, args=(proc.stdout, service.log_file), daemon=True).start()
         draining = True
         try:
@@ -397,9 +411,13 @@ class StackConfig:
     prefill_port: int = 50052
     store_port: int = 50053
     metrics_base_port: int | None = None  # decode, prefill, store, http get base, base+1, base+2, base+3
-    host_capacity: str = "1GiB"
+    host_capacity: str | None = None  # the store's --host-capacity (None: its default)
     disk_capacity: str = "8GiB"
     block_size: int = 16
+    # prefill's and decode's --kv-cache-memory, --max-model-len, --max-num-seqs (None: theirs)
+    kv_cache_memory: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
     extra_store_args: list[str] = field(default_factory=list)
     # Appended to each service's flags; a flag given again wins (argparse keeps the last), so e.g.
     # extra_prefill_args=["--kvstore", ADDR] points prefill at another store.
@@ -414,6 +432,11 @@ class StackConfig:
     cores: int | None = None
     # The OpenAI-compatible HTTP API (http_api) on this port in front of decode (0: any); None: not served.
     http_port: int | None = None
+
+
+def _given(flag: str, value: object) -> tuple[str, ...]:
+    """(flag, value) where value is set; () where it is None."""
+    return () if value is None else (flag, str(value))
 
 
 class Stack:
@@ -500,7 +523,7 @@ class Stack:
     def store_spec(self) -> ServiceSpec:
         c = self.config
         return ServiceSpec("kvstore", "kvstore", (
-            "--listen", f"{c.host}:{c.store_port}", "--host-capacity", c.host_capacity,
+            "--listen", f"{c.host}:{c.store_port}", *_given("--host-capacity", c.host_capacity),
             "--disk-capacity", c.disk_capacity, "--disk-path", str(c.data_dir / "kvstore"),
             *self._metrics(METRICS_OFFSETS["kvstore"]), *self._secure("kvstore"), *c.extra_store_args,
         ), self._log("kvstore"), connect_host(c.host))
@@ -534,7 +557,9 @@ class Stack:
 
     def _common(self, store_addr: str) -> tuple[str, ...]:
         c = self.config
-        return "--model", str(c.model_dir), "--kvstore", store_addr, "--block-size", str(c.block_size)
+        return ("--model", str(c.model_dir), "--kvstore", store_addr, "--block-size", str(c.block_size),
+                *_given("--kv-cache-memory", c.kv_cache_memory), *_given("--max-model-len", c.max_model_len),
+                *_given("--max-num-seqs", c.max_num_seqs))
 
     def hosts(self) -> list[str]:
         """The host the services' certificates must name besides localhost: the one they listen on."""
@@ -589,24 +614,26 @@ class Stack:
         try:
             service = start_service(spec.name, spec.module, spec.args, spec.log_path, host=spec.host,
                                     health_url=spec.health_url)
-        except BaseException:
+        except (StackError, OSError):  # not a signal's exception: an interrupted start says so itself
             self._say(f"{spec.name} did not start")
             raise
-        self._say(f"{spec.name} ready on {service.addr} ({time.monotonic() - began:.1f} s)")
+        held = held_bytes(service.process.pid)
+        self._say(f"{spec.name} ready on {service.addr} ({time.monotonic() - began:.1f} s"
+                  f"{'' if held is None else f', {size(held)} resident'})")
         self.services.append(service)
         self.specs[spec.name] = spec.on_port(service.port)
         return service
 
-    def respawn(self, name: str) -> Service:
+    def respawn(self, name: str, share_port: bool = False) -> Service:
         """Starts service `name` again, with the same flags on the same port, in place of its process,
-        which must have exited. Returns at once: `wait_started` waits for it to serve. Main thread only
-        (see `spawn_service`)."""
+        which must have exited (`share_port`: beside a placeholder, see `spawn_service`). Returns at once:
+        `wait_started` waits for it to serve. Main thread only (see `spawn_service`)."""
         spec = self.specs[name]
         i = next(i for i, s in enumerate(self.services) if s.name == name)
         if self.services[i].process.poll() is None:
             raise StackError(f"{name} (pid {self.services[i].process.pid}) is still running")
         service = spawn_service(name, spec.module, spec.args, spec.log_path, spec.host, port=spec.port,
-                                health_url=spec.health_url)
+                                health_url=spec.health_url, share_port=share_port)
         self.services[i] = service
         return service
 

@@ -31,15 +31,17 @@ class ExitStatus:
     code: int | None  # its exit code; None when a signal ended it
     signal: str | None  # the signal that ended it, e.g. "SIGKILL"
     at: float  # Unix time
+    cause: str | None = None  # of a SIGKILL: whether the kernel's OOM killer sent it, and the memory it held
 
     @classmethod
-    def of(cls, returncode: int, at: float) -> ExitStatus:
+    def of(cls, returncode: int, at: float, cause: str | None = None) -> ExitStatus:
         if returncode >= 0:
-            return cls(returncode, None, at)
-        return cls(None, describe_exit(returncode).removeprefix("was killed by "), at)
+            return cls(returncode, None, at, cause)
+        return cls(None, describe_exit(returncode).removeprefix("was killed by "), at, cause)
 
     def __str__(self) -> str:
-        return f"killed by {self.signal}" if self.signal else f"exited with code {self.code}"
+        how = f"killed by {self.signal}" if self.signal else f"exited with code {self.code}"
+        return how if self.cause is None else f"{how}: {self.cause}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,7 @@ class ServiceStatus:
     last_exit: ExitStatus | None
     log: str | None
     metrics_url: str | None = None  # its Prometheus page (`up --metrics-base-port`)
+    memory_bytes: int | None = None  # what it holds (stack.memory.held_bytes), sampled every few seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,20 @@
 """`kvserve up`'s supervisor: starts again a service of its stack that dies, and keeps DATA_DIR/up.json.
 
-A service that exits while `up` runs is reported in one line (how it ended and its own last log
-lines), a dead store's shared-memory dir is removed, and the service is started again with the same
-flags on the same port after a backoff (`Backoff`). The others keep running: their channels
-reconnect to the new process. A failure that retrying cannot fix ends `up` (`Unrecoverable`).
+A service that exits while `up` runs is reported in one line (how it ended, for a SIGKILL whether the
+kernel's OOM killer sent it and what it held, and its own last log lines), a dead store's shared-memory dir
+is removed, and the service is started again with the same flags on the same port after a backoff
+(`Backoff`). Until the new process listens, a placeholder holds the port and answers every call with
+UNAVAILABLE (HTTP: 503) and the reason (stack.placeholder). The others keep running: their channels
+reconnect to the new process. A failure that retrying cannot fix ends `up` (`Unrecoverable`). What each
+service holds is sampled every couple of seconds for up.json (stack.memory.Watch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import signal
 import sys
 import threading
 import time
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from stack.memory import KillCause, Watch, size
+from stack.placeholder import Placeholder, restarting
 from stack.stack import (
     METRICS_OFFSETS,
     Service,
@@ -80,6 +87,11 @@ class _Child:
     restart_at: float = 0.0  # monotonic, while waiting
     starting: Future[Service] | None = None
     last_exit: ExitStatus | None = None
+    watch: Watch = field(init=False)  # of its current process: memory held, its cgroup's OOM count
+    placeholder: Placeholder | None = None  # on its port while it is down
+
+    def __post_init__(self) -> None:
+        self.watch = Watch(self.service.process.pid)
 
 
 class Supervisor:
@@ -97,6 +109,8 @@ class Supervisor:
         self._status_failed = False
         self.started_at = min((s.started_at for s in stack.services), default=time.time())
         self.children = [_Child(s.name, s, backoff()) for s in stack.services]
+        for child in self.children:
+            child.watch.poll(self._clock())
         self.write_status()
 
     def poll(self) -> None:
@@ -111,6 +125,9 @@ class Supervisor:
                 self._start_again(child)
             elif child.state == "starting" and child.starting is not None and child.starting.done():
                 self._started(child)
+        sampled = [c.watch.poll(self._clock()) for c in self.children if c.state != "waiting"]
+        if any(sampled):
+            self.write_status()
 
     def status(self) -> UpStatus:
         layout = self.stack.layout
@@ -134,7 +151,10 @@ class Supervisor:
             self._status_failed = True
 
     def close(self) -> None:
-        """Removes the status file: `up` has stopped."""
+        """Closes the placeholders and removes the status file: `up` has stopped."""
+        for child in self.children:
+            if child.placeholder is not None:
+                child.placeholder.close()
         if self.status_path is not None:
             with contextlib.suppress(OSError):
                 status = read_status(self.status_path.parent)
@@ -146,24 +166,30 @@ class Supervisor:
     def _exited(self, child: _Child) -> None:
         proc = child.service.process
         ran_s = max(0.0, time.time() - child.service.started_at)
-        child.last_exit = ExitStatus.of(proc.returncode, time.time())
+        cause = self._kill_cause(child, proc.returncode)
+        child.last_exit = ExitStatus.of(proc.returncode, time.time(), None if cause is None else cause.text)
+        self._hold_port(child, cause.short if cause else describe_exit(proc.returncode).removeprefix("was "))
         cleaned = self._clean_up(child)
         delay = child.backoff.after_exit(ran_s)
         child.state, child.restart_at = "waiting", self._clock() + delay
         self.write_status()
         self._say(f"kvserve up: {child.name} (pid {proc.pid}) {describe_exit(proc.returncode)} after "
-                  f"{duration(ran_s)}{cleaned}; starting it again in {delay:g} s{self._last_lines(child)}",
-                  self._err)
+                  f"{duration(ran_s)}{'' if cause is None else f': {cause.text}'}{cleaned}; starting it again in "
+                  f"{delay:g} s{self._last_lines(child)}", self._err)
 
     def _start_again(self, child: _Child) -> None:
-        host = self.stack.config.host
-        taken = [p for p in self.stack.specs[child.name].ports if port_in_use(host, p)]
+        host, spec = self.stack.config.host, self.stack.specs[child.name]
+        shared = child.placeholder is not None  # it holds the service's own port
+        taken = [p for p in spec.ports if port_in_use(host, p, shared=shared and p == spec.port)]
         if taken:
             raise Unrecoverable(f"cannot start {child.name} again: port {taken[0]} on {host} is taken by "
                                 "another process")
-        child.service = self.stack.respawn(child.name)
+        child.service = self.stack.respawn(child.name, share_port=shared)
         child.state, child.restarts = "starting", child.restarts + 1
-        child.starting = _in_thread(wait_started, child.service)
+        child.watch = Watch(child.service.process.pid)
+        child.watch.poll(self._clock())
+        listening = None if child.placeholder is None else child.placeholder.close
+        child.starting = _in_thread(functools.partial(wait_started, listening=listening), child.service)
         self.write_status()
 
     def _started(self, child: _Child) -> None:
@@ -175,15 +201,24 @@ class Supervisor:
             return
         finally:
             child.starting = None
+        if child.placeholder is not None:
+            child.placeholder.close()  # closed as the new process said it listens
+            child.placeholder = None
         child.state = "running"
+        child.watch.poll(self._clock(), sample=True)
         self.write_status()
+        held = child.watch.held
         self._say(f"kvserve up: {child.name} is back on {child.service.addr} (pid {child.service.process.pid}, "
-                  f"restart {child.restarts})", self._out)
+                  f"restart {child.restarts}{'' if held is None else f', {size(held)} resident'})", self._out)
 
     def _failed_to_start(self, child: _Child, exc: StackError) -> None:
         code = child.service.process.wait()  # wait_started has killed it if it still ran
-        child.last_exit = ExitStatus.of(code, time.time())
         reason = exc.reason if isinstance(exc, StartFailed) else str(exc)
+        cause = self._kill_cause(child, code) if reason.startswith(describe_exit(code)) else None  # not our kill
+        child.last_exit = ExitStatus.of(code, time.time(), None if cause is None else cause.text)
+        if cause is not None:
+            reason += f": {cause.text}"
+        self._hold_port(child, f"failed to start again: {cause.short if cause else reason}")
         cleaned = self._clean_up(child)
         if code == UNRECOVERABLE_EXIT_CODE:
             self.write_status()
@@ -196,6 +231,19 @@ class Supervisor:
                 if delay >= child.backoff.max_s else f"trying again in {delay:g} s")
         self._say(f"kvserve up: {child.name} failed to start again (attempt {child.restarts}): it {reason}"
                   f"{cleaned}; {then}{self._last_lines(child)}", self._err)
+
+    def _hold_port(self, child: _Child, why: str) -> None:
+        """Has a placeholder answer on the port of a service that is down, saying `why`."""
+        message = restarting(child.name, why)
+        if child.placeholder is not None and not child.placeholder.closed:
+            child.placeholder.message = message
+        else:
+            child.placeholder = Placeholder.open(self.stack.specs[child.name], message)
+
+    @staticmethod
+    def _kill_cause(child: _Child, returncode: int) -> KillCause | None:
+        """For a service that died by SIGKILL, whether the kernel's OOM killer sent it, and what it held."""
+        return child.watch.cause() if returncode == -signal.SIGKILL else None
 
     def _clean_up(self, child: _Child) -> str:
         """Removes what a dead store leaves in shared memory; says what was removed ("" if nothing)."""
@@ -218,7 +266,8 @@ class Supervisor:
         running = child.state != "waiting"
         return ServiceStatus(child.state, s.process.pid if running else None, s.addr, child.restarts,
                              s.started_at if running else None, child.last_exit,
-                             str(s.log_path) if s.log_path else None, metrics_url(self.stack, child.name))
+                             str(s.log_path) if s.log_path else None, metrics_url(self.stack, child.name),
+                             child.watch.held if running else None)
 
     @staticmethod
     def _say(line: str, stream: TextIO) -> None:

@@ -5,19 +5,27 @@ processes), and the helpers of each part in `tests/*_fixtures.py`, `tests/fake_d
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from client.local import HOME_ENV
+from engine.fetch import DATA_DIR_ENV
 from tests.redis_fixtures import RedisServer
 
-# Where a `kvserve up` started by a test names its credentials for local clients (client/local.py): the
-# session's own folder, never the user's ~/.kvserve. Set at import, so that every process the tests start
-# inherits it.
-os.environ["KVSERVE_HOME"] = tempfile.mkdtemp(prefix="kvserve-home-")
+# The session's own folders, never the checkout's data/ nor the user's ~/.kvserve, so that a `kvserve up` the
+# developer runs is invisible to the tests: the data dir that commands default to (engine/fetch.py: models,
+# up.json), and where a `kvserve up` names its credentials for local clients (client/local.py). Set at import,
+# so that every process the tests start inherits them; each test worker has its own.
+_SESSION = Path(tempfile.mkdtemp(prefix="kvserve-tests-"))
+atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
+os.environ[DATA_DIR_ENV] = str(_SESSION / "data")  # made by what writes there first, as in a fresh checkout
+os.environ[HOME_ENV] = str(_SESSION / "home")
 
 # The tests run many engine processes at once on few cores (two workers, each with its stacks and its own torch),
 # so an OpenMP thread that spins while it waits for its team burns a core another process needs. With threads that

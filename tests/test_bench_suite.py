@@ -37,9 +37,9 @@ from bench.report import (
     percentiles_s,
     save_plot,
 )
-from bench.target import TINY_MODEL_DIR, ensure_model, free_port, local_stack
+from bench.target import ensure_model, free_port, local_stack, tiny_model_dir
 from client import cli
-from engine.fetch import REAL_MODEL, REAL_MODEL_DIR
+from engine.fetch import DATA_DIR_ENV, REAL_MODEL, real_model_dir
 from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -131,18 +131,20 @@ def test_environ_sets_variables_and_restores_them(monkeypatch: pytest.MonkeyPatc
 
 def test_benchmarks_run_the_real_model_by_default_where_it_has_been_fetched(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)  # the model folders are relative to the working directory
-    (tmp_path / TINY_MODEL_DIR).mkdir(parents=True)
-    (tmp_path / TINY_MODEL_DIR / "config.json").write_text("{}")  # built already: nothing to build
-    assert ensure_model(None) == TINY_MODEL_DIR
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "data"))  # the model folders are under the data dir
+    tiny, real = tiny_model_dir(), real_model_dir()
+    assert (tiny, real) == (tmp_path / "data" / "models" / "tiny-llama", tmp_path / "data" / "models" / REAL_MODEL)
+    tiny.mkdir(parents=True)
+    (tiny / "config.json").write_text("{}")  # built already: nothing to build
+    assert ensure_model(None) == tiny
     said = capsys.readouterr().err.splitlines()
-    assert len(said) == 1 and said[0].startswith(f"no {REAL_MODEL} in {REAL_MODEL_DIR}: benchmarking the tiny")
+    assert len(said) == 1 and said[0].startswith(f"no {REAL_MODEL} in {real}: benchmarking the tiny")
     assert f"`kvserve model fetch {REAL_MODEL}`" in said[0]
-    (tmp_path / REAL_MODEL_DIR).mkdir(parents=True)
-    assert ensure_model(None) == TINY_MODEL_DIR  # a folder without its config is not fetched
-    (tmp_path / REAL_MODEL_DIR / "config.json").write_text("{}")
+    real.mkdir(parents=True)
+    assert ensure_model(None) == tiny  # a folder without its config is not fetched
+    (real / "config.json").write_text("{}")
     capsys.readouterr()
-    assert ensure_model(None) == REAL_MODEL_DIR
+    assert ensure_model(None) == real
     assert ensure_model(Path("elsewhere")) == Path("elsewhere")  # a folder given is taken as it is
     assert capsys.readouterr().err == ""
     for parse in (bench_multi_turn.parse_args, bench_scaling.parse_args, bench_http.parse_args):

@@ -91,8 +91,9 @@ def test_up_refuses_a_model_folder_without_a_config(tmp_path: Path, kind: str) -
         model.mkdir()
     done = run_up(up_argv(tmp_path, model, free_ports(3)))
     what = "does not exist" if kind == "missing" else "has no config.json"
-    assert done.returncode == 1 and f"model folder {model} {what}" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.returncode == 2 and f"no model at {model}: the folder {what}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "data" / "logs").exists()  # nothing was started
 
 
 def test_up_takes_the_old_tls_flag_and_refuses_a_tokens_file_of_its_own(tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_up_takes_the_old_tls_flag_and_refuses_a_tokens_file_of_its_own(tmp_path
     `--auth-tokens` is refused, saying where up keeps its tenants, before anything starts."""
     model = tmp_path / "no-model"
     done = run_up(up_argv(tmp_path, model, free_ports(3), "--tls"))
-    assert done.returncode == 1 and f"model folder {model} does not exist" in done.stderr, done.stderr
+    assert done.returncode == 2 and f"no model at {model}: the folder does not exist" in done.stderr, done.stderr
     done = run_up(up_argv(tmp_path, model, free_ports(3), "--auth-tokens", str(tmp_path / "t")))
     assert done.returncode == 2, done.stderr
     assert f"up keeps its tenants in {tmp_path / 'data' / 'auth' / 'tokens'}" in done.stderr, done.stderr
@@ -125,6 +126,7 @@ def test_up_shows_why_a_service_did_not_start(tmp_path: Path) -> None:
     done = run_up(up_argv(tmp_path, model, free_ports(3)))
     assert done.returncode == 1
     assert "prefill exited with code 2 before listening" in done.stderr
+    assert "prefill did not start" in done.stdout, done.stdout  # a failed start names the service
     assert "sliding window attention is in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
@@ -172,13 +174,15 @@ def _assert_gone(pids: list[int], timeout_s: float = 30) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_stops_at_once(tmp_path: Path, sig: signal.Signals) -> None:
     proc = _start(tmp_path)
     started = _wait_children(proc.pid, 2)  # the store is up, prefill is loading the model
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM while starting" in err and "ready:" not in out and "Traceback" not in err
+    assert proc.returncode == 128 + sig, err
+    assert f"{sig.name} while starting" in err and "ready:" not in out and "Traceback" not in err
+    assert "did not start" not in out + err, out + err  # an interrupted start is no failed one
     _assert_gone(started)
 
 

@@ -62,6 +62,8 @@ GRPC_SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__ma
                  "decode": "decode_service.__main__", "router": "router.__main__"}
 SERVICES = {**GRPC_SERVICES, "http": "http_api.__main__"}  # http: OpenAI's HTTP API, in front of the router
 SHARED_VARS = {"KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA", "KVSERVE_AUTH_TOKENS", "KVSERVE_TOKEN"}
+# The KVSERVE_ variables a process started here keeps: the test session's own folders (tests/conftest.py).
+SESSION_VARS = {"KVSERVE_HOME", "KVSERVE_DATA_DIR"}
 PORTS = {"kvstore": 50053, "prefill": 50052, "decode": 50051, "router": 50050}
 HEALTH_PORTS = {name: port + 10 for name, port in PORTS.items()}  # --health-listen, on 127.0.0.1: the probes ask there
 HTTP_PORT = 8000  # the HTTP front's HTTPS; it has no --health-listen: its probes GET its /health
@@ -811,7 +813,7 @@ def test_the_http_fronts_probes_ask_its_health(tmp_path: Path) -> None:
     tls.load_cert_chain(*layout.cert("http"))
     base = yaml.safe_load_all((KUSTOMIZE / "base" / "http.yaml").read_text())
     probes = http_probes([o for o in base if o])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_HOME"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k in SESSION_VARS}
     kvserve = f"{shlex.quote(sys.executable)} -m client.cli"
 
     def passes(probe: str, port: int, path: str) -> bool:
@@ -905,7 +907,7 @@ class LocalCompose:
         return value
 
     def env(self, service: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_HOME"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k in SESSION_VARS}
         env.update(PYTHONUNBUFFERED="1", KVSERVE_PARENT_PID=str(os.getpid()),
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         env.update({k: self.rewrite(service, k, str(v)) for k, v in self.services[service].get("environment", {}).items()})
@@ -983,9 +985,6 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
 
     spec = compose()
     stack = LocalCompose(spec, tmp_path)
-    repo_model = ROOT / "data" / "models" / "tiny-llama"
-    if (repo_model / "config.json").exists():  # model-init then finds it and builds nothing
-        (stack.volumes["models"] / "tiny-llama").symlink_to(repo_model)
     with contextlib.ExitStack() as cleanup:
         redis_command = spec["services"]["redis"]["command"]
         redis = cleanup.enter_context(RedisServer.start(tmp_path, extra=redis_command[1:]))

@@ -26,6 +26,7 @@ from tests.stack_fixtures import BLOCK_SIZE, model_dir, tokens
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[1] / "README.md"
+USAGE = README.parent / "docs" / "USAGE.md"
 
 START_TIMEOUT_S = 120
 
@@ -75,7 +76,7 @@ def up(tmp_path: Path) -> Iterator[Up]:
 
 
 def check_the_readme_http_examples_and_a_killed_front(up: Up) -> None:
-    """The README's curl command and `openai` example, run as they are written (in the folder `up` runs in)
+    """The curl command of docs/USAGE.md and the README's `openai` example, run as they are written (in the folder `up` runs in)
     against this `up`; a SIGKILLed HTTP front is started again by `up`, on its port, and answers again."""
     from stack.status import read_status
 
@@ -166,9 +167,9 @@ def test_up_generate_stats_the_http_api_and_a_clean_stop(up: Up) -> None:
 
 
 def readme_http_examples(port: int) -> tuple[str, str]:
-    """The README's curl command and Python example for OpenAI's API, on `port` instead of 8000."""
-    section = README.read_text().split("## OpenAI's HTTP API", 1)[1].split("\n## ", 1)[0]
+    """docs/USAGE.md's curl command for OpenAI's API and the README's `openai` example, on `port` instead of 8000."""
+    section = USAGE.read_text().split("## OpenAI's HTTP API", 1)[1].split("\n## ", 1)[0]
     sh = re.search(r"```sh\n(.*?)```", section, re.DOTALL)
-    py = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert sh and py, "the README's HTTP API section lost its examples"
+    py = re.search(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert sh and py, "USAGE.md's HTTP API section or the README's tour lost its example"
     return sh.group(1).replace(":8000", f":{port}"), py.group(1).replace(":8000", f":{port}")

@@ -18,9 +18,9 @@ from tests.processes import alive
 
 pytest_plugins = ["pytester"]
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+USAGE = Path(__file__).resolve().parents[1] / "docs" / "USAGE.md"
 
-# Run after the README's example, in one session with it. The last test fails on purpose, after
+# Run after USAGE.md's example, in one session with it. The last test fails on purpose, after
 # stopping the prefill service, so that its report shows what prefill logged during the test.
 STACK_TESTS = '''
 import json
@@ -59,10 +59,10 @@ def test_fails_after_prefill_stopped(kvserve_stack):
 
 
 def readme_example() -> str:
-    """The python block of the README's section on testing against kvserve."""
-    section = README.read_text().split("## Testing your service against kvserve", 1)[1].split("\n## ", 1)[0]
+    """The python block of docs/USAGE.md's section on testing against kvserve."""
+    section = USAGE.read_text().split("## Testing your service against kvserve", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match, "the README's testing section has no python example"
+    assert match, "USAGE.md's testing section has no python example"
     return match.group(1)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.local import Layout
 from stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
@@ -130,23 +132,34 @@ def test_a_killed_service_is_reported_with_its_own_lines_and_started_again_on_it
     assert status is not None and status.pid == os.getpid()
     assert {n: (s.state, s.restarts) for n, s in status.services.items()} == {"prefill": ("running", 0),
                                                                              "decode": ("running", 0)}
+    assert all(s.memory_bytes and s.memory_bytes > 1 << 20 for s in status.services.values())
     killed = f.kill("prefill")
     f.poll_until(lambda: f.state("prefill") == "waiting")
     line = f.err.getvalue()
     assert line.count("\n") == 1 and line.startswith(f"kvserve up: prefill (pid {killed}) was killed by SIGKILL after ")
+    # Killed by the test, not the OOM killer; what the counters say depends on the machine's cgroups
+    assert re.search(r" s: (not the kernel's OOM killer \(oom_kill \d+ in /sys/fs/cgroup/\S+, unchanged\)|no OOM count "
+                     r"readable to tell whether the kernel's OOM killer did it); it held \d+ MiB; ", line), line
     assert f"its last log lines: fake serve pid {killed}" in line and "older" not in line, line
     assert "starting it again in 0.5 s" in line
     assert read_status(tmp_path).services["prefill"].pid is None  # type: ignore[union-attr]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as refused:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)  # up's placeholder
+    assert refused.value.details() == "prefill restarting (killed by SIGKILL); retry in a few seconds"  # type: ignore[attr-defined]
 
     f.poll_until(lambda: f.state("prefill") == "running")
     back = f.stack.service("prefill")
     assert back.port == port and back.process.pid != killed and f.pid("decode") == decode_pid
-    assert f"kvserve up: prefill is back on 127.0.0.1:{port} (pid {back.process.pid}, restart 1)" in f.out.getvalue()
+    assert re.fullmatch(rf"kvserve up: prefill is back on 127.0.0.1:{port} \(pid {back.process.pid}, restart 1, "
+                        r"\d+ MiB resident\)\n", f.out.getvalue()), f.out.getvalue()
     on_disk = json.loads((tmp_path / STATUS_FILE).read_text())
-    assert on_disk["services"]["prefill"] | {"started_at": None} == {
+    prefill = on_disk["services"]["prefill"]
+    assert prefill["memory_bytes"] > 1 << 20 and prefill["last_exit"]["cause"] in line
+    assert prefill | {"started_at": None, "memory_bytes": None} == {
         "state": "running", "pid": back.process.pid, "addr": f"127.0.0.1:{port}", "restarts": 1,
-        "started_at": None, "log": str(tmp_path / "logs" / "prefill.log"), "metrics_url": None,
-        "last_exit": {"code": None, "signal": "SIGKILL", "at": on_disk["services"]["prefill"]["last_exit"]["at"]},
+        "started_at": None, "log": str(tmp_path / "logs" / "prefill.log"), "metrics_url": None, "memory_bytes": None,
+        "last_exit": {"code": None, "signal": "SIGKILL", "at": prefill["last_exit"]["at"],
+                      "cause": prefill["last_exit"]["cause"]},
     }
     assert on_disk["services"]["decode"]["restarts"] == 0
 
@@ -184,10 +197,10 @@ def test_exit_code_2_while_starting_ends_up(fakes: Callable[..., Fakes]) -> None
 
 
 def test_a_port_taken_by_another_process_ends_up(fakes: Callable[..., Fakes]) -> None:
+    """Taken before up's placeholder could hold it (once it does, nobody else can bind the port)."""
     f = fakes(lambda: Backoff(initial_s=0.5))
     port = f.stack.service("decode").port
     f.kill("decode")
-    f.poll_until(lambda: f.state("decode") == "waiting")
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))
         other.listen()
