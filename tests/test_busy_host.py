@@ -95,12 +95,14 @@ def test_an_answer_beside_two_busy_loops_costs_about_what_hugging_face_does(requ
 
             kvserve_s(0)  # warm-up: the first steps of each shape
             idle = kvserve_s(1), hf_s(1)
-            with busy_loops(2):
-                busy = kvserve_s(2), hf_s(2)
+            with busy_loops(2):  # each twice, in turn: the loops' share of the cores comes and goes
+                runs = [(kvserve_s(seed), hf_s(seed)) for seed in (2, 3)]
+            busy = sum(k for k, _ in runs), sum(h for _, h in runs)
     finally:
         hf.kill()
         up.terminate()
         up.wait(60)
     print(f"\n{TOKENS} tokens, kvserve / Hugging Face: idle {idle[0]:.2f} / {idle[1]:.2f} s = "
-          f"{idle[0] / idle[1]:.2f}x; beside two busy loops {busy[0]:.2f} / {busy[1]:.2f} s = {busy[0] / busy[1]:.2f}x")
+          f"{idle[0] / idle[1]:.2f}x; beside two busy loops (twice) {busy[0]:.2f} / {busy[1]:.2f} s = "
+          f"{busy[0] / busy[1]:.2f}x")
     assert busy[0] / busy[1] <= MAX_RATIO
