@@ -13,7 +13,7 @@ Installed with kvserve (entry point `pytest11`), it gives three fixtures:
 - `kvserve_http_url`: the base URL of the stack's OpenAI-compatible HTTP API (`https://127.0.0.1:PORT/v1`),
   for a test's own OpenAI client: `KVServeStack.openai_kwargs` has its API key (the admin's token) and the
   CA to verify it with, e.g. `openai.OpenAI(base_url=kvserve_http_url, api_key=stack.openai_kwargs["api_key"],
-  http_client=openai.DefaultHttpx2Client(verify=stack.openai_kwargs["ca"]))`.
+  http_client=openai.DefaultHttpx2Client(verify=ssl.create_default_context(cafile=stack.openai_kwargs["ca"])))`.
 
 Nothing starts unless a test asks for one of them, and importing this module imports neither grpc
 nor torch (the tiny model is built by a subprocess). At the end of the session every service is

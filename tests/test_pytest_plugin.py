@@ -38,11 +38,13 @@ def test_the_store_keeps_blocks_in_shared_memory(kvserve_stack, kvserve_store):
 
 
 def test_an_openai_client_of_the_http_url(kvserve_stack, kvserve_http_url):
+    import ssl
+
     import openai
 
     kw = kvserve_stack.openai_kwargs
     client = openai.OpenAI(base_url=kvserve_http_url, api_key=kw["api_key"], max_retries=0,
-                           http_client=openai.DefaultHttpx2Client(verify=kw["ca"]))
+                           http_client=openai.DefaultHttpx2Client(verify=ssl.create_default_context(cafile=kw["ca"])))
     [model] = client.models.list()
     reply = client.completions.create(model=model.id, prompt=[1, 2, 3], max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
