@@ -96,11 +96,29 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
     return command_main, rest
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _size(text: str) -> str:
+    """argparse type: a size the services read (`rpc.cli.parse_size`), passed on as written."""
+    from rpc.cli import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _request_options(p: argparse.ArgumentParser) -> None:
@@ -204,18 +222,18 @@ def parser() -> argparse.ArgumentParser:
     memory = up.add_argument_group(
         "memory", "each cache takes its memory as it fills, up to its size; `kvserve stats` shows what each service "
                   "holds")
-    memory.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+    memory.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
                         help="most memory each of prefill's and decode's KV pools takes, e.g. 512MiB (default: what "
                              "--max-num-seqs sequences of --max-model-len tokens need, at most a fifth of the memory "
                              "available at start)")
-    memory.add_argument("--host-capacity", default=None, metavar="BYTES",
+    memory.add_argument("--host-capacity", type=_size, default=None, metavar="BYTES",
                         help="most memory the store's RAM tier takes (default: a fifth of the memory available at "
                              "start)")
-    memory.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+    memory.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                         help="most tokens of one request, prompt and answer (default: the model's positions)")
-    memory.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+    memory.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
                         help="most sequences each engine runs at once (default: prefill's and decode's, 64)")
-    up.add_argument("--disk-capacity", default="8GiB", help="store's LMDB tier (default %(default)s)")
+    up.add_argument("--disk-capacity", type=_size, default="8GiB", help="store's LMDB tier (default %(default)s)")
     up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     up.add_argument("--insecure", action="store_true",
                     help="serve plaintext with no tokens, no certificates and no record MAC: any local process can "

@@ -25,6 +25,7 @@ from stack.stack import ServiceSpec, flag_value
 RETRY_AFTER_S = 1.0  # the hint; a restart takes seconds (the tiny model) to minutes (a large one)
 FRONT_DOORS = ("decode",)  # asks callers for no certificate (rpc.tls); the other gRPC services take only the CA's
 MAX_BODY = 1 << 20  # of a request the HTTP placeholder reads before it answers (unread bytes would reset the answer)
+MAX_HTTP_CONNECTIONS = 64  # answered at once by the HTTP placeholder (a thread each); more are closed unanswered
 
 
 class Restarting(Unavailable):
@@ -119,7 +120,20 @@ class _HTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
                  placeholder: Placeholder) -> None:
         self.placeholder = placeholder
+        self._slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
         super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def answer_queued(self) -> None:
         """Answers the connections the kernel has queued for this listener, which closing it would reset (the new

@@ -78,6 +78,52 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+class Up:
+    """`kvserve up ARGS` as a process whose output is read as it comes: `ready` is set at its "ready:" line."""
+
+    def __init__(self, args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([KVSERVE, "up", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=cwd, env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("ready:"):
+                self.ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        assert self.ready.wait(timeout_s), f"kvserve up never got ready:\n{self.output()}"
+
+    def stop(self) -> None:
+        """SIGTERM, as Ctrl-C would; SIGKILL for what is left after 60 s (a test that failed half-way)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(60)
+        for pid in [*children(self.proc.pid), self.proc.pid]:
+            if alive(pid):
+                os.kill(pid, 9)
+        self.proc.wait(30)
+
+
+@contextlib.contextmanager
+def running_up(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> Iterator[Up]:
+    """A ready `kvserve up ARGS`, stopped on the way out."""
+    up = Up(args, cwd, env)
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        up.stop()
+
+
 def catches(pid: int, signum: int) -> bool:
     """Whether `pid` has a handler for `signum` (SigCgt in /proc): a signal sent before it has one kills it."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -9,12 +9,12 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.processes import KVSERVE, free_ports, openmp_as_deployed
+from tests.processes import free_ports, openmp_as_deployed, running_up
 from tests.real_model import cached_model
 
 pytestmark = pytest.mark.slow
@@ -55,6 +55,27 @@ def busy_loops(n: int) -> Iterator[None]:
             p.wait()
 
 
+@contextlib.contextmanager
+def hugging_face(model: Path) -> Iterator[Callable[[int], float]]:
+    """The seconds of Hugging Face's generate for a prompt's seed, in a process of its own (`_HF`)."""
+    hf = subprocess.Popen([sys.executable, "-c", _HF, str(model), str(TOKENS)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    assert hf.stdin is not None and hf.stdout is not None
+    stdin, stdout = hf.stdin, hf.stdout
+
+    def seconds(seed: int) -> float:
+        stdin.write(",".join(map(str, _prompt(seed))) + "\n")
+        stdin.flush()
+        return float(stdout.readline())
+
+    try:
+        assert stdout.readline().strip() == "ready"
+        yield seconds
+    finally:
+        hf.kill()
+        hf.wait()
+
+
 def _prompt(seed: int) -> list[int]:
     return [(37 * i + 11 * seed) % 40000 + 100 for i in range(40)]
 
@@ -65,43 +86,22 @@ def test_an_answer_beside_two_busy_loops_costs_about_what_hugging_face_does(requ
 
     model = cached_model(request.config)
     decode, prefill, store = free_ports(3)
-    with openmp_as_deployed():
-        up = subprocess.Popen([KVSERVE, "up", "--data-dir", str(tmp_path / "data"), "--model", str(model),
-                               "--decode-port", str(decode), "--prefill-port", str(prefill), "--store-port",
-                               str(store), "--no-http"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        hf = subprocess.Popen([sys.executable, "-c", _HF, str(model), str(TOKENS)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert up.stdout is not None and hf.stdout is not None and hf.stdin is not None
-        for line in up.stdout:
-            if line.startswith("ready:"):
-                break
-        else:
-            pytest.fail(f"kvserve up exited: {up.wait()}")
-        assert hf.stdout.readline().strip() == "ready"
+    up_args = ["--data-dir", str(tmp_path / "data"), "--model", str(model), "--decode-port", str(decode),
+               "--prefill-port", str(prefill), "--store-port", str(store), "--no-http"]
+    # Both as deployed: OpenMP's own wait policy, not the suite's (tests.processes.openmp_as_deployed).
+    with openmp_as_deployed(), hugging_face(model) as hf_s, running_up(up_args), \
+            Client(f"127.0.0.1:{decode}", timeout_s=600) as client:
+        def kvserve_s(seed: int) -> float:
+            t = time.perf_counter()
+            r = client.generate(token_ids=_prompt(seed), max_tokens=TOKENS, ignore_eos=True)
+            assert r.usage.completion_tokens == TOKENS
+            return time.perf_counter() - t
 
-        def hf_s(seed: int) -> float:
-            assert hf.stdin is not None and hf.stdout is not None
-            hf.stdin.write(",".join(map(str, _prompt(seed))) + "\n")
-            hf.stdin.flush()
-            return float(hf.stdout.readline())
-
-        with Client(f"127.0.0.1:{decode}", timeout_s=600) as client:
-            def kvserve_s(seed: int) -> float:
-                t = time.perf_counter()
-                r = client.generate(token_ids=_prompt(seed), max_tokens=TOKENS, ignore_eos=True)
-                assert r.usage.completion_tokens == TOKENS
-                return time.perf_counter() - t
-
-            kvserve_s(0)  # warm-up: the first steps of each shape
-            idle = kvserve_s(1), hf_s(1)
-            with busy_loops(2):  # each twice, in turn: the loops' share of the cores comes and goes
-                runs = [(kvserve_s(seed), hf_s(seed)) for seed in (2, 3)]
-            busy = sum(k for k, _ in runs), sum(h for _, h in runs)
-    finally:
-        hf.kill()
-        up.terminate()
-        up.wait(60)
+        kvserve_s(0)  # warm-up: the first steps of each shape
+        idle = kvserve_s(1), hf_s(1)
+        with busy_loops(2):  # each twice, in turn: the loops' share of the cores comes and goes
+            runs = [(kvserve_s(seed), hf_s(seed)) for seed in (2, 3)]
+        busy = sum(k for k, _ in runs), sum(h for _, h in runs)
     print(f"\n{TOKENS} tokens, kvserve / Hugging Face: idle {idle[0]:.2f} / {idle[1]:.2f} s = "
           f"{idle[0] / idle[1]:.2f}x; beside two busy loops (twice) {busy[0]:.2f} / {busy[1]:.2f} s = "
           f"{busy[0] / busy[1]:.2f}x")

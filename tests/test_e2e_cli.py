@@ -21,7 +21,7 @@ import pytest
 from client import Client
 from client.client import KVServeError
 from tests.polling import wait_until
-from tests.processes import KVSERVE, alive, children, free_ports
+from tests.processes import KVSERVE, Up, alive, children, free_ports
 from tests.stack_fixtures import BLOCK_SIZE, model_dir, tokens
 
 pytestmark = pytest.mark.slow
@@ -36,46 +36,28 @@ def kvserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-class Up:
+class CliUp(Up):
+    """`kvserve up` on free ports and the tests' model, in `tmp` (where the README's examples run)."""
+
     def __init__(self, tmp: Path) -> None:
         self.decode, self.prefill, self.store, self.http = free_ports(4)
         self.cwd = tmp
-        self.proc = subprocess.Popen(
-            [KVSERVE, "up", "--data-dir", str(tmp / "data"), "--decode-port", str(self.decode),
-             "--prefill-port", str(self.prefill), "--store-port", str(self.store), "--http-port", str(self.http),
-             "--model", str(model_dir("llama")), "--block-size", str(BLOCK_SIZE)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("ready:"):
-                self.ready.set()
-
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__(["--data-dir", str(tmp / "data"), "--decode-port", str(self.decode), "--prefill-port",
+                          str(self.prefill), "--store-port", str(self.store), "--http-port", str(self.http),
+                          "--model", str(model_dir("llama")), "--block-size", str(BLOCK_SIZE)], cwd=tmp)
 
 
 @pytest.fixture()
-def up(tmp_path: Path) -> Iterator[Up]:
-    u = Up(tmp_path)
+def up(tmp_path: Path) -> Iterator[CliUp]:
+    u = CliUp(tmp_path)
     try:
-        assert u.ready.wait(START_TIMEOUT_S), f"kvserve up never got ready:\n{u.output()}"
+        u.wait_ready(START_TIMEOUT_S)
         yield u
     finally:
-        for pid in [*children(u.proc.pid), u.proc.pid]:  # only if the test failed half-way
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        u.proc.wait(30)
+        u.stop()
 
 
-def check_the_readme_http_examples_and_a_killed_front(up: Up) -> None:
+def check_the_readme_http_examples_and_a_killed_front(up: CliUp) -> None:
     """The curl command of docs/USAGE.md and the README's `openai` example, run as they are written (in the folder `up` runs in)
     against this `up`; a SIGKILLed HTTP front is started again by `up`, on its port, and answers again."""
     from stack.status import read_status
@@ -108,7 +90,7 @@ def check_the_readme_http_examples_and_a_killed_front(up: Up) -> None:
     ask()
 
 
-def test_up_generate_stats_the_http_api_and_a_clean_stop(up: Up) -> None:
+def test_up_generate_stats_the_http_api_and_a_clean_stop(up: CliUp) -> None:
     addr = f"127.0.0.1:{up.decode}"
     assert f"ready: front door at {addr}, TLS, admin token in " in up.output()
     services = children(up.proc.pid)

@@ -13,7 +13,7 @@ import pytest
 
 from stack.memory import held_bytes
 from tests.polling import wait_until
-from tests.processes import KVSERVE, children, free_ports
+from tests.processes import KVSERVE, children, free_ports, running_up
 
 pytestmark = pytest.mark.slow
 
@@ -27,39 +27,28 @@ def test_up_holds_what_a_working_load_needs_and_stats_says_it(tmp_path: Path) ->
     decode, prefill, store = free_ports(3)
     data = tmp_path / "data"
     # up's own model in a fresh data dir: the tiny llama of `kvserve model init` (31.7M parameters), built here
-    up = subprocess.Popen([KVSERVE, "up", "--data-dir", str(data),
-                           "--decode-port", str(decode), "--prefill-port", str(prefill), "--store-port", str(store),
-                           "--no-http"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert up.stdout is not None
-        said = []
-        for line in up.stdout:
-            said.append(line)
-            if line.startswith("ready:"):
-                break
-        else:
-            pytest.fail(f"kvserve up exited: {''.join(said)}")
+    with running_up(["--data-dir", str(data), "--decode-port", str(decode), "--prefill-port", str(prefill),
+                     "--store-port", str(store), "--no-http"]) as up:
         # Each service's line says what it holds once ready.
-        assert sum(" resident)" in line and " ready on " in line for line in said) == 3, said
+        assert sum(" ready on " in line and " resident)" in line for line in up.lines) == 3, up.output()
         with Client(f"127.0.0.1:{decode}", timeout_s=300) as client:
             for k in range(12):
                 rng = random.Random(k)
                 client.generate(token_ids=[rng.randrange(3, 250) for _ in range(1000)], max_tokens=8,
                                 ignore_eos=True)
-        pids = [up.pid, *children(up.pid)]
-        held = {pid: held_bytes(pid) or 0 for pid in pids}
+        held = {pid: held_bytes(pid) or 0 for pid in [up.proc.pid, *children(up.proc.pid)]}
         total = sum(held.values())
 
-        def stats() -> dict[str, int]:
+        def stats() -> dict[str, int] | None:
+            """Each service's memory as `kvserve stats` shows it, once it shows all three."""
             out = subprocess.run([KVSERVE, "stats", "--data-dir", str(data), "--json"], capture_output=True,
                                  text=True, timeout=60, check=True).stdout
             services = json.loads(out)["up"]["services"]
-            return {name: s["memory_bytes"] for name, s in services.items() if s["memory_bytes"]}
+            shown = {name: s["memory_bytes"] for name, s in services.items() if s["memory_bytes"]}
+            return shown if len(shown) == 3 else None
 
-        shown = wait_until(lambda: (s := stats()) and len(s) == 3 and s, timeout_s=30, interval_s=1.0)
-    finally:
-        up.terminate()
-        up.wait(60)
+        shown = wait_until(stats, timeout_s=30, interval_s=1.0)
+        assert shown is not None
     print(f"\nafter 12 prompts of 1k tokens: {total / (1 << 30):.2f} GiB in all "
           f"({', '.join(f'{pid}: {b >> 20} MiB' for pid, b in held.items())}); stats: "
           f"{ {name: b >> 20 for name, b in shown.items()} } MiB")

@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 
 from client.local import HOME_ENV
 from engine.fetch import DATA_DIR_ENV
-from tests.processes import KVSERVE, alive, children, free_ports
+from tests.processes import KVSERVE, Up, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -109,7 +108,7 @@ def test_make_lines_name_makefile_targets() -> None:
     assert set(p.make_targets) <= makefile_targets(), set(p.make_targets) - makefile_targets()
 
 
-class Up:
+class ReadmeUp(Up):
     """The README's `kvserve up` line, in `cwd`, on free ports and the tests' tiny model."""
 
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
@@ -117,23 +116,8 @@ class Up:
 
         self.ports = dict(zip(DEFAULT_PORTS, free_ports(len(DEFAULT_PORTS)), strict=True))
         flags = [str(x) for flag, port in self.ports.items() for x in (flag, port)]
-        self.proc = subprocess.Popen(
-            [KVSERVE, "up", *args, *flags, "--model", str(model_dir("llama")), "--block-size", str(BLOCK_SIZE)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("ready:"):
-                self.ready.set()
-
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__([*args, *flags, "--model", str(model_dir("llama")), "--block-size", str(BLOCK_SIZE)],
+                         cwd=cwd, env=env)
 
     def on_test_ports(self, text: str) -> str:
         for flag, default in DEFAULT_PORTS.items():
@@ -149,22 +133,19 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture()
-def up(tmp_path: Path, env: dict[str, str]) -> Iterator[Up]:
+def up(tmp_path: Path, env: dict[str, str]) -> Iterator[ReadmeUp]:
     args = plan(readme_blocks()).up
     assert args is not None
-    u = Up(args, tmp_path, env)
+    u = ReadmeUp(args, tmp_path, env)
     try:
-        assert u.ready.wait(START_TIMEOUT_S), f"kvserve up never got ready:\n{u.output()}"
+        u.wait_ready(START_TIMEOUT_S)
         yield u
     finally:
-        for pid in [*children(u.proc.pid), u.proc.pid]:  # only if the test failed half-way
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        u.proc.wait(30)
+        u.stop()
 
 
 @pytest.mark.slow
-def test_the_tour_runs_without_warnings(up: Up, tmp_path: Path, env: dict[str, str]) -> None:
+def test_the_tour_runs_without_warnings(up: ReadmeUp, tmp_path: Path, env: dict[str, str]) -> None:
     for step in plan(readme_blocks()).steps:
         if step.code:
             done = subprocess.run([sys.executable, "-W", "error", "-c", up.on_test_ports(step.code)], cwd=tmp_path,
