@@ -358,10 +358,12 @@ def test_a_services_compute_runs_below_the_threads_that_take_calls(tmp_path: Pat
         stop_service(decode)
     front = min(nices.values())
     assert max(used.values()) >= 8, used  # enough compute (in 10 ms ticks) to tell its threads from the others
+    # The threads that computed most (the engine's loop, the main thread; the OpenMP worker, which gets less of a
+    # core where other work takes the host's) run at the engine's priority, and so do at least those two.
     computed = [tid for tid, cpu in used.items() if cpu >= max(used.values()) / 4]
-    assert pid in computed and len(computed) >= 2, used  # the engine's loop (the main thread) and the OpenMP worker
     service = _nice(threading.get_native_id())  # the process's priority, which decode's inherits
-    assert all(nices[tid] == service + 5 for tid in computed), (used, nices)
+    engine = [tid for tid, n in nices.items() if n == service + 5]
+    assert pid in computed and set(computed) <= set(engine) and len(engine) >= 2, (used, nices)
     # gRPC's threads: its event engine's, its completion-queue thread, the workers
     assert front in (service, max(-20, service - 10)), nices
     assert sum(1 for n in nices.values() if n == front) >= 4, nices
