@@ -15,6 +15,7 @@ import torch
 
 from engine import native
 from engine.kv_cache import KVCache
+from engine.llama import LlamaForward
 from engine.model import Model
 from engine.packed_linear import pack_linear_layers
 from engine.paged_attention import (
@@ -121,13 +122,15 @@ class ModelRunner:
         self.block_size = cache.block_size
         install(model.hf_model)
         pack_linear_layers(model.hf_model)  # once, and before the first forward (engine.packed_linear)
+        self.forward = LlamaForward.of(model.hf_model)  # None: Hugging Face's modules run the step
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
         self.in_place_decode = (cache.kv.device.type == "cpu" and cache.kv.dtype == torch.float32
                                 and native.decode_kernel() is not None)
-        self.last_layer_rows = LastLayerRows.of(model.hf_model)
+        self.last_layer_rows = LastLayerRows.of(model.hf_model) if self.forward is None else None
+        self.last_layer = model.num_layers - 1 if self.last_layer_rows is None else self.last_layer_rows.layer
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
@@ -136,13 +139,10 @@ class ModelRunner:
         fwd = self._prepare(scheduled)
         m = self.model
         rows = torch.tensor(fwd.logit_rows, dtype=torch.long, device=m.device)
-        kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
-        with self.last_layer_rows.only(rows) if fwd.batch.last_layer >= 0 else contextlib.nullcontext():
-            out = m.hf_model(
-                input_ids=fwd.input_ids, position_ids=fwd.positions, attention_mask=self._no_mask, use_cache=True,
-                kvserve_step=fwd.batch, **{m.cache_keyword: PagedCache(fwd.batch)}, **kwargs,
-            )
-        logits = out.logits[0] if self._logits_to_keep else out.logits[0, rows]  # [sampled, vocab]
+        if self.forward is not None:
+            logits = self.forward(fwd.input_ids[0], fwd.positions[0], fwd.batch, rows)
+        else:
+            logits = self._hf_forward(fwd, rows)
         if not fwd.sampled:
             return {}
         tokens = sample_batch(logits, [s.sampler for s in fwd.sampled])
@@ -150,6 +150,18 @@ class ModelRunner:
             if seq.keep_logits:
                 seq.logits = row.float()
         return dict(zip(fwd.sampled, tokens, strict=True))
+
+    def _hf_forward(self, fwd: _Forward, rows: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] logits through Hugging Face's modules, paged_attention as their attention."""
+        m = self.model
+        kwargs = {"logits_to_keep": rows} if self._logits_to_keep else {}
+        assert self.last_layer_rows is not None
+        with self.last_layer_rows.only(rows) if fwd.batch.last_layer >= 0 else contextlib.nullcontext():
+            out = m.hf_model(
+                input_ids=fwd.input_ids, position_ids=fwd.positions, attention_mask=self._no_mask, use_cache=True,
+                kvserve_step=fwd.batch, **{m.cache_keyword: PagedCache(fwd.batch)}, **kwargs,
+            )
+        return out.logits[0] if self._logits_to_keep else out.logits[0, rows]
 
     def _shared_key(self, seq: Sequence, n: int) -> tuple[object, ...] | None:
         """What names the first ``n`` blocks of ``seq`` and their contents (SharedPrefixKV), or None when they
@@ -195,7 +207,8 @@ class ModelRunner:
         decode = None
         shared = None
         n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and device.type == "cpu" else 0
-        self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
+        if not self.in_place_decode:  # (engine.native's kernel reads the shared blocks where they lie)
+            self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
         if decode_rows:
             if n:
                 shared = torch.tensor(decode_tables[0][:n], device=device)
@@ -222,6 +235,6 @@ class ModelRunner:
             decode_shared=shared,
             shared_kv=self.shared_kv,
             decode_lens=decode[3] if decode and self.in_place_decode else None,
-            last_layer=self.last_layer_rows.layer if len(logit_rows) < len(ids) else -1,
+            last_layer=self.last_layer if len(logit_rows) < len(ids) else -1,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)

@@ -54,6 +54,29 @@ static inline float exp_nonpositive(float x) {
     return under ? 0.0f : p * scale.f;
 }
 
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+
+/* exp_nonpositive on 16 lanes at once, in the same steps. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const v16 lo = (v16){0} - 87.0f;
+    const i16v under = x < lo;
+    x = (v16)(((i16v)x & ~under) | ((i16v)lo & under));
+    const v16 y = x * 1.44269504088896341f + 0.5f;
+    i16v ni = __builtin_convertvector(y, i16v); /* toward zero: one less where that rounded up */
+    ni += __builtin_convertvector(ni, v16) > y;
+    const v16 n = __builtin_convertvector(ni, v16);
+    const v16 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+    v16 p = (v16){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (v16)((i16v)(p * (v16)((ni + 127) << 23)) & ~under);
+}
+
 /* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
  * each of its queries (kv_heads * group of them, KV head major). A block's keys are read once, KV head by KV head,
  * against the group's queries; then its values likewise, each query's output summed in registers over the
@@ -129,6 +152,94 @@ static inline __attribute__((always_inline)) void attend_blocks(
     }
 }
 
+/* attend_blocks for many queries per KV head (WIDE_GROUP or more: a step's rows over a prefix they share, read
+ * once for all of them), 16 queries at a time in the lanes of a vector: a block's scores as head_dim
+ * multiply-adds of the queries' d-th elements by each key's d-th, broadcast, with no sum across lanes; the
+ * softmax's maxima and sums lane by lane. qt holds the queries transposed and scaled: [kv_heads][chunks][head_dim]
+ * of 16 lanes, zero past the last query. */
+#define WIDE_GROUP 8
+static inline __attribute__((always_inline)) void attend_blocks_wide(
+    const v16 *restrict qt, const float *restrict kv, const int64_t *table, int64_t len, int64_t first, int64_t last,
+    int64_t block_stride, int64_t layer_offset, const int64_t block_size, int64_t kv_heads, int64_t group,
+    const int64_t head_dim, float *restrict o, float *restrict m, float *restrict l) {
+    const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
+    const int64_t chunks = (group + 15) / 16;
+    v16 mv[kv_heads * chunks], lv[kv_heads * chunks], s[16];
+    for (int64_t i = 0; i < kv_heads * chunks; i++) {
+        for (int j = 0; j < 16; j++) {
+            mv[i][j] = -INFINITY;
+            lv[i][j] = 0.0f;
+        }
+    }
+    memset(o, 0, sizeof(float) * queries * head_dim);
+    for (int64_t b = first; b < last; b++) {
+        const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
+        if (b + 1 < last) {
+            const float *next = kv + table[b + 1] * block_stride + layer_offset;
+            for (int64_t i = 0; i < 2 * half; i += 16)
+                __builtin_prefetch(next + i, 0, 2);
+        }
+        const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t c = 0; c < chunks; c++) {
+                const v16 *qc = qt + (h * chunks + c) * head_dim;
+                /* every slot of the block (past n: whatever it holds, never read as a score) */
+                for (int64_t t = 0; t < block_size; t++)
+                    s[t] = (v16){0};
+                for (int64_t d = 0; d < head_dim; d++) {
+                    const v16 qd = qc[d];
+                    for (int64_t t = 0; t < block_size; t++)
+                        s[t] += qd * k[t * slot + h * head_dim + d];
+                }
+                v16 top = mv[h * chunks + c];
+                for (int64_t t = 0; t < n; t++)
+                    top = (v16)(((i16v)s[t] & (s[t] > top)) | ((i16v)top & ~(s[t] > top)));
+                const v16 corr = exp16_nonpositive(mv[h * chunks + c] - top);
+                v16 sum = {0}, p[16];
+                for (int64_t t = 0; t < n; t++) {
+                    p[t] = exp16_nonpositive(s[t] - top);
+                    sum += p[t];
+                }
+                lv[h * chunks + c] = lv[h * chunks + c] * corr + sum;
+                mv[h * chunks + c] = top;
+                const int64_t g_end = group - c * 16 < 16 ? group - c * 16 : 16;
+                for (int64_t j = 0; j < g_end; j++) {
+                    float *oi = o + (h * group + c * 16 + j) * head_dim;
+                    const float cj = corr[j];
+                    for (int64_t d = 0; d < head_dim; d++)
+                        oi[d] *= cj;
+                    for (int64_t t = 0; t < n; t++) {
+                        const float *vt = v + t * slot + h * head_dim;
+                        const float pt = p[t][j];
+                        for (int64_t d = 0; d < head_dim; d++)
+                            oi[d] += pt * vt[d];
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < kv_heads; h++) {
+        for (int64_t g = 0; g < group; g++) {
+            m[h * group + g] = mv[h * chunks + g / 16][g % 16];
+            l[h * group + g] = lv[h * chunks + g / 16][g % 16];
+        }
+    }
+}
+
+static void attend_row_wide(const v16 *qt, const float *kv, const int64_t *table, int64_t len, int64_t first,
+                            int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                            int64_t kv_heads, int64_t group, int64_t head_dim, float *o, float *m, float *l) {
+    if (head_dim == 64 && block_size == 16)
+        attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, 16, kv_heads, group,
+                           64, o, m, l);
+    else if (head_dim == 128 && block_size == 16)
+        attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, 16, kv_heads, group,
+                           128, o, m, l);
+    else
+        attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                           head_dim, o, m, l);
+}
+
 static void attend_row(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t first,
                        int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
                        int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m, float *l) {
@@ -171,15 +282,37 @@ int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, co
     if (part == NULL)
         return -1;
     float *part_m = part + rows * splits * queries * head_dim, *part_l = part_m + rows * splits * queries;
+    const int64_t chunks = (group + 15) / 16;
+    v16 *qt = NULL;
+    if (group >= WIDE_GROUP) { /* the queries transposed, scaled, 16 to a vector (attend_blocks_wide) */
+        qt = aligned_alloc(64, sizeof(v16) * rows * kv_heads * chunks * head_dim);
+        if (qt == NULL) {
+            free(part);
+            return -1;
+        }
+        memset(qt, 0, sizeof(v16) * rows * kv_heads * chunks * head_dim);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t d = 0; d < head_dim; d++)
+                        qt[((r * kv_heads + h) * chunks + g / 16) * head_dim + d][g % 16] =
+                            q[((r * kv_heads + h) * group + g) * head_dim + d] * scale;
+    }
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t p = 0; p < splits; p++) {
             const int64_t blocks = (lens[r] + block_size - 1) / block_size, at = (r * splits + p) * queries;
-            attend_row(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
-                       blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group, head_dim,
-                       scale, part + at * head_dim, part_m + at, part_l + at);
+            if (qt != NULL)
+                attend_row_wide(qt + r * kv_heads * chunks * head_dim, kv, tables + r * width, lens[r],
+                                blocks * p / splits, blocks * (p + 1) / splits, block_stride, layer_offset, block_size,
+                                kv_heads, group, head_dim, part + at * head_dim, part_m + at, part_l + at);
+            else
+                attend_row(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
+                           blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group,
+                           head_dim, scale, part + at * head_dim, part_m + at, part_l + at);
         }
     }
+    free(qt);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i = 0; i < queries; i++) {
             float top = -INFINITY, sum = 0.0f;

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native.c")
 # -march=native: the build is for this host's CPU (its flags are part of the hash); OpenMP: torch's own runtime,
 # already loaded (libgomp.so.1), runs the kernel's loop on the threads torch computes on.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],

@@ -123,11 +123,15 @@ class PagedCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b = self.batch
-        # key_states, value_states: [1, kv_heads, tokens, head_dim] -> slots [tokens, kv_heads, head_dim]
-        b.cache.layer(layer_idx, 0)[b.slot_blocks, b.slot_offsets] = key_states[0].transpose(0, 1)
-        b.cache.layer(layer_idx, 1)[b.slot_blocks, b.slot_offsets] = value_states[0].transpose(0, 1)
+        # key_states, value_states: [1, kv_heads, tokens, head_dim]
+        write_kv(self.batch, layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         return key_states, value_states
+
+
+def write_kv(batch: StepBatch, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write a layer's new keys and values [tokens, kv_heads, head_dim] into their cache slots."""
+    batch.cache.layer(layer, 0)[batch.slot_blocks, batch.slot_offsets] = keys
+    batch.cache.layer(layer, 1)[batch.slot_blocks, batch.slot_offsets] = values
 
 
 def chunk_mask(start: int, end: int, device: torch.device) -> torch.Tensor | None:
@@ -153,7 +157,7 @@ def _gather(cache_layer: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, n * bs, h, d).transpose(1, 2)
 
 
-def _shared_prefix_attention(module: torch.nn.Module, q: torch.Tensor, k_cache: torch.Tensor,
+def _shared_prefix_attention(layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, batch: StepBatch, scale: float | None) -> torch.Tensor:
     """Decode attention when every row shares its leading blocks (users over one system prompt): the shared
     keys are gathered and read once, by all rows' queries together, each row's own keys by its query
@@ -163,10 +167,16 @@ def _shared_prefix_attention(module: torch.nn.Module, q: torch.Tensor, k_cache: 
     returns the log-sum-exp)."""
     assert batch.decode_shared is not None and batch.decode_tables is not None and batch.shared_kv is not None
     n, kv_heads, group, d = q.shape
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
-    k_shared, v_shared = batch.shared_kv.get(layer, k_cache, v_cache, batch.decode_shared)
     rows = q.transpose(0, 1).reshape(1, kv_heads, n * group, d)  # every row's queries, per KV head
-    o_shared, lse_shared = _flash_cpu(rows, k_shared, v_shared, None, scale)
+    if batch.decode_lens is not None:  # engine.native's kernel reads the shared blocks in place, as one row
+        kernel = native.decode_kernel()
+        assert kernel is not None
+        shared_len = batch.decode_shared.new_full((1,), batch.decode_shared.numel() * k_cache.shape[1])
+        o_shared, lse_shared = kernel(rows, batch.cache.kv, layer, batch.decode_shared[None], shared_len,
+                                      d**-0.5 if scale is None else scale)
+    else:
+        k_shared, v_shared = batch.shared_kv.get(layer, k_cache, v_cache, batch.decode_shared)
+        o_shared, lse_shared = _flash_cpu(rows, k_shared, v_shared, None, scale)
     o_shared = o_shared.reshape(kv_heads, n, group, d).transpose(0, 1)
     lse_shared = lse_shared.reshape(kv_heads, n, group).transpose(0, 1)
     o_own, lse_own = _own_attention(q, k_cache, v_cache, batch, layer, scale)
@@ -291,12 +301,19 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, heads, tokens, head_dim] -> output [1, tokens, heads, head_dim]."""
+    """Hugging Face's attention interface: query [1, heads, tokens, head_dim] -> output [1, tokens, heads,
+    head_dim]; plain SDPA without a step."""
     batch: StepBatch | None = kwargs.pop("kvserve_step", None)
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    return attend(int(module.layer_idx), query, key, value, batch, scaling)[None], None  # type: ignore[arg-type]
+
+
+def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: StepBatch,
+           scaling: float | None) -> torch.Tensor:
+    """One layer's attention for a step, its new keys and values already written (write_kv): query [1, heads,
+    tokens, head_dim], key and value [1, kv_heads, tokens, head_dim] -> [tokens, heads, head_dim]."""
     k_cache, v_cache = batch.cache.layer(layer, 0), batch.cache.layer(layer, 1)
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [tokens, heads, head_dim]
@@ -307,7 +324,7 @@ def paged_attention(
         n, heads, kv_heads, d = batch.decode_rows.numel(), query.shape[1], key.shape[1], query.shape[3]
         q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
         if batch.decode_shared is not None:
-            o = _shared_prefix_attention(module, q, k_cache, v_cache, batch, scaling)
+            o = _shared_prefix_attention(layer, q, k_cache, v_cache, batch, scaling)
         elif batch.decode_lens is not None:
             o = _own_attention(q, k_cache, v_cache, batch, layer, scaling)[0]
         else:
@@ -341,7 +358,7 @@ def paged_attention(
             mask = (c.mask if c.mask is not None else causal_lower_right(c.num_tokens, c.context_len)) if causal else None
             o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
-    return out[None], None
+    return out
 
 
 def install(hf_model: Any) -> None:

@@ -311,12 +311,13 @@ def test_many_long_requests_in_a_quarter_of_their_memory() -> None:
 
 
 def test_a_shared_prompts_kept_keys_and_values_are_read_only_while_the_same_prompt_is_shared() -> None:
-    """The shared blocks' gathered KV is kept across steps (SharedPrefixKV) under the blocks' ids and the prefix
-    hash of the last: another system prompt is read from its own blocks, and the same ids holding another
-    prefix make another key."""
+    """Without engine.native's kernel, the shared blocks' gathered KV is kept across steps (SharedPrefixKV) under
+    the blocks' ids and the prefix hash of the last: another system prompt is read from its own blocks, and the
+    same ids holding another prefix make another key."""
     model = tiny_model("llama")
     system_len = (MIN_SHARED_BLOCKS + 2) * BLOCK
     engine = make_engine(model, BLOCK, num_blocks=64)
+    engine.runner.in_place_decode = False  # as where the kernel cannot be built
     engine.runner.shared_kv.max_bytes = engine.kv_cache.kv.nbytes  # kept, however small the pool
     root = engine.namespace().root()
     kept: list[tuple[object, ...] | None] = []
@@ -343,18 +344,20 @@ def test_a_shared_prompts_kept_keys_and_values_are_read_only_while_the_same_prom
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_last_layer_computes_only_the_sampled_rows(arch: str) -> None:
-    """A prompt chunk's last layer runs its MLP over the rows whose logits are sampled: none for a chunk in
-    the middle of a prompt, one for the chunk that ends it, one per decode row beside it; every other layer
-    over every token. The tokens still equal the oracle's (KV of every token is written in every layer)."""
+def test_the_last_layer_computes_only_the_sampled_rows(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Hugging Face's modules, a prompt chunk's last layer runs its MLP over the rows whose logits are
+    sampled: none for a chunk in the middle of a prompt, one for the chunk that ends it, one per decode row
+    beside it; every other layer over every token. The tokens still equal the oracle's (KV of every token is
+    written in every layer)."""
+    monkeypatch.setenv("KVSERVE_MODEL_CODE", "hf")
     model = tiny_model(arch)
+    engine = make_engine(model, BLOCK, 64, max_num_batched_tokens=16, max_num_seqs=4)  # hooks first, then ours
     layers = [m for m in model.hf_model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)]
     first_mlp, last_mlp = layers[0].mlp, layers[-1].mlp
     seen: dict[str, list[int]] = {"first": [], "last": []}
     hooks = [first_mlp.register_forward_pre_hook(lambda _m, a: seen["first"].append(a[0].shape[1])),
              last_mlp.register_forward_pre_hook(lambda _m, a: seen["last"].append(a[0].shape[1]))]
     try:
-        engine = make_engine(model, BLOCK, 64, max_num_batched_tokens=16, max_num_seqs=4)
         assert engine.runner.last_layer_rows is LastLayerRows.of(model.hf_model)  # its hooks registered once
         alone = make_seq(model, random_tokens(40, seed=7), 3)
         (outcome,) = run(engine, [alone])
