@@ -73,6 +73,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
             from bench.http_overhead import main as command_main
         case ["bench", "serve", *rest]:
             from bench.serve import main as command_main
+        case ["bench", "step", *rest]:
+            from bench.step import main as command_main
         case ["kvstore", *rest]:
             from kvstore.__main__ import main as command_main
         case ["prefill", *rest]:
@@ -177,17 +179,18 @@ def parser() -> argparse.ArgumentParser:
                                        "it by itself; see `kvserve credentials --help`)")
     sub.add_parser("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
     bench = sub.add_parser(
-        "bench", help="benchmarks: multi-turn, scaling, shared-prefix, decode, handoff, store, serve, http; hash, prefill "
+        "bench", help="benchmarks: multi-turn, scaling, shared-prefix, decode, handoff, store, serve, http; hash, prefill, "
+                      "step "
                       "(see `kvserve bench NAME --help`)",
         description="Benchmarks, each against a baseline measured in the same run. multi-turn (alias e2e), "
                     "scaling, shared-prefix, decode and handoff start the three services on a temporary folder (or use "
                     "--addr), store starts the store; serve drives OpenAI-compatible servers (kvserve's HTTP "
                     "API, `transformers serve`, vLLM) with the same load, http compares kvserve's HTTP API with "
                     "its gRPC; each draws a progress bar on stderr, prints a table, "
-                    "writes every figure with --json PATH and a PNG with --plot PATH. hash and prefill run in "
-                    "this process. See `kvserve bench NAME --help`.")
+                    "writes every figure with --json PATH and a PNG with --plot PATH. hash, prefill and step "
+                    "(a decode step against the memory bandwidth) run in this process. See `kvserve bench NAME --help`.")
     bench.add_argument("name", choices=["multi-turn", "scaling", "shared-prefix", "decode", "handoff", "store", "hash", "prefill",
-                                        "serve", "http", "e2e"])
+                                        "serve", "http", "step", "e2e"])
 
     up = sub.add_parser(
         "up", help="start the store, prefill and decode services and the HTTP API locally",

@@ -40,9 +40,11 @@ from rpc.cli import (
     memory_cap,
     parse_args,
     prepare_engine_process,
+    progress,
     serve,
     tls_from_args,
     trim_heap,
+    warm_up,
 )
 from rpc.server import Server
 
@@ -115,12 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
         pool_events = PoolEvents()
         with priority.starting():  # before the server, whose threads keep their priority
+            progress("loading the model")
             model = load_model(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
             cores = service_share(args.share_cores, "decode", engine_threads(args), args.device)
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs,
                                                    long_prompt_chunk(args)),
                             on_pool_change=pool_events.changed, cores=cores, keep_cached=0, kv_cache_cap=memory_cap())
+            warm_up(engine, "decode")
         trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen,

@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_pool import BlockPool
 from engine.cores import CoreShare
 from engine.hashing import Namespace
@@ -36,6 +38,7 @@ from engine.kv_cache import KVCache, kv_cache_blocks
 from engine.kv_connector import KVConnector
 from engine.model import Model
 from engine.model_runner import ModelRunner
+from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from engine.sequence import Finished, Sequence, Status, TokenEvent
 from protos.block_hash import BlockHash
@@ -46,6 +49,9 @@ log = logging.getLogger(__name__)
 # main thread, the only one where Python runs a signal's handler, and a SIGTERM the kernel hands to another
 # thread (gRPC's, OpenMP's) wakes no wait there; an idle decode or prefill ignored such a stop for good.
 _IDLE_WAKE_S = 0.2
+# warm_up: a prompt of this many tokens, then decode steps of 1 and WARM_UP_ROWS rows
+WARM_UP_TOKENS = 64
+WARM_UP_ROWS = 4
 
 
 class RequestTooLarge(ValueError):
@@ -71,6 +77,7 @@ class StepStats:
     pool_used: int
     pool_free: int
     pool_cached: int
+    num_threads: int = 0  # the threads the forward computed on (engine.cores: its own and those lent); 0: none
 
     @property
     def idle(self) -> bool:
@@ -217,6 +224,22 @@ class Engine:
             seq.events.put(Finished("shutdown", "the engine is shutting down"))
         self.connector.release_all()
 
+    def warm_up(self, timeout_s: float = 120.0) -> float:
+        """Run a prompt chunk and decode steps of one and several rows on private blocks, before the first
+        request (a service calls it before it says SERVING): what a first step pays once (oneDNN's kernels for
+        each shape, the C kernels' first build, pages of the pool and of the weights) is not a user's TTFT.
+        Nothing is kept: the blocks are unhashed and freed. Seconds taken."""
+        began = time.perf_counter()
+        vocab = self.model.vocab_size
+        room = max(1, min(WARM_UP_TOKENS, self.pool.num_blocks * self.block_size // (WARM_UP_ROWS + 1) - 2))
+        for rows in (1, WARM_UP_ROWS):
+            seqs = [Sequence([(7 * i + 3 * row) % vocab for i in range(room)],
+                             Sampler(SamplingParams(), self.model.device), 2) for row in range(rows)]
+            for seq in seqs:
+                self.add(seq)
+            self.run_until_done(timeout_s)
+        return time.perf_counter() - began
+
     def run_until_done(self, timeout_s: float = 600.0) -> None:
         """Step until every added sequence has finished (tests and benchmarks, without ``start``)."""
         deadline = time.monotonic() + timeout_s
@@ -243,15 +266,17 @@ class Engine:
             self.connector.save(spill)
         for seq in plan.to_load:
             self.connector.load(seq, self._loaded)
+        threads = 0
         if plan.scheduled:
             if self.cores:
                 self.cores.busy()
+            threads = self.cores.current if self.cores else torch.get_num_threads()
             try:
                 self._run(plan.scheduled)
             finally:
                 if self.cores:
                     self.cores.step_done()
-        stats = self._stats(plan)
+        stats = self._stats(plan, threads)
         if self.on_pool_change is not None:
             named, evicted = self.pool.take_changes()
             if named or evicted:
@@ -260,7 +285,7 @@ class Engine:
             self.on_step(stats)
         return stats
 
-    def _stats(self, plan: Schedule) -> StepStats:
+    def _stats(self, plan: Schedule, threads: int) -> StepStats:
         now = time.perf_counter()
         return StepStats(
             num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_admitted=len(plan.admitted),
@@ -270,6 +295,7 @@ class Engine:
             num_prompt_tokens=plan.num_prompt_tokens, num_pool_hit_tokens=plan.num_pool_hit_tokens,
             num_coalesced_tokens=plan.num_coalesced_tokens,
             pool_used=self.pool.num_used, pool_free=self.pool.num_free, pool_cached=self.pool.num_cached,
+            num_threads=threads,
         )
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:

@@ -41,6 +41,8 @@ class EngineMetrics:
                              registry=registry)
         self.waiting = Gauge(p + "waiting_sequences", "Sequences waiting for admission (KV blocks or a slot)",
                              registry=registry)
+        self.steps = Counter(p + "steps", "Forwards, by the threads they computed on (more than the service's own: "
+                             "cores an idle peer lent, engine.cores)", ["threads"], registry=registry)
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Time from a sequence's arrival to its admission",
                                     buckets=QUEUE_WAIT_BUCKETS, registry=registry)
 
@@ -48,6 +50,7 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         if stats.num_seqs:
+            self.steps.labels(threads=str(stats.num_threads)).inc()
             self.batch_seqs.observe(stats.num_seqs)
             self.batch_tokens.observe(stats.num_tokens)
         self.blocks.labels(state="used").set(stats.pool_used)

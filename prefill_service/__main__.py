@@ -34,9 +34,11 @@ from rpc.cli import (
     memory_cap,
     parse_args,
     prepare_engine_process,
+    progress,
     serve,
     tls_from_args,
     trim_heap,
+    warm_up,
 )
 from rpc.server import Server
 
@@ -65,11 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     priority = EnginePriority(args.engine_nice)
     try:
         with priority.starting():  # before the server, whose threads keep their priority
+            progress("loading the model")
             model = load_model(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
             cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores,
                             keep_cached=0, kv_cache_cap=memory_cap())
+            warm_up(engine, "prefill")
         trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
                         health_listen=args.health_listen, tls=tls,

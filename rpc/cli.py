@@ -369,6 +369,19 @@ def prepare_engine_process(args: argparse.Namespace | int) -> None:
             pass
 
 
+def progress(text: str) -> None:
+    """A `PROGRESS <text>` line on stdout, before `LISTENING`: `kvserve up` shows it while the service starts."""
+    print(f"PROGRESS {text}", flush=True)
+
+
+def warm_up(engine: Any, service: str) -> None:
+    """Runs the engine's warm-up (engine.Engine.warm_up) before the service serves, saying what it took."""
+    progress("warming up the engine")
+    seconds = engine.warm_up()
+    logging.getLogger(service).info("engine warmed up in %.2f s", seconds)
+    progress(f"engine warmed up in {seconds:.1f} s")
+
+
 def trim_heap() -> None:
     """Gives back to the kernel what the heap holds free (glibc's malloc_trim): once the model is loaded and its
     layers packed, the buffers of the loading (about 45 MB on SmolLM2) would otherwise stay resident."""

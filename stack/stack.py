@@ -186,12 +186,13 @@ def _drain(stream: IO[str], sink: IO[str] | None) -> None:
 
 def start_service(
     name: str, module: str, args: Sequence[str], log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S,
-    host: str = "127.0.0.1", health_url: str | None = None,
+    host: str = "127.0.0.1", health_url: str | None = None, progress: Callable[[str], None] | None = None,
 ) -> Service:
-    """Starts `python -m module args...`, waits for its LISTENING line and for health SERVING.
+    """Starts `python -m module args...`, waits for its LISTENING line and for health SERVING (see `wait_started`).
 
     The process ends when the one that started it dies (Linux). `host` is where to reach it."""
-    return wait_started(spawn_service(name, module, args, log_path, host, health_url=health_url), timeout_s)
+    return wait_started(spawn_service(name, module, args, log_path, host, health_url=health_url), timeout_s,
+                        progress=progress)
 
 
 def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | None = None,
@@ -235,16 +236,16 @@ class StartFailed(StackError):
 
 
 def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S,
-                 listening: Callable[[], None] | None = None) -> Service:
+                 listening: Callable[[], None] | None = None, progress: Callable[[str], None] | None = None) -> Service:
     """Waits for a spawned service's LISTENING line (setting its port; then calls `listening`) and for
-    health SERVING; kills it and raises StartFailed when it exits or does not get there within timeout_s.
-    Any thread may wait."""
+    health SERVING, telling `progress` what the service says it is doing meanwhile; kills it and raises
+    StartFailed when it exits or does not get there within timeout_s. Any thread may wait."""
     proc = service.process
     draining = False
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout_s
-        port = _read_listening_port(proc.stdout.fileno(), deadline)
+        port = _read_listening_port(proc.stdout.fileno(), deadline, progress)
         if port is None and time.monotonic() < deadline:  # its output ended: it is exiting
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
@@ -276,8 +277,9 @@ def wait_started(service: Service, timeout_s: float = START_TIMEOUT_S,
         raise
 
 
-def _read_listening_port(fd: int, deadline: float) -> int | None:
-    """The port of the `LISTENING <port>` line on fd; None at end of file or past the deadline.
+def _read_listening_port(fd: int, deadline: float, progress: Callable[[str], None] | None = None) -> int | None:
+    """The port of the `LISTENING <port>` line on fd; None at end of file or past the deadline. The text of each
+    `PROGRESS <text>` line before it goes to `progress` (rpc.cli.progress).
 
     Polls rather than blocking in read(): a signal delivered to another thread of this process
     must still reach its handler in the main thread promptly (Ctrl-C while starting).
@@ -293,6 +295,8 @@ def _read_listening_port(fd: int, deadline: float) -> int | None:
         for line in lines:
             if line.startswith(b"LISTENING "):
                 return int(line.split()[1])
+            if line.startswith(b"PROGRESS ") and progress is not None:
+                progress(line.removeprefix(b"PROGRESS ").decode(errors="replace").strip())
     return None
 
 
@@ -613,7 +617,7 @@ class Stack:
         began = time.monotonic()
         try:
             service = start_service(spec.name, spec.module, spec.args, spec.log_path, host=spec.host,
-                                    health_url=spec.health_url)
+                                    health_url=spec.health_url, progress=lambda text: self._say(f"{spec.name}: {text}"))
         except (StackError, OSError):  # not a signal's exception: an interrupted start says so itself
             self._say(f"{spec.name} did not start")
             raise
