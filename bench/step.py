@@ -34,6 +34,7 @@ from bench.target import MODEL_HELP, ensure_model
 from engine import llama, model_runner, paged_attention
 from engine.engine import Engine
 from engine.model import load_model
+from engine.packed_linear import FusedPart, PackedLinear
 from engine.sampling import Sampler, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.sequence import Sequence
@@ -60,13 +61,16 @@ def bandwidth(mib: int) -> dict[str, float]:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of the parameters a step reads whole: every one (an embedding tied to the LM head once)."""
+    """Bytes of the weights a step reads whole: every linear layer's (an LM head tied to the embedding once;
+    the embedding's few rows a step reads are left out), packed (engine.packed_linear) or not."""
     seen: set[int] = set()
     total = 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, PackedLinear, FusedPart)):
+            key = m.weight.data_ptr() if type(m) is torch.nn.Linear else id(m)
+            if key not in seen:
+                seen.add(key)
+                total += m.in_features * m.out_features * m.weight.element_size()
     return total
 
 

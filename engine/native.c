@@ -119,6 +119,29 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
         }
         for (int64_t i = 0; i < queries; i++) {
+            if (block_size == 16) { /* the block's 16 scores as one vector (past n: -inf, whatever the slot holds) */
+                v16 sv;
+                memcpy(&sv, s[i], sizeof sv);
+                for (int t = n; t < 16; t++)
+                    sv[t] = -INFINITY;
+                float top = m[i];
+                for (int t = 0; t < 16; t++)
+                    top = sv[t] > top ? sv[t] : top;
+                if (top > m[i]) {
+                    const float c = exp_nonpositive(m[i] - top);
+                    l[i] *= c;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        o[i * head_dim + d] *= c;
+                    m[i] = top;
+                }
+                const v16 pv = exp16_nonpositive(sv - top);
+                memcpy(s[i], &pv, sizeof pv);
+                float sum = 0.0f;
+                for (int t = 0; t < 16; t++)
+                    sum += pv[t];
+                l[i] += sum;
+                continue;
+            }
             float top = m[i];
             for (int64_t t = 0; t < n; t++)
                 top = s[i][t] > top ? s[i][t] : top;
