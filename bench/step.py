@@ -42,22 +42,23 @@ from engine.sequence import Sequence
 STEP_GOAL = 1.5  # a one-row step <= 1.5x its bound
 
 
+def seconds(fn: Callable[[], object], repeats: int) -> list[float]:
+    """The times of ``repeats`` calls of ``fn``, after one untimed."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return times
+
+
 def bandwidth(mib: int) -> dict[str, float]:
     """GB/s of a copy (bytes read + written) and of a read (a sum), the best of 5 each."""
     src = torch.ones(mib << 18)  # float32: mib MiB
     dst = torch.empty_like(src)
-
-    def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-        return min(times)
-
-    return {"copy_gb_per_s": 2 * src.nbytes / best(lambda: dst.copy_(src)) / 1e9,
-            "read_gb_per_s": src.nbytes / best(src.sum) / 1e9}
+    return {"copy_gb_per_s": 2 * src.nbytes / min(seconds(lambda: dst.copy_(src), 5)) / 1e9,
+            "read_gb_per_s": src.nbytes / min(seconds(src.sum, 5)) / 1e9}
 
 
 def weight_bytes(model: Any) -> int:
@@ -113,13 +114,7 @@ def linear_ms(runner: model_runner.ModelRunner, rows: int) -> float | None:
         forward.lm_head(x)
 
     with torch.inference_mode():
-        once()
-        times = []
-        for _ in range(7):
-            began = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
+        return statistics.median(seconds(once, 7)) * 1e3
 
 
 def decode_steps(engine: Engine, rows: int, context: int, steps: int) -> tuple[float, float]:

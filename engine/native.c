@@ -56,7 +56,7 @@ static inline float exp_nonpositive(float x) {
 
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
 
-/* exp_nonpositive on 16 lanes at once, in the same steps. */
+/* exp_nonpositive on 16 lanes at once: the same steps, in vector operations. */
 static inline v16 exp16_nonpositive(v16 x) {
     const v16 lo = (v16){0} - 87.0f;
     const i16v under = x < lo;

@@ -191,3 +191,39 @@ def test_a_file_claiming_more_threads_than_the_cores_lends_no_more_than_the_core
     decode.busy()
     assert decode.current == 4
     greedy.close()
+
+
+@pytest.mark.slow
+def test_under_up_a_service_computing_alone_computes_on_every_core(tmp_path: Path) -> None:
+    """`kvserve up` on the tiny model: a cold prompt is computed by prefill while decode waits, then decode
+    streams alone; each computes on the host's every core (its budget and the idle peer's), as its
+    `*_engine_steps{threads}` counter shows."""
+    import urllib.request
+
+    from client import Client
+    from client.metrics import parse_metrics
+    from tests.processes import free_ports, running_up
+
+    every = len(os.sched_getaffinity(0))
+    if every < 2:
+        pytest.skip("one core: nothing to lend")
+    decode, prefill, store = free_ports(3)
+    base = free_ports(3)[0]
+    with running_up(["--data-dir", str(tmp_path / "data"), "--decode-port", str(decode), "--prefill-port",
+                     str(prefill), "--store-port", str(store), "--no-http", "--metrics-base-port", str(base),
+                     "--insecure"]):  # plaintext metrics pages, read below
+        def steps(port: int, service: str) -> dict[str, float]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                samples = parse_metrics(resp.read().decode())
+            prefix = f"kvserve_{service}_engine_steps_total{{threads=\""
+            return {name.removeprefix(prefix).rstrip('"}'): v for name, v in samples.items() if name.startswith(prefix)}
+
+        before = steps(base + 1, "prefill"), steps(base, "decode")
+        with Client(f"127.0.0.1:{decode}", timeout_s=300) as client:
+            result = client.generate(token_ids=[3 + i % 250 for i in range(1500)], max_tokens=24, ignore_eos=True)
+        assert result.usage.cached_tokens == 0 and result.usage.completion_tokens == 24
+        after = steps(base + 1, "prefill"), steps(base, "decode")
+    for service, old, new in zip(("prefill", "decode"), before, after, strict=True):
+        grown = {t: new[t] - old.get(t, 0.0) for t in new if new[t] > old.get(t, 0.0)}
+        print(f"\n{service}: this request's forwards by threads {grown}")
+        assert grown.get(str(every), 0) > 0, f"{service}'s forwards by threads, this request's: {grown}"
