@@ -207,12 +207,17 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
             for (int64_t c = 0; c < chunks; c++) {
                 const v16 *qc = qt + (h * chunks + c) * head_dim;
                 /* every slot of the block (past n: whatever it holds, never read as a score) */
-                for (int64_t t = 0; t < block_size; t++)
-                    s[t] = (v16){0};
-                for (int64_t d = 0; d < head_dim; d++) {
-                    const v16 qd = qc[d];
-                    for (int64_t t = 0; t < block_size; t++)
-                        s[t] += qd * k[t * slot + h * head_dim + d];
+                for (int64_t t0 = 0; t0 < block_size; t0 += 8) { /* 8 tokens a pass: their sums stay in registers */
+                    const int64_t tn = block_size - t0 < 8 ? block_size - t0 : 8;
+                    v16 acc[8] = {{0}};
+                    const float *kt = k + t0 * slot + h * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) {
+                        const v16 qd = qc[d];
+                        for (int64_t t = 0; t < tn; t++)
+                            acc[t] += qd * kt[t * slot + d];
+                    }
+                    for (int64_t t = 0; t < tn; t++)
+                        s[t0 + t] = acc[t];
                 }
                 v16 top = mv[h * chunks + c];
                 for (int64_t t = 0; t < n; t++)

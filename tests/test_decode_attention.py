@@ -32,19 +32,23 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: th
 
 
 @needs_kernel
-@pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "threads"), [
-    ([37], 4, 2, 64, 2),  # one row split in ranges, one per thread and more, its last block partly filled
-    ([1, 16, 17, 200, 33], 2, 3, 12, 2),  # one token; a block's end; a head size not a multiple of 16
-    ([48, 5], 1, 8, 32, 1),  # every query head on one KV head, one thread
-    ([300, 20], 2, 4, 128, 2),  # the other head size the kernel is compiled for
+@pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim", "threads", "block"), [
+    ([37], 4, 2, 64, 2, BLOCK),  # one row split in ranges, one per thread and more, its last block partly filled
+    ([1, 16, 17, 200, 33], 2, 3, 12, 2, BLOCK),  # one token; a block's end; a head size not a multiple of 16
+    ([48, 5], 1, 8, 32, 1, BLOCK),  # every query head on one KV head (16 to a vector from 8 on), one thread
+    ([300, 20], 2, 4, 128, 2, BLOCK),  # the other head size the kernel is compiled for
+    ([1000], 3, 12, 64, 2, BLOCK),  # four rows' queries over a prefix they share (SmolLM2's shape)
+    ([70, 9], 2, 20, 64, 2, BLOCK),  # more queries than a vector holds
+    ([45, 3], 2, 3, 64, 2, 12),  # another block size: a block's scores not one vector
+    ([29], 1, 9, 64, 1, 12),
 ])
 def test_in_place_attention_equals_sdpa_over_the_gathered_blocks(lens: list[int], kv_heads: int, group: int,
-                                                                 head_dim: int, threads: int) -> None:
+                                                                 head_dim: int, threads: int, block: int) -> None:
     assert kernel is not None
     g = torch.Generator().manual_seed(len(lens))
     layers, num_blocks = 3, 80
-    kv = torch.randn(num_blocks, layers, 2, BLOCK, kv_heads, head_dim, generator=g)
-    width = max(-(-n // BLOCK) for n in lens)
+    kv = torch.randn(num_blocks, layers, 2, block, kv_heads, head_dim, generator=g)
+    width = max(-(-n // block) for n in lens)
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), kv_heads, group, head_dim, generator=g)
     before = torch.get_num_threads()
