@@ -98,10 +98,13 @@ class Engine:
         cores: CoreShare | None = None,
         keep_cached: int | None = None,
         kv_cache_cap: int | None = None,
+        head_copy: bool = True,
     ) -> None:
         """`keep_cached`: the pool's engine.block_pool policy (None: it fills before it evicts; N: it grows past
         what its sequences use for at most N cached blocks, so its memory follows their peak). `kv_cache_cap`:
-        most bytes the default pool takes on CPU (engine.kv_cache.default_kv_cache_memory)."""
+        most bytes the default pool takes on CPU (engine.kv_cache.default_kv_cache_memory). `head_copy`: an output
+        embedding tied to the input one is packed as a copy of its own (engine.llama; a step of a few rows reads
+        it in half the time, for the table's bytes once more): for an engine that samples every step (decode)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.model = model
@@ -125,7 +128,7 @@ class Engine:
         self.on_pool_change = on_pool_change
         self.pool.record_changes = on_pool_change is not None
         self.scheduler = Scheduler(self.pool, block_size, config)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, head_copy)
         self.connector = KVConnector(self.pool, self.kv_cache, functools.partial(self._post, internal=True),
                                      io_threads)
         self._stopping = False

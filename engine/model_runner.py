@@ -116,13 +116,13 @@ class _Forward:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: KVCache) -> None:
+    def __init__(self, model: Model, cache: KVCache, head_copy: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
         install(model.hf_model)
         pack_linear_layers(model.hf_model)  # once, and before the first forward (engine.packed_linear)
-        self.forward = LlamaForward.of(model.hf_model)  # None: Hugging Face's modules run the step
+        self.forward = LlamaForward.of(model.hf_model, head_copy)  # None: Hugging Face's modules run the step
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.hf_model.forward).parameters
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)

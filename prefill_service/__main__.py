@@ -72,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cores = service_share(args.share_cores, "prefill", engine_threads(args), args.device)
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores,
-                            keep_cached=0, kv_cache_cap=memory_cap())
+                            keep_cached=0, kv_cache_cap=memory_cap(),
+                            head_copy=False)  # one sampled row per prompt: not worth the table's bytes
             warm_up(engine, "prefill")
         trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
