@@ -194,7 +194,10 @@ def _start_ready(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     lines = []
     while not lines or not lines[-1].startswith("ready:"):
         lines.append(proc.stdout.readline())
-    said = [line.split(" on ")[0] if " ready on " in line else line.strip() for line in lines[:6]]
+    progress = [line for line in lines if line.startswith(("prefill: ", "decode: "))]  # what a service is doing
+    assert any("warmed up in" in line for line in progress), lines
+    said = [line.split(" on ")[0] if " ready on " in line else line.strip() for line in lines
+            if line not in progress][:6]
     assert said == ["starting kvstore ...", "kvstore ready", "starting prefill ...", "prefill ready",
                     "starting decode ...", "decode ready"], lines
     return proc, services
