@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                            "rest_ms": rest})
             print(f"{rows:>4} {context:>7} {step:>8.1f} {bound:>8.1f} {step / bound:>7.2f} "
                   f"{'' if products is None else f'{products:.1f}':>10} {attention:>12.1f} {rest:>7.1f}", flush=True)
-    one_row = [p["step_over_bound"] for p in points if p["rows"] == 1]
+    one_row = [float(p["step_over_bound"] or 0.0) for p in points if p["rows"] == 1]
     if one_row:
         met = max(one_row) <= STEP_GOAL
         print(f"goal: one-row step <= {STEP_GOAL}x its bound: {'met' if met else 'NOT met'} "

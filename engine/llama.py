@@ -100,17 +100,12 @@ def _layer(layer: Any) -> _Layer | None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return None
-    parts = (
-        _norm(getattr(layer, "input_layernorm", None)),
-        _fused([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]),
-        _linear(getattr(attn, "o_proj", None)),
-        _norm(getattr(layer, "post_attention_layernorm", None)),
-        _fused([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]),
-        _linear(getattr(mlp, "down_proj", None)),
-    )
-    if any(p is None for p in parts):
+    input_norm, post_norm = _norm(getattr(layer, "input_layernorm", None)), _norm(getattr(layer, "post_attention_layernorm", None))
+    qkv = _fused([getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")])
+    gate_up = _fused([getattr(mlp, n, None) for n in ("gate_proj", "up_proj")])
+    o_proj, down = _linear(getattr(attn, "o_proj", None)), _linear(getattr(mlp, "down_proj", None))
+    if input_norm is None or post_norm is None or qkv is None or gate_up is None or o_proj is None or down is None:
         return None
-    input_norm, qkv, o_proj, post_norm, gate_up, down = parts
     q_norm, k_norm = _norm(getattr(attn, "q_norm", None)), _norm(getattr(attn, "k_norm", None))
     return _Layer(input_norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, mlp.act_fn, down)
 
@@ -122,7 +117,9 @@ class LlamaForward:
         config = hf_model.config
         self.embed = hf_model.get_input_embeddings().weight
         self.layers = layers
-        self.norm = _norm(hf_model.model.norm)
+        norm = _norm(hf_model.model.norm)
+        assert norm is not None  # (checked by `of`)
+        self.norm = norm
         self.lm_head = lm_head
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -149,7 +146,7 @@ class LlamaForward:
             return None
         inner = getattr(hf_model, "model", None)
         rope = getattr(inner, "rotary_emb", None)
-        if getattr(rope, "rope_type", None) not in STATIC_ROPE or _norm(getattr(inner, "norm", None)) is None:
+        if inner is None or getattr(rope, "rope_type", None) not in STATIC_ROPE or _norm(getattr(inner, "norm", None)) is None:
             return None
         layers = [_layer(layer) for layer in inner.layers]
         if not layers or any(layer is None for layer in layers):
