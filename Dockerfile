@@ -7,11 +7,13 @@ FROM ${BASE_IMAGE}
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
 # One unprivileged user for every service: the store's same-host arena serves only callers of its own
-# user. The folders that compose and Kubernetes mount volumes on belong to it, so that new volumes do too
-# (/credentials and /export/*: docker-compose.yml's credentials volumes).
+# user. The folders that compose and Kubernetes mount volumes on belong to it alone (0700), so that new
+# volumes do too (/credentials and /export/*: docker-compose.yml's credentials volumes); the services' umask
+# (077) keeps what they write there theirs.
 RUN useradd --uid 10001 --create-home kvserve \
     && mkdir -p /models /data /cores /credentials /export/kvstore /export/prefill /export/decode /export/router /export/http \
-    && chown -R kvserve:kvserve /models /data /cores /credentials /export
+    && chown -R kvserve:kvserve /models /data /cores /credentials /export \
+    && chmod -R go= /models /data /cores /credentials /export
 WORKDIR /app
 COPY . .
 # EXTRAS=gpu (docker-compose.gpu.yml): cupy, for the store's device arena and CUDA IPC.

@@ -323,7 +323,11 @@ def _default_model(data_dir: Path) -> Path:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from client.terminal import Progress
+    from rpc.auth import private_folder
+    from rpc.cli import OWNER_ONLY
 
+    os.umask(OWNER_ONLY)  # its logs and status file, and what the services write, are the user's alone
+    private_folder(args.data_dir)
     model_dir = args.model or _default_model(args.data_dir)
     config = StackConfig(
         model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,

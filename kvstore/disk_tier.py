@@ -2,8 +2,8 @@
 
 Writes and deletes land in a pending map (the latest op per key, read by `read`) and a writer
 thread commits them in batches, one synced transaction each (group commit). A SIGKILL loses at
-most the pending ops, never the database. Values are `block_format` records (header + payload), their
-headers made by the writer thread (with a record key, a pass over the payload) and checked at start, where a
+most the pending ops, never the database. Values are `block_format` records (header + payload), made by
+the writer thread (with a record key, sealed: the payload encrypted) and their headers checked at start, where a
 record that is not this store's under its key (moved, forged, another deployment's) or of an older layout is
 deleted; every read verifies the payload too. The map is sized from the capacity with headroom and grown if
 ever full.
@@ -38,14 +38,16 @@ from kvstore.block_format import (
     BlockHeader,
     CorruptBlock,
     ForeignRecord,
-    pack_header,
+    open_payload,
+    pack_record,
+    record_bytes,
     unpack_header,
-    verify,
 )
 from kvstore.record_key import RecordKey
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, Tier
 from protos.block_hash import HASH_BYTES, BlockHash
+from rpc.auth import private_folder
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +155,12 @@ class DiskTier(TierStorage):
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, max_pending_bytes: int = 64 * _MiB,
                  record_key: RecordKey | None = None) -> None:
-        """`record_key`: the MAC's key (None: records bound to their keys by checksum only)."""
+        """`record_key`: the key records are sealed under (None: in the clear, bound to their keys by checksum
+        only)."""
         self.path = Path(path)
         self.record_key = record_key
         self.foreign_records = 0  # records found at start that were not this store's under their key (deleted)
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_folder(self.path, ("data.mdb", "lock.mdb", "kvstore.lock"))  # prompts can be read back from KV
         self._lock_file = self._lock_dir(self.path)
         self._map_size = initial_map_size(capacity_bytes)
         self.quarantined: Path | None = None  # where a damaged tier found at start was moved
@@ -197,7 +200,7 @@ class DiskTier(TierStorage):
                 if env is not None:
                     env.close()
         aside = self.path.with_name(f"{self.path.name}.quarantined-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-        aside.mkdir()
+        aside.mkdir(mode=0o700)
         for name in ("data.mdb", "lock.mdb"):
             if (self.path / name).exists():
                 os.rename(self.path / name, aside / name)
@@ -206,11 +209,11 @@ class DiskTier(TierStorage):
         return self._lmdb()
 
     def _lmdb(self) -> lmdb.Environment:
-        return lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False)
+        return lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False, mode=0o600)
 
     @staticmethod
     def _lock_dir(path: Path) -> IO[str]:
-        f = (path / "kvstore.lock").open("w")
+        f = os.fdopen(os.open(path / "kvstore.lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600), "w")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -247,9 +250,7 @@ class DiskTier(TierStorage):
                 return None
             view = memoryview(value)
             header = unpack_header(view, key, self.record_key)
-            payload = view[HEADER_BYTES:]
-            verify(header, payload, self.record_key)
-            return bytes(payload)
+            return open_payload(header, key, view[HEADER_BYTES:], self.record_key)
 
     def keys(self) -> set[BlockHash]:
         with self._cond:
@@ -305,7 +306,7 @@ class DiskTier(TierStorage):
                     if len(k) != HASH_BYTES:
                         raise CorruptBlock("bad key length")
                     header = unpack_header(memoryview(value)[:HEADER_BYTES], k, self.record_key)
-                    if len(value) != HEADER_BYTES + header.size:
+                    if len(value) != record_bytes(header.size, self.record_key):
                         raise CorruptBlock("bad record length")
                 except CorruptBlock as exc:
                     foreign += isinstance(exc, ForeignRecord)
@@ -369,9 +370,9 @@ class DiskTier(TierStorage):
         """Writes a batch in one transaction; False when it could not (the tier has failed, and says why)."""
         if self._failure is not None or not self._intact():
             return False
-        values = {key: None if r is None else b"".join((
-            pack_header(key, r.payload, r.checksum, self.record_key, ephemeral=r.ephemeral, seq=r.seq), r.payload))
-            for key, r in batch.items()}  # MACs before the transaction: it stays short
+        values = {key: None if r is None else pack_record(key, r.payload, r.checksum, self.record_key,
+                                                          ephemeral=r.ephemeral, seq=r.seq)
+                  for key, r in batch.items()}  # sealed before the transaction: it stays short
         for _ in range(8):
             try:
                 with self._env_lock.shared(), self._env.begin(write=True) as txn:

@@ -1,10 +1,11 @@
-"""The record key: a secret the stores of a deployment share, under which every store record carries a MAC
-that binds it to its block hash (kvstore/block_format.py). A record moved to another key, forged, or written
-under another record key is then a miss.
+"""The record key: a secret the stores of a deployment share, under which every store record is sealed to its
+block hash (kvstore/block_format.py): its payload encrypted (AES-256-GCM), its header under a MAC. Whoever reads
+a tier learns nothing of the KV; a record moved to another key, forged, or written under another record key is
+a miss.
 
 The file holds at least MIN_HEX_CHARS hex characters (`write_new` makes one: 64, from `secrets`), read once at
-start. The MAC key is derived from it (HMAC-SHA256 with a label of its own), so that a secret shared with
-something else by mistake never gives the same MACs there.
+start. The MAC key and the cipher key are derived from it (HMAC-SHA256, each with a label of its own), so that
+a secret shared with something else by mistake never gives the same keys there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import stat
 import string
 from pathlib import Path
 
-import blake3
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstore.types import Buffer
 from rpc.auth import readable_by_others
@@ -26,30 +28,46 @@ log = logging.getLogger(__name__)
 
 MIN_HEX_CHARS = 32
 NEW_KEY_BYTES = 32
-_LABEL = b"kvserve/kvstore/record-mac/v2"
+_MAC_LABEL = b"kvserve/kvstore/record-mac/v2"
+_CIPHER_LABEL = b"kvserve/kvstore/record-cipher/v1"
 TAG_BYTES = 32
+NONCE_BYTES = 12
+SEAL_BYTES = 16  # AES-GCM's tag, after the ciphertext
 
 
 class RecordKey:
     """A record key, ready to make and check MACs. Its repr never shows the secret."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_cipher", "_key")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < MIN_HEX_CHARS // 2:
             raise ValueError(f"a record key needs at least {MIN_HEX_CHARS // 2} bytes of secret")
-        self._key = hmac.digest(secret, _LABEL, "sha256")
-
-    def digest(self, payload: Buffer) -> bytes:
-        """BLAKE3 of a payload: what the MAC covers of it. A cryptographic hash (xxh3 would not do: its
-        collisions are easy to make), and the fastest measured here: 7.2 GB/s on one core, against SHA-256's
-        1.7 with the CPU's SHA instructions and BLAKE2b's 0.8; it lets go of the GIL while it runs. On a
-        disk-tier hit, a record is hashed on every read, so this is on the request's path."""
-        return blake3.blake3(payload).digest()
+        self._key = hmac.digest(secret, _MAC_LABEL, "sha256")
+        self._cipher = hmac.digest(secret, _CIPHER_LABEL, "sha256")
 
     def tag(self, message: bytes) -> bytes:
         """HMAC-SHA256 of `message`."""
         return hmac.digest(self._key, message, "sha256")
+
+    def _aead(self, block: bytes) -> AESGCM:
+        """AES-256-GCM under a key of `block`'s own (HMAC of the cipher key and the block hash): random nonces
+        then repeat only among one block's records, never across a deployment's billions of writes. The key
+        schedule costs about a microsecond."""
+        return AESGCM(hmac.digest(self._cipher, block, "sha256"))
+
+    def seal_into(self, out: memoryview, block: bytes, nonce: bytes, payload: Buffer, aad: bytes) -> None:
+        """Encrypts `payload` into `out` (its length plus SEAL_BYTES): AES-GCM, about 8 GB/s on one core
+        here with AES-NI, faster than the BLAKE3 digest it replaces (5)."""
+        self._aead(block).encrypt_into(nonce, payload, aad, out)
+
+    def open(self, block: bytes, nonce: bytes, sealed: Buffer, aad: bytes) -> bytes:
+        """The payload `seal_into` sealed; ValueError when the record is not what was sealed under this key,
+        block hash, nonce and `aad`."""
+        try:
+            return self._aead(block).decrypt(nonce, sealed, aad)
+        except InvalidTag:
+            raise ValueError("its payload does not open under its block hash and this record key") from None
 
     def __repr__(self) -> str:
         return "RecordKey(<secret>)"

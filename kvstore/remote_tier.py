@@ -13,8 +13,9 @@ It holds copies, not placements, so it is not a TierStorage: the store's index k
   pools reconnect by themselves. The store never calls this while holding its lock.
 
 Keys are `<prefix>:v<RECORD_VERSION>:<hex hash>`; values are store records (kvstore/block_format.py),
-so a record of another layout is never read, a damaged one fails its checksum, and one moved from another
-key, forged, or written under another record key fails its MAC (`mac_failures`): misses all.
+sealed under the record key, so a reader of Redis sees no KV, a record of another layout is never read, and
+one damaged, moved from another key, forged, or written under another record key fails to open (`mac_failures`;
+`checksum_failures` in plaintext mode): misses all.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ BATCH_BLOCKS, BATCH_BYTES = 64, 8 << 20  # blocks written per pipeline (at least
 CLOSE_FLUSH_S = 2.0
 
 ReadBlock = Callable[[BlockHash], tuple[Buffer, int] | None]  # a stored block's payload and checksum
-Found = tuple[memoryview, int]  # a verified payload and its checksum
+Found = tuple[bytes, int]  # a verified payload and its checksum
 T = TypeVar("T")
 
 
@@ -160,8 +161,8 @@ class RemoteTier:
 
     def __init__(self, config: RemoteConfig, *, clock: Callable[[], float] = time.monotonic,
                  record_key: RecordKey | None = None) -> None:
-        """`record_key`: the MAC's key (None: records bound to their keys by checksum only, so whoever can write
-        to Redis can forge them)."""
+        """`record_key`: the key records are sealed under (None: in the clear, bound to their keys by checksum
+        only, so whoever can read Redis reads the KV and whoever can write to it can forge them)."""
         self.config = config
         self.record_key = record_key
         self.url = redacted(config.url)

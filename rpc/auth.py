@@ -16,6 +16,7 @@ SIGHUP; a file that does not parse then leaves the old table in place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -168,6 +169,16 @@ def readable_by_others(st: os.stat_result) -> bool:
     """Whether a secret file with this stat is open to other users: to everyone, or to a group this process
     is not in as its own (a Kubernetes Secret mounted 0440 for the pod's fsGroup is not)."""
     return bool(st.st_mode & stat.S_IRWXO or (st.st_mode & stat.S_IRWXG and st.st_gid != os.getegid()))
+
+
+def private_folder(path: Path, files: tuple[str, ...] = ()) -> None:
+    """Makes folder `path` (and its parents) if missing, and makes it and the `files` in it that exist its
+    user's alone (0700, 0600): a folder an older version made, or made under a wider umask, is narrowed."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    for name in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path / name, 0o600)
 
 
 @dataclass(frozen=True, slots=True)

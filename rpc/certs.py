@@ -199,20 +199,20 @@ def make_certs(directory: Path, names: Sequence[str] = DEFAULT_NAMES, hosts: Seq
     elif taken and not force:
         raise TLSError(f"{directory} already holds certificates for {', '.join(taken)}: pass --force to "
                        "replace them (the CA is kept), or give other --name")
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_dir.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     new_ca = ca is None
     if ca is None:
         ca = make_ca(max(days, CA_MIN_DAYS), now)
         _write(ca_dir / CA_KEY_FILE, _key_pem(ca[1]), 0o600)
-        _write(ca_dir / CA_FILE, _cert_pem(ca[0]), 0o644)
+        _write(ca_dir / CA_FILE, _cert_pem(ca[0]), 0o600)
     written = {}
     for name in names:
         cert, key = issue(name, list(dict.fromkeys([name, *LOCAL_HOSTS, *hosts])), ca[0], ca[1], days, now,
                           client=name not in SERVER_ONLY)
         _write(directory / f"{name}-key.pem", _key_pem(key), 0o600)
-        _write(directory / f"{name}.pem", _cert_pem(cert), 0o644)
+        _write(directory / f"{name}.pem", _cert_pem(cert), 0o600)
         written[name] = cert
     return Certs(directory, ca[0], new_ca, written)
 

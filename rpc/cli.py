@@ -38,6 +38,7 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
+OWNER_ONLY = 0o077  # the umask of every service and of `kvserve up`: files 0600, folders 0700
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype: engine.model.model_dtype reads them
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -83,7 +84,9 @@ def env_args(p: argparse.ArgumentParser, service: str, environ: dict[str, str] |
 
 def parse_args(p: argparse.ArgumentParser, argv: Iterable[str] | None, service: str) -> argparse.Namespace:
     """`p.parse_args(argv)` with every flag also readable from `KVSERVE_<SERVICE>_<FLAG>`; the command line
-    comes after the variables, so it wins."""
+    comes after the variables, so it wins. Every service starts here, and from here on what it writes (the
+    disk tier, sockets, logs) is its user's alone, whatever umask it was started with."""
+    os.umask(OWNER_ONLY)
     argv = sys.argv[1:] if argv is None else list(argv)
     return p.parse_args([*env_args(p, service), *argv])
 

@@ -9,9 +9,9 @@ from kvstore.block_format import (
     CorruptBlock,
     ForeignRecord,
     checksum,
-    pack_header,
+    open_payload,
+    pack_record,
     unpack_header,
-    verify,
 )
 from kvstore.errors import BlockTooLarge, InvalidRequest
 from kvstore.events import EventHub, StoreEvent
@@ -75,16 +75,20 @@ def test_assembler_rejects_inconsistent_chunks() -> None:
         asm.finish()
 
 
-@pytest.mark.parametrize("record_key", [None, RecordKey(b"k" * 32)], ids=["plaintext", "mac"])
+@pytest.mark.parametrize("record_key", [None, RecordKey(b"k" * 32)], ids=["plaintext", "sealed"])
 def test_block_header_detects_damage(record_key: RecordKey | None) -> None:
     data = b"payload"
-    record = pack_header(key(1), data, checksum(data), record_key, ephemeral=True, seq=7) + data
+    record = bytes(pack_record(key(1), data, checksum(data), record_key, ephemeral=True, seq=7))
     header = unpack_header(record, key(1), record_key)
     assert (header.size, header.seq, header.ephemeral) == (len(data), 7, True)
-    verify(header, record[HEADER_BYTES:], record_key)
-    with pytest.raises(CorruptBlock) as damaged:
-        verify(header, b"paylaod", record_key)
-    assert not isinstance(damaged.value, ForeignRecord)
+    assert open_payload(header, key(1), record[HEADER_BYTES:], record_key) == data
+    damaged_payload = bytearray(record[HEADER_BYTES:])
+    damaged_payload[1] ^= 1
+    with pytest.raises(CorruptBlock) as damaged:  # sealed: it does not open (a ForeignRecord, a MAC failure)
+        open_payload(header, key(1), damaged_payload, record_key)
+    assert isinstance(damaged.value, ForeignRecord) == (record_key is not None)
+    with pytest.raises(CorruptBlock):
+        open_payload(header, key(1), record[HEADER_BYTES:-1], record_key)
     with pytest.raises(CorruptBlock):
         unpack_header(b"XXXX" + record[4:], key(1), record_key)
     with pytest.raises(CorruptBlock):

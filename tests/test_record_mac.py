@@ -1,5 +1,5 @@
 """Every store record is bound to the block hash it is stored under (kvstore/block_format.py): with a record
-key by HMAC-SHA256, without one by its checksum. The attacks of someone who can write Redis or the LMDB files,
+key sealed (AES-GCM, its header under HMAC-SHA256), without one by its checksum. The attacks of someone who can write Redis or the LMDB files,
 played against a real redis-server and real LMDB: a record moved between the blocks of a prompt, a forged record
 (valid layout, zero payload, right checksum), a record from another deployment (another record key). With a key
 each is a counted miss; without one a moved record is still a miss, and a forged one is served: the documented
@@ -174,16 +174,20 @@ def test_records_of_the_old_layout_are_misses_after_the_upgrade(tmp_path: Path) 
     store.put(key(0), payload(0, BLOCK))
     store.close()
     old = struct.Struct("<4sIQQQ")  # layout 1: magic, flags, checksum, size, seq
+    clear = struct.Struct("<4sHHQQQ32s32s")  # layout 2, in the clear: ..., a BLAKE3 digest and an HMAC tag
 
-    def layout_1(read: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
-        return {key(i): old.pack(b"KVSR", flags, checksum(payload(i, BLOCK)), BLOCK, 5) + payload(i, BLOCK)
-                for i, flags in ((1, 0), (2, 1))}  # flags: 1 is an ephemeral block
+    def old_layouts(read: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
+        records = {key(i): old.pack(b"KVSR", flags, checksum(payload(i, BLOCK)), BLOCK, 5) + payload(i, BLOCK)
+                   for i, flags in ((1, 0), (2, 1))}  # flags: 1 is an ephemeral block
+        records[key(3)] = clear.pack(b"KVSR", 2, 0, checksum(payload(3, BLOCK)), BLOCK, 6, bytes(32),
+                                     bytes(32)) + payload(3, BLOCK)
+        return records
 
-    edit_lmdb(tmp_path / "lmdb", layout_1)
+    edit_lmdb(tmp_path / "lmdb", old_layouts)
     again = disk_store(tmp_path, KEY)
     try:
         assert len(again) == 1 and again.lookup([key(0), key(1)]).num_hits == 1
-        assert [r.payload if r else None for r in again.get([key(1), key(2)])] == [None, None]
+        assert [r.payload if r else None for r in again.get([key(1), key(2), key(3)])] == [None, None, None]
         stats = again.stats()
         assert (stats.mac_failures, stats.checksum_failures) == (0, 0)
         again.check_integrity()
@@ -191,7 +195,7 @@ def test_records_of_the_old_layout_are_misses_after_the_upgrade(tmp_path: Path) 
         again.close()
     env = lmdb.open(str(tmp_path / "lmdb"))
     with env.begin() as txn:  # deleted at start
-        assert [txn.get(key(i)) is None for i in range(3)] == [False, True, True]
+        assert [txn.get(key(i)) is None for i in range(4)] == [False, True, True, True]
     env.close()
 
 
