@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from http_api.body import loads
 from http_api.schema import BadRequest, ChatCompletionRequest, CompletionRequest, parse
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
 from protos.retry import RETRY_AFTER, retry_after_s
@@ -265,11 +266,7 @@ class Front:
             raise ApiError(408, f"the body did not arrive within {self.client_timeout_s:g} s (--client-timeout-s)",
                            code="request_timeout") from None
         try:
-            decoded = json.loads(data)
-        except ValueError as exc:
-            raise ApiError(400, f"the body is not valid JSON ({exc})", code="invalid_json") from None
-        try:
-            body = parse(shape.schema, decoded)
+            body = parse(shape.schema, loads(bytes(data)))
         except BadRequest as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         if body.model != self.model_name:

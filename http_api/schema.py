@@ -26,6 +26,11 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+def short(text: str, limit: int = 64) -> str:
+    """`text` cut to `limit` characters: an error names what it refuses, it does not echo a megabyte back."""
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     return any(type(value) is type(a) and value == a for a in allowed)  # 0 is not False here
 
@@ -92,8 +97,8 @@ class _Request(_Strict):
         for name, allowed in NEUTRAL.items():
             value = getattr(self, name, None)
             if value is not None and not _neutral(value, allowed):
-                raise BadRequest(f"{name}={value!r} is not supported by kvserve (only {allowed[0]!r}); leave it out",
-                                 name, "unsupported_value")
+                raise BadRequest(f"{name}={short(repr(value))} is not supported by kvserve (only {allowed[0]!r}); "
+                                 "leave it out", name, "unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with \"stream\": true", "stream_options")
         return self
@@ -164,10 +169,10 @@ def parse(model: type[_Request], body: Any) -> Any:
         first = exc.errors()[0]
         if isinstance(first.get("ctx", {}).get("error"), BadRequest):
             raise first["ctx"]["error"] from None
-        param = ".".join(str(part) for part in first["loc"]) or None
+        param = short(".".join(str(part) for part in first["loc"])) or None
         if first["type"] == "extra_forbidden":
             raise BadRequest(f"unsupported field {param!r}: kvserve does not implement it; leave it out", param,
                              "unsupported_field") from None
         if first["type"] == "missing":
             raise BadRequest(f"missing required field {param!r}", param, "missing_field") from None
-        raise BadRequest(f"{param}: {first['msg']}", param) from None
+        raise BadRequest(f"{param or 'the body'}: {first['msg']}", param) from None

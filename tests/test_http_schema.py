@@ -1,10 +1,16 @@
 """The HTTP API's parts without a stack: OpenAI bodies checked field by field into the GenerateRequest the
-gRPC client would send, gRPC statuses as HTTP ones, and the command's flags."""
+gRPC client would send, gRPC statuses as HTTP ones, and the command's flags; a body's bytes bounded before they
+are parsed, and the front (a process, over the fake decode) against a corpus of malformed bodies."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import subprocess
 import sys
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -12,9 +18,12 @@ import pytest
 
 from client.client import build_request
 from http_api.app import from_grpc
-from http_api.schema import BadRequest, ChatCompletionRequest, CompletionRequest, parse
+from http_api.body import MAX_DEPTH, loads, nesting_depth
+from http_api.schema import BadRequest, ChatCompletionRequest, CompletionRequest, parse, short
+from tests.fake_decode import FakeServer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+MODEL = "m"
 
 
 def chat(**fields: Any) -> ChatCompletionRequest:
@@ -105,3 +114,205 @@ def test_kvserve_http_refuses_bad_flags_with_one_line() -> None:
     run = subprocess.run([sys.executable, "-m", "http_api", "--model-name", "m", "--listen", "127.0.0.1:0"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--insecure" in run.stderr and "Traceback" not in run.stderr
+
+
+# --- bodies as bytes: bounds before parsing, then the front against a corpus of malformed ones
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **fields}
+
+
+def nested(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+@pytest.mark.parametrize(("text", "depth"), [
+    ("1", 0),
+    ('{"a": [1, {"b": []}]}', 4),
+    (nested(65), 65),
+    ('["[[[[", "\\\\", {"k\\"[": "]]]]"}]', 2),  # brackets in strings, escaped quotes and backslashes
+    ('"\\\\" [[ "\\\\\\" ]]"', 2),  # an even run of backslashes ends in the string's quote, an odd one not
+    ('"[[[" ]]] [', 0),  # closing brackets too many: invalid, and shallow
+])
+def test_nesting_is_counted_on_the_raw_bytes_outside_strings(text: str, depth: int) -> None:
+    assert nesting_depth(text.encode()) == depth
+
+
+def test_counting_stops_soon_after_the_bound() -> None:
+    assert MAX_DEPTH < nesting_depth(b"[" * 1_000_000) < 100_000
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    (b"", "empty"),
+    (nested(MAX_DEPTH + 1).encode(), f"more than {MAX_DEPTH} levels deep"),
+    (b'{"a": ' * 100_000, f"more than {MAX_DEPTH} levels deep"),
+    (b'{"model": "\xff"}', "not UTF-8, as JSON must be .RFC 8259.: byte 0xff at offset 11"),
+    (b'{"model": "\xed\xa0\x80"}', "not UTF-8"),  # a surrogate, encoded
+    (b'{"t": NaN}', "NaN is not a JSON number"),
+    (b'{"t": -Infinity}', "-Infinity is not a JSON number"),
+    (b'{"t": ' + b"9" * 5000 + b"}", "an integer of more than .* digits"),
+    (b'{"model": "a", "model": "b"}', "the key 'model' appears more than once"),
+    (b'{"m": [{"role": "user", "role": "user"}]}', "the key 'role' appears more than once"),
+    (b'{"model": "\\ud800"}', "lone UTF-16 surrogate"),
+    (b'{"\\udc00\\ud800": 1}', "lone UTF-16 surrogate"),  # the wrong order is no pair
+    (b'{"model": }', "not valid JSON"),
+])
+def test_a_body_out_of_bounds_is_refused_before_or_while_it_is_parsed(body: bytes, match: str) -> None:
+    with pytest.raises(BadRequest, match=match) as refused:
+        loads(body)
+    assert refused.value.code == "invalid_json"
+
+
+def test_a_body_within_bounds_parses_as_json_does() -> None:
+    body = {"a": json.loads(nested(MAX_DEPTH - 1)), "b": "\U0001f600 [{\"\\", "c": [1.5, -0.0, 2**63, None, True]}
+    for text in (json.dumps(body), json.dumps(body, ensure_ascii=False)):  # a pair of escapes is one character
+        assert loads(text.encode()) == body
+    assert loads(nested(MAX_DEPTH).encode()) == json.loads(nested(MAX_DEPTH))
+    assert loads(b"\xef\xbb\xbf" + b'{"a": 1}') == {"a": 1}  # a UTF-8 byte order mark, ignored
+
+
+def malformed_bodies() -> dict[str, bytes]:
+    """Bodies no endpoint may serve, by name: each must be a 4xx with OpenAI's error object, none a 5xx."""
+    bodies: dict[str, bytes] = {
+        "empty": b"", "blank": b" \r\n\t", "text": b"hello", "xml": b"<model>m</model>", "form": b"model=m&max_tokens=2",
+        "truncated": b'{"model": "m", "messages": [', "trailing data": b'{"model": "m"} x', "two objects": b"{}{}",
+        "comment": b'{"model": "m" /* x */}', "single quotes": b"{'model': 'm'}", "trailing comma": b'{"model": "m",}',
+        "utf-16": json.dumps(chat_body()).encode("utf-16"), "utf-32": json.dumps(chat_body()).encode("utf-32"),
+        "nul": b"\x00" * 16, "number": b"1", "string": b'"m"', "null": b"null", "true": b"true", "array": b"[]",
+        "array of the body": json.dumps([chat_body()]).encode(),
+        "invalid utf-8": b'{"model": "m\xff"}', "overlong utf-8": b'{"model": "\xc0\xaf"}',
+        "encoded surrogate": b'{"model": "\xed\xa0\x80"}', "cut utf-8": b'{"model": "\xe2\x82"}',
+        "5 MiB": json.dumps(chat_body(messages=[{"role": "user", "content": "x" * (5 << 20)}])).encode(),
+        "key of 1 MiB": json.dumps(chat_body(**{"k" * (1 << 20): 1})).encode(),
+        "key of 1 MiB in a message": json.dumps(chat_body(messages=[{"role": "user", "content": "x",
+                                                                     "k" * (1 << 20): 1}])).encode(),
+        "duplicated model": b'{"model": "other", "model": "' + MODEL.encode() + b'", "messages": [{"role": "user", '
+                            b'"content": "hi"}]}',
+        "duplicated role": b'{"model": "m", "messages": [{"role": "user", "role": "user", "content": "hi"}]}',
+    }
+    for name, leaf in [("arrays", "[]"), ("objects", "{}")]:
+        for depth in (MAX_DEPTH + 1, 100, 100_000):
+            bodies[f"{depth} {name} deep"] = (leaf[0] * depth + leaf[1] * depth).encode()
+    bodies["100000 deep, unclosed"] = b'{"a": [' * 50_000
+    for depth in (50, 100_000):  # within the bound, the schema's refusal; past it, the scan's
+        bodies[f"content parts {depth} deep"] = json.dumps(chat_body()).replace(
+            '"hi"', nested(depth, '{"type": "text", "text": "hi"}')).encode()
+        bodies[f"stop {depth} deep"] = json.dumps(chat_body()).replace("}", ', "stop": ' + nested(depth, '"x"') + "}",
+                                                                       1).encode()
+    for where, template in [("content", '"content": "{}"'), ("key", '"{}": 1, "content": "hi"'),
+                            ("role", '"role": "{}", "content": "hi"')]:
+        for escape in ("\\ud800", "\\udfff", "\\udc00\\ud800", "x\\ud83d"):
+            message = "{" + ('"role": "user", ' if where != "role" else "") + template.format(escape) + "}"
+            bodies[f"lone surrogate {escape} in {where}"] = (
+                f'{{"model": "m", "messages": [{message}]}}'.encode())
+    bodies["lone surrogate in model"] = b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    for number in ["NaN", "Infinity", "-Infinity", "1e999999", "-1e999999", "9" * 5000, "1" + "0" * 100, "01",
+                   "0x10", "+1", ".5", "1.", "1e", "--1"]:
+        bodies[f"temperature {number[:12]}"] = json.dumps(chat_body(temperature=0)).replace(
+            '"temperature": 0', f'"temperature": {number}').encode()
+    wrong: dict[str, list[Any]] = {  # each field, values it must refuse
+        "model": [None, 1, [], {}, "", "x" * 300, "gpt-4o"],
+        "messages": [None, "hi", {}, [], [1], [None], [{}], [{"role": "user"}], [{"content": "hi"}],
+                     [{"role": 1, "content": "hi"}], [{"role": "user", "content": 1}],
+                     [{"role": "user", "content": None}], [{"role": "user", "content": [1]}],
+                     [{"role": "user", "content": [{"type": "text"}]}],
+                     [{"role": "user", "content": [{"type": "text", "text": 1}]}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                     [{"role": "tool", "content": "hi"}], [{"role": "user", "content": "hi", "name": "n"}]],
+        "max_tokens": [0, -1, 2**32, 2**64, 10**30, 1.5, 1e-999, "5", True, [], {}],
+        "max_completion_tokens": [0, -1, 2**32, "5", 1.0],
+        "temperature": [-0.1, 2.1, 1e308, "1", True, [], {}],
+        "top_p": [0, -1, 1.01, "1", False],
+        "top_k": [-1, 2**32, 1.5, "1"],
+        "seed": [-1, 2**64, 1.5, "1"],
+        "stop": [1, [1], [""], ["x" * 300], ["a"] * 17, {}, [None]],
+        "n": [2, 128, 0, -1, "1", True, 1.0],
+        "user": [1, "x" * 300, []],
+        "stream": ["true", 1, None, []],
+        "stream_options": [{"include_usage": True}, "yes", 1],
+        "ignore_eos": ["yes", 1, None],
+        "frequency_penalty": [0.5, -2, "0"], "presence_penalty": [1, "0"],
+        "logprobs": [True, 1, "false"], "top_logprobs": [1],
+        "tools": [[]], "functions": [[]], "response_format": [{"type": "json_object"}], "suffix": ["x"],
+    }
+    for field, values in wrong.items():
+        for value in values:
+            bodies[f"{field}={short(repr(value), 100)}"] = json.dumps(chat_body(**{field: value})).encode()
+    bodies["stream_options without stream"] = json.dumps(chat_body(stream_options={"include_usage": True})).encode()
+    bodies["max_tokens and max_completion_tokens disagree"] = json.dumps(
+        chat_body(max_completion_tokens=3)).encode()
+    return {f"chat: {name}": body for name, body in bodies.items()}
+
+
+def malformed_completions() -> dict[str, bytes]:
+    prompts: list[Any] = [None, 1, [], [[]], [-1], [2**32], [1.5], ["a", 1], [[1], "a"], {}, ["a", "b"], [[1], [2]],
+                          [True], "\ud800"]
+    bodies = {f"prompt={short(repr(p), 24)}": json.dumps({"model": MODEL, "prompt": p}).encode() for p in prompts}
+    for field, value in [("logprobs", 1), ("echo", True), ("best_of", 2), ("suffix", "x"), ("suffix", "x" * (1 << 20)),
+                         ("messages", MESSAGES), ("max_tokens", 0)]:
+        bodies[f"{field}={short(repr(value), 100)}"] = json.dumps({"model": MODEL, "prompt": "hi", field: value}).encode()
+    bodies["missing prompt"] = json.dumps({"model": MODEL}).encode()
+    bodies["100000 arrays deep"] = b"[" * 100_000 + b"]" * 100_000
+    bodies["NaN"] = b'{"model": "m", "prompt": "hi", "max_tokens": NaN}'
+    return {f"completions: {name}": body for name, body in bodies.items()}
+
+
+WELL_FORMED: dict[str, list[Any]] = {  # the same front serves these: the corpus's refusals are about the bodies
+    "/v1/chat/completions": [
+        chat_body(),
+        chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
+        chat_body(messages=[{"role": "user", "content": '[[[{{{ \\" \U0001f600 ]]]'}] * 100),  # over 64 brackets
+        chat_body(n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0, stop=["x"] * 16, seed=2**64 - 1),
+    ],
+    "/v1/completions": [{"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}, {"model": MODEL, "prompt": "hi"},
+                        b"\xef\xbb\xbf" + json.dumps({"model": MODEL, "prompt": "hi"}).encode()],  # with a BOM
+}
+
+
+@contextlib.contextmanager
+def http_front(upstream: str, *flags: str) -> Iterator[tuple[str, int]]:
+    """`kvserve http --insecure` (a process) in front of `upstream`, serving MODEL; its host and port."""
+    process = subprocess.Popen([sys.executable, "-m", "http_api", "--insecure", "--listen", "127.0.0.1:0",
+                                "--upstream", upstream, "--model-name", MODEL, *flags], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield "127.0.0.1", int(process.stdout.readline().split()[1])
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def post(front: tuple[str, int], path: str, body: bytes | dict[str, Any]) -> tuple[int, Any]:
+    """The status and the decoded answer (None when it is not JSON) of POST `body` (bytes as they are)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()  # a character past U+FFFF: two escapes
+    connection = http.client.HTTPConnection(*front, timeout=60)
+    try:
+        connection.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        answer = reply.read()
+    finally:
+        connection.close()
+    with contextlib.suppress(ValueError):
+        return reply.status, json.loads(answer)
+    return reply.status, None
+
+
+def test_every_malformed_body_is_a_4xx_with_a_message_and_never_reaches_decode() -> None:
+    corpus = {**{(name, "/v1/chat/completions"): body for name, body in malformed_bodies().items()},
+              **{(name, "/v1/completions"): body for name, body in malformed_completions().items()}}
+    with FakeServer() as fake, http_front(fake.addr) as front:
+        statuses: Counter[int] = Counter()
+        wrong = []
+        for (name, path), body in corpus.items():
+            status, answer = post(front, path, body)
+            statuses[status] += 1
+            error = answer.get("error") if isinstance(answer, dict) else None
+            if not (400 <= status < 500 and error and error.get("message") and len(error["message"]) < 400
+                    and len(error.get("param") or "") <= 80):
+                wrong.append((name, status, short(repr(answer), 200)))
+        assert fake.servicer.requests == []  # refused by the front itself, before any gRPC call
+        for path, bodies in WELL_FORMED.items():
+            for body in bodies:
+                assert post(front, path, body)[0] == 200, body
+    print(f"\n{len(corpus)} malformed bodies: {dict(sorted(statuses.items()))}")
+    assert wrong == [] and len(corpus) >= 190
