@@ -20,7 +20,7 @@ import grpc
 from decode_service.cancellation import Cancellation
 from decode_service.metrics import DecodeMetrics
 from decode_service.stopping import Generation, TokenOutput
-from engine.engine import Engine
+from engine.engine import Engine, RequestTooLarge
 from engine.hashing import prefix_hashes
 from engine.model import max_new_tokens
 from engine.sampling import Sampler
@@ -166,6 +166,7 @@ class DecodeService:
             # Tokenized once, here: admission counts the tokens, and prefill or this engine take the ids.
             ids = tuple(encode(self.engine.model, job.prompt))
             job = replace(job, prompt=PromptInput(token_ids=ids))
+            self._check_fits(job, len(ids))
             ticket = self.admission.admit(len(ids) + len(job.resume), job.time_left_s)
             for item in self._generate(job, cancel, state):
                 if isinstance(item, TokenOutput):
@@ -181,6 +182,21 @@ class DecodeService:
             if not state.in_engine:
                 m.waiting.dec()
             m.requests.labels(outcome=state.outcome).inc()
+
+    def _check_fits(self, job: GenerateJob, num_prompt: int) -> None:
+        """Refuses a request that no load could let run, before admission can call it busy (which a client
+        retries): prompt + max_tokens past the model's positions (OUT_OF_RANGE) or past the KV pool
+        (RESOURCE_EXHAUSTED without a retry hint), or resumed tokens that max_tokens does not cover."""
+        engine, opts = self.engine, job.options
+        max_tokens = max_new_tokens(engine.model, num_prompt, opts.max_tokens)
+        need = engine.scheduler.blocks_needed(num_prompt + max_tokens)
+        if need > engine.pool.num_blocks:  # as Engine.add would, after the prompt was computed
+            raise RequestTooLarge(
+                f"{num_prompt} prompt tokens + {max_tokens} to generate need {need} KV blocks of "
+                f"{engine.block_size} tokens; the KV pool holds {engine.pool.num_blocks} "
+                "(raise --kv-cache-memory, or send a shorter request)")
+        if job.resume:
+            self._check_resume(job.resume, max_tokens, opts.max_tokens)
 
     def _generate(
         self, job: GenerateJob, cancel: Cancellation, state: RequestState
@@ -231,8 +247,7 @@ class DecodeService:
         next draw at the step after them, their text replayed but not streamed again."""
         engine, opts = self.engine, job.options
         prompt = encode(engine.model, job.prompt)
-        max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
-        self._check_resume(job.resume, max_tokens, opts.max_tokens)
+        max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)  # resume included: _check_fits
         generation = self._generation(tuple(prompt), max_tokens, opts)
         try:
             generation.replay(job.resume)
