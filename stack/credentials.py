@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client.local import ADMIN_TENANT, Layout
-from rpc.auth import AuthConfigError, add_token, write_new_file
+from rpc.auth import AuthConfigError, add_token, token_digest, write_new_file
 from rpc.certs import ADMIN, DEFAULT_NAMES, host_arg, make_certs
 from rpc.tls import TLSError
 
@@ -37,11 +37,15 @@ def ensure(root: Path, hosts: Sequence[str] = ()) -> tuple[Layout, list[str]]:
     layout = Layout(root)
     made: list[str] = []
     certs = make_certs(layout.certs, DEFAULT_NAMES, hosts, keep_existing=True)
-    if certs.new_ca:
+    written = list(certs.written)
+    if certs.new_ca:  # those kept were signed by a CA that is gone: nobody would trust them
         made.append(f"a CA in {layout.certs}")
-    made += [f"the {name} certificate" for name in certs.written]
+        kept = [name for name in DEFAULT_NAMES if name not in written]
+        written += list(make_certs(layout.certs, kept, hosts, force=True).written) if kept else []
+    made += [f"the {name} certificate" for name in written]
     _private_dir(layout.admin)
-    if make_certs(layout.admin, [ADMIN], keep_existing=True, ca_dir=layout.certs).written:
+    if make_certs(layout.admin, [ADMIN], keep_existing=not certs.new_ca, force=certs.new_ca,
+                  ca_dir=layout.certs).written:
         made.append(f"the admin certificate in {layout.admin} (it reads and writes every tenant's blocks)")
     _private_dir(layout.auth)
     if write_new_file(layout.tokens_secret, secrets.token_hex(32) + "\n"):
@@ -53,6 +57,9 @@ def ensure(root: Path, hosts: Sequence[str] = ()) -> tuple[Layout, list[str]]:
         if not token_file.exists():
             write_new_file(token_file, add_token(tokens, name) + "\n")
             made.append(f"{name}'s token ({token_file})")
+        elif write_new_file(tokens, f"{name} {token_digest(read_token(token_file)).hex()}\n"):  # the file was lost
+            made.append(f"{tokens} with {name}'s token from {token_file} (any other token it held is lost: issue "
+                        "it again with `kvserve token`)")
     return layout, made
 
 

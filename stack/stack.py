@@ -204,6 +204,8 @@ def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | 
     (see `_child_env`). `port` is the one it is expected to listen on (0: not known yet). `health_url`: the
     service is an HTTP one, healthy once a GET of that path answers 200 (over HTTPS with its --tls-cert).
     `share_port`: it binds with SO_REUSEPORT, beside a placeholder that holds its port (stack.placeholder)."""
+    # Read before anything starts: a file that cannot be read raises OSError with no process left behind.
+    credentials = health_credentials(args) if health_url is None else None
     log = open(log_path, "a") if log_path else None  # noqa: SIM115 - owned by the drain thread
     offset = log.seek(0, os.SEEK_END) if log is not None else 0
     try:
@@ -221,8 +223,7 @@ def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | 
     if health_url is not None:
         return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log, health_url=health_url,
                        ca=flag_value(args, "--tls-ca") if flag_value(args, "--tls-cert") else None)
-    return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log,
-                   credentials=health_credentials(args))
+    return Service(name, proc, port, log_path, host, log_offset=offset, log_file=log, credentials=credentials)
 
 
 class StartFailed(StackError):
@@ -375,6 +376,26 @@ def thread_budgets(cores: int, names: Sequence[str] = COMPUTE_SERVICES,
     return {n: fixed[n] if n in fixed else max(1, share + (rest.index(n) < odd)) for n in names}
 
 
+# The flags whose value is a file a service reads as it starts: its certificate, key and CA, the store's record
+# key, decode's tokens files and secret.
+FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--record-key-file", "--auth-tokens", "--auth-secret-file",
+              "--service-tokens")
+
+
+def unreadable(paths: Sequence[Path]) -> dict[Path, str]:
+    """Each of `paths` that cannot be opened for reading, with why ("missing", "unreadable: Permission denied")."""
+    why = {}
+    for path in paths:
+        try:
+            with open(path, "rb"):
+                pass
+        except FileNotFoundError:
+            why[path] = "missing"
+        except OSError as exc:
+            why[path] = f"unreadable: {exc.strerror or exc}"
+    return why
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceSpec:
     """How a stack starts one of its services; a restart runs the same command on the same port."""
@@ -396,6 +417,20 @@ class ServiceSpec:
         """The ports it listens on (gRPC, then metrics), leaving out 0 (any)."""
         metrics = flag_value(self.args, "--metrics-port")
         return [p for p in (self.port, int(metrics or 0)) if p]
+
+    @property
+    def files(self) -> list[Path]:
+        """What it reads as it starts: the files its flags name (FILE_FLAGS), and its --model's config.json and
+        the other files in that folder now."""
+        paths = [Path(p) for p in (flag_value(self.args, f) for f in FILE_FLAGS) if p]
+        if (model := flag_value(self.args, "--model")) is None:
+            return paths
+        config = Path(model) / "config.json"
+        try:
+            others = sorted(p for p in Path(model).iterdir() if p.is_file() and p != config)
+        except OSError:
+            others = []
+        return [*paths, config, *others]
 
     def on_port(self, port: int) -> ServiceSpec:
         """The same service on `port` (where it was started on port 0 and got that one)."""
@@ -631,11 +666,13 @@ class Stack:
     def respawn(self, name: str, share_port: bool = False) -> Service:
         """Starts service `name` again, with the same flags on the same port, in place of its process,
         which must have exited (`share_port`: beside a placeholder, see `spawn_service`). Returns at once:
-        `wait_started` waits for it to serve. Main thread only (see `spawn_service`)."""
+        `wait_started` waits for it to serve; OSError, with nothing started, where its TLS files or its log
+        cannot be opened. Main thread only (see `spawn_service`)."""
         spec = self.specs[name]
         i = next(i for i, s in enumerate(self.services) if s.name == name)
         if self.services[i].process.poll() is None:
             raise StackError(f"{name} (pid {self.services[i].process.pid}) is still running")
+        self._log(name)  # its folder again, should it have been removed
         service = spawn_service(name, spec.module, spec.args, spec.log_path, spec.host, port=spec.port,
                                 health_url=spec.health_url, share_port=share_port)
         self.services[i] = service

@@ -5,7 +5,9 @@ kernel's OOM killer sent it and what it held, and its own last log lines), a dea
 is removed, and the service is started again with the same flags on the same port after a backoff
 (`Backoff`). Until the new process listens, a placeholder holds the port and answers every call with
 UNAVAILABLE (HTTP: 503) and the reason (stack.placeholder). The others keep running: their channels
-reconnect to the new process. A failure that retrying cannot fix ends `up` (`Unrecoverable`). What each
+reconnect to the new process. A file the service reads as it starts (its credentials, its model's files)
+that is missing or unreadable is said in one line with what to do, and looked for again at each delay: the
+service starts once it is back. A failure that retrying cannot fix ends `up` (`Unrecoverable`). What each
 service holds is sampled every couple of seconds for up.json (stack.memory.Watch).
 """
 
@@ -36,6 +38,7 @@ from stack.stack import (
     log_lines,
     port_in_use,
     remove_shm_leftovers,
+    unreadable,
     wait_started,
 )
 from stack.status import (
@@ -89,6 +92,8 @@ class _Child:
     last_exit: ExitStatus | None = None
     watch: Watch = field(init=False)  # of its current process: memory held, its cgroup's OOM count
     placeholder: Placeholder | None = None  # on its port while it is down
+    files: list[Path] = field(default_factory=list)  # what it read as it first started (ServiceSpec.files)
+    not_started: str = ""  # why it was last not started (said once while it stays the same)
 
     def __post_init__(self) -> None:
         self.watch = Watch(self.service.process.pid)
@@ -108,7 +113,7 @@ class Supervisor:
         self._clock = clock
         self._status_failed = False
         self.started_at = min((s.started_at for s in stack.services), default=time.time())
-        self.children = [_Child(s.name, s, backoff()) for s in stack.services]
+        self.children = [_Child(s.name, s, backoff(), files=stack.specs[s.name].files) for s in stack.services]
         for child in self.children:
             child.watch.poll(self._clock())
         self.write_status()
@@ -179,12 +184,22 @@ class Supervisor:
 
     def _start_again(self, child: _Child) -> None:
         host, spec = self.stack.config.host, self.stack.specs[child.name]
+        if missing := unreadable(child.files):
+            self._not_started(child, self._files_missing(missing), "a file it reads is missing")
+            return
         shared = child.placeholder is not None  # it holds the service's own port
         taken = [p for p in spec.ports if port_in_use(host, p, shared=shared and p == spec.port)]
         if taken:
             raise Unrecoverable(f"cannot start {child.name} again: port {taken[0]} on {host} is taken by "
                                 "another process")
-        child.service = self.stack.respawn(child.name, share_port=shared)
+        try:
+            child.service = self.stack.respawn(child.name, share_port=shared)
+        except OSError as exc:  # a file gone since the check, its log folder, a fork refused: nothing started
+            missing = unreadable(child.files)
+            self._not_started(child, self._files_missing(missing) if missing else str(exc),
+                              "a file it reads is missing" if missing else "it could not be started")
+            return
+        child.not_started = ""
         child.state, child.restarts = "starting", child.restarts + 1
         child.watch = Watch(child.service.process.pid)
         child.watch.poll(self._clock())
@@ -221,6 +236,9 @@ class Supervisor:
         self._hold_port(child, f"failed to start again: {cause.short if cause else reason}")
         cleaned = self._clean_up(child)
         if code == UNRECOVERABLE_EXIT_CODE:
+            if missing := unreadable(child.files):  # gone as it started: not its flags
+                self._not_started(child, self._files_missing(missing), "a file it reads is missing")
+                return
             self.write_status()
             raise Unrecoverable(f"cannot start {child.name} again: it {reason} (bad flags, or a port or model "
                                 f"it cannot use){self._last_lines(child)}")
@@ -231,6 +249,36 @@ class Supervisor:
                 if delay >= child.backoff.max_s else f"trying again in {delay:g} s")
         self._say(f"kvserve up: {child.name} failed to start again (attempt {child.restarts}): it {reason}"
                   f"{cleaned}; {then}{self._last_lines(child)}", self._err)
+
+    def _not_started(self, child: _Child, why: str, short: str) -> None:
+        """Leaves a service down for another delay without starting it, saying `why` unless it said so last (its
+        placeholder says `short`, which names no file to callers)."""
+        delay = child.backoff.after_exit(None)
+        child.state, child.restart_at = "waiting", self._clock() + delay
+        self._hold_port(child, short)
+        self.write_status()
+        if why != child.not_started:
+            self._say(f"kvserve up: cannot start {child.name} again: {why}; looking again in {delay:g} s, then at "
+                      f"growing delays up to {child.backoff.max_s:g} s; the other services keep serving", self._err)
+        child.not_started = why
+
+    def _files_missing(self, missing: dict[Path, str]) -> str:
+        """Which files of a service cannot be read, and what brings them back."""
+        layout, model = self.stack.layout, self.stack.config.model_dir
+        of_model = [p for p in missing if p.is_relative_to(model)]  # which may lie in the data dir
+        credentials = [p for p in missing if layout is not None and p.is_relative_to(layout.root) and p not in of_model]
+        todo = []
+        if layout is not None and layout.ca in credentials:
+            todo.append("restore them from a backup and it starts by itself, or stop `kvserve up` and start it again "
+                        f"to make a new CA and credentials (not `kvserve credentials {layout.root}` while `up` runs: "
+                        "a new CA would not match the certificates the running services hold)")
+        elif layout is not None and credentials:
+            todo.append(f"restore them from a backup, or make them again with `kvserve credentials {layout.root}`; "
+                        "it starts by itself once they are there")
+        if of_model:
+            todo.append(f"put the model folder {model} back and it starts by itself")
+        files = ", ".join(f"{path} ({why})" for path, why in missing.items())
+        return f"{files}; {'; '.join(todo) or 'restore them and it starts by itself'}"
 
     def _hold_port(self, child: _Child, why: str) -> None:
         """Has a placeholder answer on the port of a service that is down, saying `why`."""
