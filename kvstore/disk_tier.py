@@ -40,7 +40,6 @@ from kvstore.block_format import (
     ForeignRecord,
     open_payload,
     pack_record,
-    record_bytes,
     unpack_header,
 )
 from kvstore.record_key import RecordKey
@@ -58,6 +57,10 @@ TOMBSTONE = None
 _LMDB_META = struct.Struct("<16xII16xI92xQQ")
 _LMDB_MAGIC = 0xBEEFC0DE
 _MAX_PAGE_BYTES = 65536
+# A named database beside the records (in LMDB's main one): each record's header again, written in the same
+# transaction. Start reads it alone, a few leaf pages, where reading each record's header would read one page
+# of every record: on a cold page cache 99 s for 16,384 records of a 4 GiB tier here, against 0.5 s warm.
+HEADERS_DB = b"kvserve-headers"
 
 
 class Record(NamedTuple):
@@ -185,15 +188,26 @@ class DiskTier(TierStorage):
 
     def _open(self) -> lmdb.Environment:
         """The LMDB environment; a damaged one (see lmdb_damage, or one LMDB refuses or cannot walk) is
-        moved aside and an empty one opened in its place: the tier only holds cache."""
+        moved aside and an empty one opened in its place: the tier only holds cache. One of an older layout
+        (records, no headers database) is emptied: its records would all be misses."""
         problem = lmdb_damage(self.path / "data.mdb")
         if problem is None:
             env = None
             try:
                 env = self._lmdb()
-                with env.begin() as txn:  # walks every branch and leaf page
-                    for _ in txn.cursor().iternext(keys=True, values=False):
-                        pass
+                with env.begin() as txn:
+                    older = txn.get(HEADERS_DB) is None and env.stat()["entries"] > 0
+                if older:
+                    log.warning("disk tier %s holds records of an older layout: starting with an empty one", self.path)
+                    env.close()
+                    for name in ("data.mdb", "lock.mdb"):
+                        (self.path / name).unlink(missing_ok=True)
+                    env = self._lmdb()
+                self._headers = env.open_db(HEADERS_DB)
+                with env.begin() as txn:  # walks every branch and leaf page of both databases
+                    for db in (None, self._headers):
+                        for _ in txn.cursor(db=db).iternext(keys=True, values=False):
+                            pass
                 return env
             except lmdb.Error as exc:
                 problem = f"{type(exc).__name__}: {exc}"
@@ -206,10 +220,13 @@ class DiskTier(TierStorage):
                 os.rename(self.path / name, aside / name)
         log.error("disk tier %s is damaged (%s): moved to %s, starting with an empty one", self.path, problem, aside)
         self.quarantined = aside
-        return self._lmdb()
+        env = self._lmdb()
+        self._headers = env.open_db(HEADERS_DB)
+        return env
 
     def _lmdb(self) -> lmdb.Environment:
-        return lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False, mode=0o600)
+        return lmdb.open(str(self.path), map_size=self._map_size, max_readers=512, readahead=False, mode=0o600,
+                         max_dbs=1)
 
     @staticmethod
     def _lock_dir(path: Path) -> IO[str]:
@@ -259,8 +276,8 @@ class DiskTier(TierStorage):
         stored: set[BlockHash] = set()
         if self._intact():
             with self._env_lock.shared(), self._env.begin() as txn:
-                stored = {BlockHash(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)}
-        stored.discard(BlockHash(b""))
+                stored = {BlockHash(bytes(k)) for k in txn.cursor().iternext(keys=True, values=False)
+                          if len(k) == HASH_BYTES}
         return (stored | {k for k, v in pending.items() if v is not None}) - {
             k for k, v in pending.items() if v is None
         } - forgotten
@@ -295,32 +312,34 @@ class DiskTier(TierStorage):
     # -- disk-only ------------------------------------------------------------------------------
 
     def scan(self) -> Iterator[tuple[BlockHash, BlockHeader]]:
-        """Every stored block's key and checked header (payloads are not read: each read checks its own); bad
-        records are deleted, and those not this store's under their key counted (`foreign_records`)."""
+        """Every stored block's key and checked header, from the headers database (no record is read: each
+        read checks its own). Headers that fail their check, or whose record is gone, and records without a
+        header are deleted; headers not this store's under their key are counted (`foreign_records`)."""
         bad: list[bytes] = []
         foreign = 0
         with self._env.begin(buffers=True) as txn:
-            for key, value in txn.cursor():
+            records = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)} - {HEADERS_DB}
+            for key, value in txn.cursor(db=self._headers):
                 k = bytes(key)
                 try:
-                    if len(k) != HASH_BYTES:
-                        raise CorruptBlock("bad key length")
-                    header = unpack_header(memoryview(value)[:HEADER_BYTES], k, self.record_key)
-                    if len(value) != record_bytes(header.size, self.record_key):
-                        raise CorruptBlock("bad record length")
+                    if k not in records:
+                        raise CorruptBlock("a header without its record")
+                    header = unpack_header(value, k, self.record_key)
                 except CorruptBlock as exc:
                     foreign += isinstance(exc, ForeignRecord)
                     bad.append(k)
                     continue
+                records.discard(k)
                 yield BlockHash(k), header
         self.foreign_records += foreign
-        if bad:
+        if bad or records:
             log.warning("deleting %d unreadable records from %s: %d not this store's under their keys (moved, forged, "
-                        "or under another record key), %d damaged or of an older layout", len(bad), self.path, foreign,
-                        len(bad) - foreign)
+                        "or under another record key), %d damaged or of an older layout", len(bad) + len(records),
+                        self.path, foreign, len(bad) + len(records) - foreign)
             with self._env.begin(write=True) as txn:
-                for k in bad:
+                for k in [*bad, *records]:
                     txn.delete(k)
+                    txn.delete(k, db=self._headers)
 
     def wait_for_room(self, timeout_s: float = 30.0) -> None:
         """Backpressure: blocks (outside the store's lock) while too many writes are pending."""
@@ -379,8 +398,10 @@ class DiskTier(TierStorage):
                     for key, value in values.items():
                         if value is None:
                             txn.delete(key)
+                            txn.delete(key, db=self._headers)
                         else:
                             txn.put(key, value)
+                            txn.put(key, value[:HEADER_BYTES], db=self._headers)
                 self._need = max(self._need, self._required_bytes())
                 return True
             except lmdb.MapFullError:

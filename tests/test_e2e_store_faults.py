@@ -23,7 +23,7 @@ from engine.hashing import Namespace, prefix_hashes
 from handoff.codec import decode_block, encode_block
 from handoff.requests import PrefillHandle
 from kvstore import KVStoreClient
-from kvstore.block_format import HEADER_BYTES, checksum, pack_header, unpack_header
+from kvstore.block_format import HEADER_BYTES, checksum, pack_record, unpack_header
 from prefill_service.client import PrefillCall, PrefillClient
 from stack.stack import Service, start_service
 from tests.polling import wait_until
@@ -258,8 +258,7 @@ def test_a_block_corrupted_on_disk(disk: Rig, seen_by: str) -> None:
         if seen_by == "engine":
             h = unpack_header(memoryview(record), key, None)
             body = bytes(record[HEADER_BYTES:])
-            header = pack_header(key, body, checksum(body), None, ephemeral=h.ephemeral, seq=h.seq)
-            record[: len(header)] = header
+            record[:] = pack_record(key, body, checksum(body), None, ephemeral=h.ephemeral, seq=h.seq)
 
     disk.store.stop()
     disk.store.edit_on_disk(key, flip_last_byte)
