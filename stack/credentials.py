@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from client.local import ADMIN_TENANT, Layout
-from rpc.auth import AuthConfigError, add_token, token_digest, write_new_file
+from rpc.auth import AuthConfigError, add_token, private_folder, token_digest, write_new_file
 from rpc.certs import ADMIN, DEFAULT_NAMES, host_arg, make_certs
 from rpc.tls import TLSError
 
 ROUTER = "router"
-
-
-def _private_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
 
 
 def ensure(root: Path, hosts: Sequence[str] = ()) -> tuple[Layout, list[str]]:
@@ -43,11 +37,11 @@ def ensure(root: Path, hosts: Sequence[str] = ()) -> tuple[Layout, list[str]]:
         kept = [name for name in DEFAULT_NAMES if name not in written]
         written += list(make_certs(layout.certs, kept, hosts, force=True).written) if kept else []
     made += [f"the {name} certificate" for name in written]
-    _private_dir(layout.admin)
+    private_folder(layout.admin)
     if make_certs(layout.admin, [ADMIN], keep_existing=not certs.new_ca, force=certs.new_ca,
                   ca_dir=layout.certs).written:
         made.append(f"the admin certificate in {layout.admin} (it reads and writes every tenant's blocks)")
-    _private_dir(layout.auth)
+    private_folder(layout.auth)
     if write_new_file(layout.tokens_secret, secrets.token_hex(32) + "\n"):
         made.append("the tenants' namespace secret")
     if write_new_file(layout.record_key, secrets.token_hex(32) + "\n"):
