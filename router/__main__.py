@@ -9,7 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protos.kvserve.v1 import decode_pb2_grpc
-from router.router import DECODE_SERVICE, INDEX_BYTES, MAX_MIGRATIONS, POLICIES, Router
+from router.router import (
+    DECODE_SERVICE,
+    EJECT_AFTER,
+    EJECTION_S,
+    FIRST_TOKEN_TIMEOUT_S,
+    INDEX_BYTES,
+    MAX_EJECTION_S,
+    MAX_MIGRATIONS,
+    POLICIES,
+    Router,
+)
 from router.server import RouterMetrics, RouterServicer
 from rpc.addresses import split_targets
 from rpc.cli import (
@@ -31,8 +41,9 @@ def parser() -> argparse.ArgumentParser:
         prog="kvserve router", epilog=env_epilog("router"),
         description="Serves the kvserve.v1.Decode API in front of several decode replicas, sending each "
                     "request to the replica whose node already holds the most of its prompt's leading KV "
-                    "blocks, balanced against load; a replica that fails before the first token is "
-                    "replaced by another, a stream whose replica dies goes on from another, and a request "
+                    "blocks, balanced against load; a replica that fails or hangs before the first token is "
+                    "replaced by another and, failing again and again, ejected for a while, a stream whose "
+                    "replica dies goes on from another, and a request "
                     "every replica refuses as busy is asked again for a moment, then refused "
                     "(RESOURCE_EXHAUSTED).")
     add_server_flags(p, listen="127.0.0.1:50050", max_workers=512)  # streams: each holds one
@@ -59,6 +70,19 @@ def parser() -> argparse.ArgumentParser:
                    help="times one request's stream may move to another replica when its replica dies mid-stream "
                         "(the new one resumes after the tokens already sent; 0: the caller gets the failure) "
                         "(default %(default)s)")
+    p.add_argument("--first-token-timeout-s", type=float, default=FIRST_TOKEN_TIMEOUT_S, metavar="S",
+                   help="a replica that has sent no first response this long after it took a request (a hung "
+                        "one) has the call cancelled, and the request goes to another replica; never past the "
+                        "caller's deadline, and only when another replica could take it. Above the slowest first "
+                        "token of a long prompt under load (0: no limit) (default %(default)s)")
+    p.add_argument("--eject-after", type=int, default=EJECT_AFTER, metavar="N",
+                   help="failures in a row (no first response in time, UNAVAILABLE, a stream ended without a "
+                        "result) that take a replica out of choice for --ejection-s, unless it is the last one "
+                        "serving (0: never) (default %(default)s)")
+    p.add_argument("--ejection-s", type=float, default=EJECTION_S, metavar="S",
+                   help=f"how long a replica's first ejection lasts; its n-th lasts n times that, at most "
+                        f"{MAX_EJECTION_S:.0f} s; it is taken back after that once its health check says it "
+                        f"serves (default %(default)s)")
     p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
                    help="read the service token from FILE instead (`kvserve credentials` writes auth/router.token)")
     return p
@@ -87,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--index-mib must be at least 1, not {args.index_mib}")
         if args.max_migrations < 0:
             raise ValueError(f"--max-migrations must be at least 0, not {args.max_migrations}")
+        if args.first_token_timeout_s < 0:
+            raise ValueError(f"--first-token-timeout-s must be at least 0 (0: no limit), not {args.first_token_timeout_s}")
+        if args.eject_after < 0:
+            raise ValueError(f"--eject-after must be at least 0 (0: never), not {args.eject_after}")
+        if args.ejection_s <= 0:
+            raise ValueError(f"--ejection-s must be more than 0, not {args.ejection_s}")
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
@@ -96,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         router = Router(split_targets(args.decode), policy=args.policy,
                         load_weight=args.load_weight, tls=tls, index_bytes=args.index_mib << 20,
-                        max_migrations=args.max_migrations,
+                        max_migrations=args.max_migrations, first_token_timeout_s=args.first_token_timeout_s,
+                        eject_after=args.eject_after, ejection_s=args.ejection_s,
                         metadata=[("authorization", f"Bearer {token}")] if token else [])
     except ValueError as exc:
         print(f"router: {exc}", file=sys.stderr)

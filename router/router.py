@@ -25,6 +25,12 @@ reset, not when a health check times out (until DEAD_AFTER_S of them) or is refu
 answers only a few at once: a caller holding those must not take it out of service), nor when it refuses a
 request as busy (the next replica is asked, then all again after a backoff). A stream whose replica dies after its
 first token goes on from another replica, which resumes after the tokens the caller has.
+
+Accepting is not answering: a replica that sends no first response within `first_token_timeout_s` has its call
+cancelled and the request goes to another (nothing reached the caller yet). A replica that fails `eject_after`
+requests in a row (no first response in time, UNAVAILABLE, a stream ended without a result) is ejected from
+choice, as in Envoy's outlier detection, for longer each time, and taken back once that time is over and its
+health check says it serves; never the last replica serving.
 """
 
 from __future__ import annotations
@@ -76,6 +82,15 @@ BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refu
 BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
 MAX_BACKOFF_S = 2.0  # the longest wait between two rounds, whatever a replica hints
 MAX_MIGRATIONS = 3  # times one request's stream is moved to another replica after its replica died
+# A first response later than this means a replica that accepted the request and will not answer (hung), not a
+# long prompt: 1.7x the slowest first token measured under load (17.9 s, a 10-round chat of 4 users on CPU with
+# no cache, BENCHMARKS.md), and half the 60 s deadline callers give, leaving the other half to the next replica.
+FIRST_TOKEN_TIMEOUT_S = 30.0
+# Outlier ejection, Envoy's defaults but for the count: each failure costs its caller up to FIRST_TOKEN_TIMEOUT_S,
+# and a busy replica that works ends some streams between its slow ones, which starts the count again.
+EJECT_AFTER = 3  # failures in a row that eject a replica
+EJECTION_S = 30.0  # how long its first ejection lasts; the n-th, n times that (less one per EJECTION_S served since)
+MAX_EJECTION_S = 300.0
 
 
 class Upstream(ServiceError):
@@ -91,13 +106,45 @@ class _Progress:
     """What has become of one request so far."""
 
     sent: array[int] = field(default_factory=lambda: array("I"))  # token ids passed on to the caller, 4 bytes each
-    down: list[str] = field(default_factory=list)  # replicas that failed it (marked down)
+    down: dict[str, str] = field(default_factory=dict)  # replica -> how it failed it (not asked again)
     busy: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused as busy this round
     full: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused for good (no hint)
     hint_s: float = 0.0  # the longest retry hint among this round's refusals
     rounds: int = 0  # rounds in which every replica refused it
     moves: int = 0  # times its stream was moved to another replica
     moving: bool = False  # moved, and no replica has answered since
+
+
+class FirstTokenWatch:
+    """Cancels a call whose first response has not come within `timeout_s`; `expired` then says the router, not
+    the caller, cancelled it."""
+
+    def __init__(self, call: Any, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.expired = False
+        self._call = call
+        self._answered = False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def answered(self) -> bool:
+        """The first response came: True, and the watch ends, unless the call was cancelled already."""
+        with self._lock:
+            self._answered = not self.expired
+        self._timer.cancel()
+        return self._answered
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._answered:
+                return
+            self.expired = True
+            self._call.cancel()
 
 
 class BlockIndex:
@@ -149,7 +196,8 @@ class Replica:
     def __init__(self, addr: str, tls: TLSConfig | None, metadata: Metadata, index_capacity: int,
                  poll_s: float, target_name: str | None = None, *, index_bytes: int = INDEX_BYTES,
                  distrust_s: float = DISTRUST_S, on_lie: Callable[[str, Lie], None] | None = None,
-                 check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S) -> None:
+                 check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.addr = addr
         options: list[tuple[str, Any]] = list(CLIENT_CHANNEL_OPTIONS)
         if tls is not None and target_name is not None:  # an address resolved from a name: check the name
@@ -171,7 +219,12 @@ class Replica:
         self._poll_s = poll_s
         self._check_timeout_s = max(check_timeout_s, poll_s)
         self._dead_after_s = dead_after_s
+        self._clock = clock  # for its health's and its ejections' times
         self._silent_since: float | None = None  # when the current run of unanswered health checks began
+        self._failures = 0  # requests that failed there in a row
+        self._ejected_until: float | None = None  # out of choice until then, and then until its health says it serves
+        self._ejections = 0  # what its next ejection's time is a multiple of, less what it served since its last
+        self._readmitted = 0.0  # when it was last taken back
         self._distrust_s = distrust_s
         self._on_lie = on_lie
         self._stop = threading.Event()
@@ -182,6 +235,15 @@ class Replica:
     @property
     def trusted(self) -> bool:
         return self.lie is None
+
+    @property
+    def ejected(self) -> bool:
+        return self._ejected_until is not None
+
+    @property
+    def serving(self) -> bool:
+        """Requests go there: its health check says it serves and it is not ejected for failing requests."""
+        return self.healthy and self._ejected_until is None
 
     @property
     def load(self) -> int:
@@ -220,6 +282,39 @@ class Replica:
 
     def mark_down(self) -> None:
         self.healthy = False
+
+    def served(self) -> None:
+        """A stream there ended with its result: its run of failures is over."""
+        self._failures = 0
+
+    def failed(self) -> int:
+        """A request failed there (Router._failed says how): the number in a row, now."""
+        with self._lock:
+            self._failures += 1
+            return self._failures
+
+    def eject(self, base_s: float, most_s: float) -> float:
+        """Takes it out of choice for `base_s` × its ejections (one fewer for each `base_s` it served since the
+        last), at most `most_s`; the seconds, 0 when it is ejected already."""
+        with self._lock:
+            if self._ejected_until is not None:
+                return 0.0
+            now = self._clock()
+            served = int((now - self._readmitted) / base_s) if self._ejections else 0
+            self._ejections = max(0, self._ejections - served) + 1
+            seconds = min(base_s * self._ejections, max(most_s, base_s))
+            self._ejected_until = now + seconds
+            self._failures = 0
+        return seconds
+
+    def _readmit(self) -> None:
+        """Its ejection is over and its health check says it serves: back in choice."""
+        with self._lock:
+            until, self._ejected_until = self._ejected_until, None
+            self._readmitted = self._clock()
+        if until is not None:
+            log.info("decode replica %s is back in choice: its ejection ended %.1f s ago and its health check says "
+                     "it serves", self.addr, self._readmitted - until)
 
     def learned(self, hashes: Sequence[BlockHash]) -> None:
         """A request whose prompt has `hashes` was sent there: the replica will hold its blocks."""
@@ -268,7 +363,7 @@ class Replica:
         while not self._stop.is_set():
             healthy = self._check()
             if healthy is None:  # busy, not dead: its verdict and its load stay as last known, for a while
-                now = time.monotonic()
+                now = self._clock()
                 if self._silent_since is None:
                     self._silent_since = now
                 if self.healthy and now - self._silent_since >= self._dead_after_s:
@@ -295,6 +390,9 @@ class Replica:
             if healthy != self.healthy:
                 log.info("decode replica %s is %s", self.addr, "healthy" if healthy else "unhealthy")
             self.healthy = healthy
+            until = self._ejected_until
+            if healthy and until is not None and self._clock() >= until:
+                self._readmit()
             self._stop.wait(self._poll_s)
 
     def _apply(self, event: kvstore_pb2.Event, snapshot: bool = False) -> bool:
@@ -356,15 +454,21 @@ class Router:
                  poll_s: float = 0.5, resolve_every_s: float = 10.0,
                  check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S,
                  busy_rounds: int = BUSY_ROUNDS, max_migrations: int = MAX_MIGRATIONS,
+                 first_token_timeout_s: float = FIRST_TOKEN_TIMEOUT_S, eject_after: int = EJECT_AFTER,
+                 ejection_s: float = EJECTION_S, max_ejection_s: float = MAX_EJECTION_S,
                  on_route: Callable[[str, str, int], None] | None = None) -> None:
         """`index_capacity` and `index_bytes` cap what the router keeps of each replica's blocks (entries in
         each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard;
-        `dead_after_s`: how long a replica that answers no health check keeps its place; `busy_rounds` and
-        `max_migrations`: see `generate`."""
+        `dead_after_s`: how long a replica that answers no health check keeps its place; `busy_rounds`,
+        `max_migrations` and `first_token_timeout_s` (0: none): see `generate`; `eject_after` (0: never),
+        `ejection_s` and `max_ejection_s`: see `_failed`."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
         if not targets:
             raise ValueError("at least one decode replica address is needed")
+        if first_token_timeout_s < 0 or eject_after < 0 or ejection_s <= 0:
+            raise ValueError(f"first_token_timeout_s ({first_token_timeout_s}) and eject_after ({eject_after}) must "
+                             f"be at least 0, ejection_s ({ejection_s}) more than 0")
         self.targets = list(targets)
         self._targets = Targets(self.targets)
         self._leaving: dict[str, Replica] = {}  # gone from the names' addresses, streams still open on them
@@ -381,7 +485,14 @@ class Router:
         self._dead_after_s = dead_after_s
         self.busy_rounds = busy_rounds
         self.max_migrations = max_migrations
+        self.first_token_timeout_s = first_token_timeout_s
+        self.eject_after = eject_after
+        self.ejection_s = ejection_s
+        self.max_ejection_s = max_ejection_s
         self._random = random.Random()  # the backoffs' jitter
+        self._timeouts: Counter[str] = Counter()  # replica: calls cancelled for want of a first response in time
+        self._ejections: Counter[str] = Counter()  # replica: times it was ejected
+        self._ejecting = threading.Lock()  # one ejection at a time: never the last replica serving
         self._refusals: Counter[str] = Counter()  # replica: requests it refused as busy
         self._migrations: Counter[str] = Counter()  # outcome: streams moved (resumed), or not (limit, failed)
         self._overloaded = 0  # requests refused as busy, every replica having refused them
@@ -420,6 +531,10 @@ class Router:
         return sum(not r.trusted for r in self._all())
 
     @property
+    def num_ejected(self) -> int:
+        return sum(r.ejected for r in self._all())
+
+    @property
     def index_bytes(self) -> int:
         """What the replicas' indexes hold now, in bytes (BlockIndex.nbytes)."""
         return sum(r.index.nbytes + r.pool.nbytes for r in self._all())
@@ -444,6 +559,16 @@ class Router:
         replica took it up: the caller got why)."""
         with self._lock:
             return dict(self._migrations)
+
+    def first_token_timeouts(self) -> dict[str, int]:
+        """Replica: how many calls the router cancelled there for want of a first response in time."""
+        with self._lock:
+            return dict(self._timeouts)
+
+    def ejections(self) -> dict[str, int]:
+        """Replica: how many times it was ejected for failing requests in a row."""
+        with self._lock:
+            return dict(self._ejections)
 
     @property
     def overloaded(self) -> int:
@@ -491,8 +616,8 @@ class Router:
 
     def choose(self, hashes: Sequence[BlockHash], avoid: Sequence[str] = ()) -> tuple[Replica, int] | None:
         """The replica to send a request to and how many of its leading blocks it holds; None when no
-        replica outside `avoid` is healthy."""
-        candidates = [r for r in self._all() if r.healthy and r.addr not in avoid]
+        replica outside `avoid` serves (healthy and not ejected)."""
+        candidates = [r for r in self._all() if r.serving and r.addr not in avoid]
         if not candidates:
             return None
         held = {r.addr: r.leading(hashes) for r in candidates}
@@ -517,7 +642,9 @@ class Router:
         times in all, within the caller's deadline; then ResourceExhausted with a retry hint (`_place`).
         After its first response: a stream that fails with UNAVAILABLE or ends without a result moves to
         another replica, which resumes after the tokens the caller has (resume_token_ids), at most
-        `max_migrations` times a request. Any other status is the caller's, as the replica gave it.
+        `max_migrations` times a request. A replica whose first response has not come within
+        `first_token_timeout_s` (when the caller's deadline is later and another replica could take the request)
+        is cancelled and the request goes to another. Any other status is the caller's, as the replica gave it.
         `on_call` receives each upstream call (to cancel it)."""
         hashes = (self.prefix_hashes(request, metadata, _bounded(time_left(), 5.0))
                   if self.policy == "prefix" else [])
@@ -541,11 +668,14 @@ class Router:
                 upstream.resume_token_ids.extend(p.sent)
             call = replica.decode.Generate(upstream, metadata=metadata, timeout=time_left())
             on_call(call)
+            watch = self._watch(call, replica, p, time_left)
             replica.started()
             answered = finished = False
             try:
                 for response in call:
                     if not answered:
+                        if watch is not None and not watch.answered():
+                            continue  # it came as the router cancelled the call: the stream ends CANCELLED
                         answered = True
                         replica.learned(hashes)  # it will hold them: the next turn should find them here
                         if self.on_route is not None:
@@ -557,15 +687,23 @@ class Router:
                         p.sent.append(response.token.token_id)
                     else:
                         finished = True
+                        replica.served()
                     yield response
                 if finished:
                     return
+                if watch is not None and watch.expired:
+                    self._late(replica, p, watch)
+                    continue
                 if not answered:
+                    self._failed(replica, "it ended its stream without an answer")
                     raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {replica.addr} ended without an answer")
                 failure = "its stream ended without a result"
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
                 details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or code.name
+                if code == grpc.StatusCode.CANCELLED and watch is not None and watch.expired:  # not the caller
+                    self._late(replica, p, watch)
+                    continue
                 if not answered and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._count(self._refusals, replica.addr)
                     hint_s = retry_after_s(exc)
@@ -583,18 +721,66 @@ class Router:
                     log.warning("decode replica %s failed before the first token (%s): trying another",
                                 replica.addr, details)
                     replica.mark_down()
-                    p.down.append(replica.addr)
+                    p.down[replica.addr] = details
+                    self._failed(replica, details)
                     continue
                 failure = details
             finally:
+                if watch is not None:
+                    watch.stop()
                 replica.ended()
             self._move(replica, p, failure)
+
+    def _watch(self, call: Any, replica: Replica, p: _Progress,
+               time_left: Callable[[], float | None]) -> FirstTokenWatch | None:
+        """A watch that cancels `call` unless its first response comes within `first_token_timeout_s`; None when
+        the caller's deadline comes first (the call's own deadline ends it) or no other replica could take the
+        request (a slow first token is then better than none)."""
+        timeout_s = self.first_token_timeout_s
+        left = time_left()
+        if timeout_s <= 0 or (left is not None and left <= timeout_s):
+            return None
+        tried = {*p.down, *p.full, *p.busy, replica.addr}
+        if not any(r.serving and r.addr not in tried for r in self._all()):
+            return None
+        return FirstTokenWatch(call, timeout_s)
+
+    def _late(self, replica: Replica, p: _Progress, watch: FirstTokenWatch) -> None:
+        """`replica` sent no first response within the watch's time, and its call was cancelled: the request goes
+        to another replica, and the replica counts a failure (it is not marked down: its health says so or not)."""
+        why = f"no first response within {watch.timeout_s:g} s (--first-token-timeout-s)"
+        log.warning("decode replica %s sent %s: cancelled, trying another", replica.addr, why)
+        self._count(self._timeouts, replica.addr)
+        p.down[replica.addr] = why
+        self._failed(replica, why)
+
+    def _failed(self, replica: Replica, why: str) -> None:
+        """`replica` failed a request (`why`): no first response in time, UNAVAILABLE, a stream ended without a
+        result. At `eject_after` failures in a row it is ejected from choice (`Replica.eject`: `ejection_s` the
+        first time, n times that the n-th, at most `max_ejection_s`) until that time is over and its health check
+        says it serves, unless no other replica would be left serving: a slow answer is better than none."""
+        n = replica.failed()
+        if self.eject_after == 0 or n < self.eject_after:
+            return
+        with self._ejecting:
+            if replica.ejected:
+                return
+            if not any(r.serving for r in self._all() if r is not replica):
+                if n == self.eject_after:
+                    log.warning("decode replica %s failed %d requests in a row (the last: %s); not ejected: no "
+                                "other replica serves", replica.addr, n, why)
+                return
+            seconds = replica.eject(self.ejection_s, self.max_ejection_s)
+        self._count(self._ejections, replica.addr)
+        log.warning("decode replica %s failed %d requests in a row (the last: %s): ejected for %.0f s, then taken "
+                    "back once its health check says it serves", replica.addr, n, why, seconds)
 
     def _move(self, replica: Replica, p: _Progress, failure: str) -> None:
         """The stream from `replica` broke after tokens reached the caller: it goes to another replica, unless
         it has moved `max_migrations` times already."""
         replica.mark_down()
-        p.down.append(replica.addr)
+        p.down[replica.addr] = failure
+        self._failed(replica, failure)
         if p.moves >= self.max_migrations:
             self._count(self._migrations, "limit")
             raise Upstream(grpc.StatusCode.UNAVAILABLE, f"decode replica {replica.addr} failed after {len(p.sent)} "
@@ -619,7 +805,7 @@ class Router:
             if not p.busy and p.full:
                 raise ResourceExhausted(f"the decode replicas refused it ({_refusals(p.full)})")
             if not p.busy:
-                why = f" ({', '.join(p.down)} failed)" if p.down else ""
+                why = f" (failed: {_refusals(p.down)})" if p.down else ""
                 raise Unavailable(f"no healthy decode replica among {', '.join(self.targets)}{why}; "
                                   "check `kvserve health` on each")
             p.rounds += 1
@@ -652,8 +838,8 @@ class Router:
             return list(self.replicas.values())
 
     def _healthy(self, turn: itertools.count[int]) -> list[Replica]:
-        """Healthy replicas, starting at the next one in `turn`."""
-        up = [r for r in self._all() if r.healthy]
+        """Serving replicas (healthy, not ejected), starting at the next one in `turn`."""
+        up = [r for r in self._all() if r.serving]
         if not up:
             return []
         k = next(turn) % len(up)

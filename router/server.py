@@ -32,6 +32,8 @@ class RouterMetrics:
               "since they lied", registry=registry).set_function(lambda: router.num_distrusted)
         Gauge(p + "index_bytes", "Bytes the router's indexes of the replicas' blocks hold",
               registry=registry).set_function(lambda: router.index_bytes)
+        Gauge(p + "ejected_replicas", "Decode replicas out of choice now for failing requests in a row",
+              registry=registry).set_function(lambda: router.num_ejected)
         registry.register(_Counts(router))
 
     def observe(self, replica: str, policy: str, held: int) -> None:
@@ -65,6 +67,17 @@ class _Counts(Collector):
         for outcome, n in sorted(self.router.migrations().items()):
             migrations.add_metric([outcome], n)
         yield migrations
+        yield _by_replica("kvserve_router_first_token_timeouts", "Calls the router cancelled for want of a first "
+                          "response within --first-token-timeout-s, by replica", self.router.first_token_timeouts())
+        yield _by_replica("kvserve_router_ejections", "Times a decode replica was ejected for failing "
+                          "--eject-after requests in a row, by replica", self.router.ejections())
+
+
+def _by_replica(name: str, documentation: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=["replica"])
+    for replica, n in sorted(counts.items()):
+        family.add_metric([replica], n)
+    return family
 
 
 class RouterServicer(decode_pb2_grpc.DecodeServicer):
