@@ -28,7 +28,7 @@ from decode_service.metrics import DecodeMetrics
 from decode_service.server import DecodeServicer
 from engine.engine import Engine
 from engine.hashing import prefix_hashes
-from handoff.requests import encode, options_from_proto, prompt_from_proto
+from handoff.requests import check_text_fits, encode, options_from_proto, prompt_from_proto
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.bounds import STORE_TIERS, Lie, check_event, pieces
@@ -102,7 +102,9 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
         self, request: decode_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> decode_pb2.PrefixHashesResponse:
         options = self.front.scoped(options_from_proto(request.sampling, request.cache))
-        ids = encode(self.engine.model, prompt_from_proto(request.prompt))
+        prompt = prompt_from_proto(request.prompt)
+        check_text_fits(self.engine.model, prompt, options.max_tokens)  # as Generate: OUT_OF_RANGE, untokenized
+        ids = encode(self.engine.model, prompt)
         bs = self.engine.block_size
         hashes = prefix_hashes(ids, bs, self.engine.namespace(options.cache_salt).root()) if options.prefix_cache else []
         return decode_pb2.PrefixHashesResponse(hashes=hashes, prompt_tokens=len(ids), block_size=bs)

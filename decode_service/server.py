@@ -78,7 +78,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 def add_to_server(server: Server, front: DecodeServicer) -> None:
-    """Decode's front door on `server`; a Generate call that arrives while the waiting work is at its bounds
-    is refused there and then, before its request is read (rpc.server.Server.check_on_arrival)."""
+    """Decode's front door on `server`. Not refused unread as it arrives (rpc.server.Server.check_on_arrival) while
+    the waiting work is at its bounds: a request that can never fit is told so whatever the load, which takes its
+    request read; the service refuses the rest as busy before it tokenizes (DecodeService._refuse_early)."""
     server.add(decode_pb2_grpc.add_DecodeServicer_to_server, front, SERVICE_NAME)
-    server.check_on_arrival(f"/{SERVICE_NAME}/Generate", front.service.admission.refusal, front.service.refused)

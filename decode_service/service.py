@@ -26,7 +26,7 @@ from engine.model import max_new_tokens
 from engine.sampling import Sampler
 from engine.sequence import Finished, Sequence
 from handoff.decode_kv import DecodeKV
-from handoff.requests import PrefillHandle, PromptInput, RequestOptions, encode
+from handoff.requests import PrefillHandle, PromptInput, RequestOptions, check_text_fits, encode
 from handoff.session import StoreSession
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas, UpstreamError
@@ -152,7 +152,7 @@ class DecodeService:
         self.metrics.store_failures.labels(op=op).inc()
 
     def refused(self, error: BaseException) -> None:
-        """Counts a request refused before it became a job (bad input, no valid token, or busy as it arrived)."""
+        """Counts a request refused before it became a job (bad input, no valid token)."""
         self.metrics.requests.labels(outcome=outcome_of(error)).inc()
 
     def generate(self, job: GenerateJob, cancel: Cancellation) -> Iterator[TokenOutput | GenerateOutcome]:
@@ -163,10 +163,11 @@ class DecodeService:
         ticket = None
         m.waiting.inc()
         try:
+            self._refuse_early(job)
             # Tokenized once, here: admission counts the tokens, and prefill or this engine take the ids.
             ids = tuple(encode(self.engine.model, job.prompt))
             job = replace(job, prompt=PromptInput(token_ids=ids))
-            self._check_fits(job, len(ids))
+            self._check_fits(job, len(ids))  # exact for a text now (token ids: checked so already)
             ticket = self.admission.admit(len(ids) + len(job.resume), job.time_left_s)
             for item in self._generate(job, cancel, state):
                 if isinstance(item, TokenOutput):
@@ -182,6 +183,18 @@ class DecodeService:
             if not state.in_engine:
                 m.waiting.dec()
             m.requests.labels(outcome=state.outcome).inc()
+
+    def _refuse_early(self, job: GenerateJob) -> None:
+        """What needs no tokenizer, before it runs: a request that can never fit is refused as such whatever the
+        load (token ids counted, `_check_fits`; a text's tokens bounded below by its bytes, `check_text_fits`),
+        then, while the waiting requests or tokens are at their bound, any other as busy, with a retry hint."""
+        if job.prompt.token_ids is not None:
+            self._check_fits(job, len(job.prompt.token_ids))
+        else:
+            check_text_fits(self.engine.model, job.prompt, job.options.max_tokens)
+        busy = self.admission.refusal()
+        if busy is not None:
+            raise busy
 
     def _check_fits(self, job: GenerateJob, num_prompt: int) -> None:
         """Refuses a request that no load could let run, before admission can call it busy (which a client

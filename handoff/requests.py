@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.model import Model, encode_prompt
+from engine.model import ContextLengthError, Model, encode_prompt
 from engine.sampling import SamplingParams
 from protos.block_hash import HASH_BYTES, BlockHash
 from protos.kvserve.v1 import common_pb2, prefill_pb2
@@ -76,7 +76,8 @@ class PrefillHandle:
 
 
 def encode(model: Model, prompt: PromptInput) -> list[int]:
-    """Token ids of the prompt; a bad prompt (token id outside the vocabulary...) is InvalidArgument."""
+    """Token ids of the prompt; a bad prompt (token id outside the vocabulary...) is InvalidArgument, a text too
+    long from its bytes alone ContextLengthError (OUT_OF_RANGE, as past the positions once tokenized)."""
     messages = None
     if prompt.messages is not None:
         messages = [{"role": role, "content": content} for role, content in prompt.messages]
@@ -87,8 +88,38 @@ def encode(model: Model, prompt: PromptInput) -> list[int]:
             messages=messages,
             token_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
         )
+    except ContextLengthError:
+        raise
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
+
+
+def check_text_fits(model: Model, prompt: PromptInput, max_tokens: int) -> None:
+    """ContextLengthError when a text prompt and `max_tokens` (0: the default, at least one) cannot fit the
+    model's positions whatever the text tokenizes to, told without tokenizing: no token covers more than
+    `Model.max_token_bytes` of it, the bound encode_prompt refuses a long text by. Of chat messages only the
+    users' contents count, trimmed: a template may trim them, and leave the other roles out. Token ids are
+    not looked at (the caller counts them)."""
+    limit = model.max_positions
+    if limit is None or prompt.token_ids is not None:
+        return
+    if prompt.text is not None:
+        what, texts = "the prompt is", [prompt.text]
+    else:
+        what, texts = "the user messages are", [c.strip() for r, c in prompt.messages or () if r == "user"]
+    room = limit - max(max_tokens, 1)  # the most prompt tokens that fit
+    per_token = model.max_token_bytes
+    if sum(map(len, texts)) * 4 <= room * per_token:  # fits at 4 UTF-8 bytes a character: no need to count them
+        return
+    num_bytes = sum(len(t.encode()) for t in texts)
+    at_least = -(-num_bytes // per_token)
+    if at_least <= room:
+        return
+    why = f"{what} {num_bytes} bytes, at least {at_least} tokens (no token covers more than {per_token} bytes)"
+    if not max_tokens:
+        raise ContextLengthError(f"{why}; the model takes at most {limit} positions: send a shorter prompt")
+    raise ContextLengthError(f"{why} + max_tokens ({max_tokens}) = at least {at_least + max_tokens}, past the "
+                             f"model's {limit} positions: send a shorter prompt, or ask for fewer tokens")
 
 
 def prompt_from_proto(prompt: common_pb2.Prompt) -> PromptInput:

@@ -76,9 +76,9 @@ class Admission:
         return Ticket(self, num_tokens)
 
     def refusal(self) -> ResourceExhausted | None:
-        """The refusal any request arriving now would get, or None; it counts nothing. What a server checks as a
-        call arrives, before a worker reads its request (rpc.server.Server.check_on_arrival); `admit` still
-        decides for the requests this lets through."""
+        """The refusal any request arriving now would get, or None; it counts nothing. What prefill checks as a
+        call arrives, before a worker reads its request (rpc.server.Server.check_on_arrival), and decode once the
+        request is read, before it tokenizes it; `admit` still decides for the requests this lets through."""
         with self._lock:
             return self._refusal(1, None)
 

@@ -1,13 +1,16 @@
 """A request that can never run is refused as such whatever the load: 400 (OUT_OF_RANGE past the model's
 positions) or 413 (RESOURCE_EXHAUSTED without a retry hint past the KV pool), never 429, which a client
 retries. Decode in process, made busy by requests holding its admission, behind the HTTP front, gRPC and
-the router; before, admission ran first and called such a request busy."""
+the router; before, admission ran first and called such a request busy. At the waiting bound decode refuses
+every request before tokenizing it: there, what its size alone tells (token ids counted, a text's bytes over
+the most one token covers) is what it checks."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -22,6 +25,7 @@ from router.server import RouterServicer
 from rpc.server import Server
 from tests.polling import wait_until
 from tests.stack_fixtures import LocalStack
+from tests.test_engine_model import NoTokenizing
 from tests.test_http_schema import MODEL, http_front, post
 
 ARCH = "qwen2"  # 4096 positions
@@ -31,6 +35,9 @@ N = 20  # each request, sent this many times under load
 
 PAST_POSITIONS = [1] * 5000
 PAST_POOL = [1] * 3000  # fits the positions, not the pool
+HUGE = 100_000
+HUGE_IDS = [1] * HUGE
+HUGE_TEXT = "hello " * HUGE  # 600 kB: 100k tokens where " hello" is one (SmolLM2's vocabulary), 600k here
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,24 @@ def busy(stack: LocalStack, how: str) -> Iterator[None]:
     finally:
         ticket.release()
         admission.max_tokens, admission.rate = saved
+
+
+@contextlib.contextmanager
+def at_bound(stack: LocalStack) -> Iterator[None]:
+    """Decode's waiting tokens at their bound (one request that waits holds them all), so that it refuses any request
+    as busy, with a hint, before it tokenizes it: meanwhile the model's tokenizer fails the request that calls it."""
+    admission, engine = stack.decode.admission, stack.decode.engine
+    saved, model = admission.max_tokens, engine.model
+    admission.max_tokens = 200
+    ticket = admission.admit(200)
+    engine.model = replace(model, tokenizer=NoTokenizing())
+    try:
+        yield
+        assert (admission.seqs, admission.tokens) == (1, 200)  # nothing else got in
+    finally:
+        engine.model = model
+        ticket.release()
+        admission.max_tokens = saved
 
 
 def grpc_refusals(addr: str, request: Any) -> Counter[tuple[str, bool]]:
@@ -149,3 +174,52 @@ def test_a_request_that_never_fits_is_refused_for_good_over_grpc_and_the_router_
                 client.generate(token_ids=PAST_POSITIONS, max_tokens=2)
             with pytest.raises(ResourceExhaustedError, match="the KV pool holds 128"):
                 client.generate(token_ids=PAST_POOL, max_tokens=16)
+
+
+def tokens_at_least(stack: LocalStack, num_bytes: int) -> int:
+    """The fewest tokens a text of `num_bytes` can take for decode's model: no token covers more of it."""
+    return -(-num_bytes // stack.decode.engine.model.max_token_bytes)
+
+
+def test_a_prompt_that_can_never_fit_is_400_at_the_waiting_bound_never_429(
+        stack: LocalStack, front: tuple[str, int]) -> None:
+    text, content = len(HUGE_TEXT), len(HUGE_TEXT.strip())  # a message's bytes as a template may trim it
+    assert tokens_at_least(stack, content) > POSITIONS  # its bytes alone tell
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": HUGE_TEXT}]
+    cases = [  # endpoint, body, what the message says
+        ("/v1/completions", {"model": MODEL, "prompt": HUGE_IDS, "max_tokens": 2},
+         f"the prompt has {HUGE} tokens; the model takes at most {POSITIONS} positions"),
+        ("/v1/completions", {"model": MODEL, "prompt": HUGE_TEXT},
+         f"the prompt is {text} bytes, at least {tokens_at_least(stack, text)} tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": chat, "max_tokens": 2},
+         f"the user messages are {content} bytes, at least {tokens_at_least(stack, content)} tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a" * HUGE, "max_tokens": 3000},  # too long with max_tokens
+         f"+ max_tokens (3000) = at least {tokens_at_least(stack, HUGE) + 3000}, past the model's {POSITIONS} "
+         "positions"),
+    ]
+    fits = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    with at_bound(stack):
+        status, answer = post(front, "/v1/completions", fits)
+        assert status == 429 and "--max-waiting-tokens" in answer["error"]["message"], answer  # not tokenized
+        for path, body, message in cases:
+            seen: Counter[int] = Counter()
+            for _ in range(N):
+                status, answer = post(front, path, body)
+                seen[status] += 1
+                assert message in answer["error"]["message"], answer
+            assert seen == {400: N}, (path, message, seen)
+    assert post(front, "/v1/completions", fits)[0] == 200
+
+
+def test_a_prompt_that_can_never_fit_is_out_of_range_over_grpc_and_the_router_at_the_waiting_bound(
+        stack: LocalStack, routed: str) -> None:
+    chat = [{"role": "user", "content": HUGE_TEXT}]
+    never = {"token ids": build_request(token_ids=HUGE_IDS, max_tokens=2),
+             "text": build_request(HUGE_TEXT, max_tokens=2), "chat": build_request(messages=chat, max_tokens=2)}
+    with at_bound(stack):
+        assert grpc_refusals(stack.addr, build_request("hello", max_tokens=2)) == {("RESOURCE_EXHAUSTED", True): N}
+        for addr in (stack.addr, routed):
+            for kind, request in never.items():
+                assert grpc_refusals(addr, request) == {("OUT_OF_RANGE", False): N}, (addr, kind)
+        with Client(routed, timeout_s=60) as client, pytest.raises(OutOfRangeError, match=f"{POSITIONS} positions"):
+            client.chat(chat, max_tokens=2)  # a busy refusal it retries, not this
