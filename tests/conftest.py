@@ -8,7 +8,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,10 @@ import pytest
 
 from client.local import HOME_ENV
 from engine.fetch import DATA_DIR_ENV
+from tests.polling import wait_until
+from tests.processes import KVSERVE, alive, children, free_ports
 from tests.redis_fixtures import RedisServer
+from tests.stack_fixtures import model_dir
 
 # The session's own folders, never the checkout's data/ nor the user's ~/.kvserve, so that a `kvserve up` the
 # developer runs is invisible to the tests: the data dir that commands default to (engine/fetch.py: models,
@@ -41,3 +47,37 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     `needs_redis`: skipped where redis-server is not installed."""
     with RedisServer.start(tmp_path) as server:
         yield server
+
+
+@pytest.fixture()
+def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str], list[str], Path, list[int]]]:
+    """A secure `kvserve up` on the tiny model, with the HTTP API, ready; its stdout and stderr lines as they come,
+    its data dir and its ports: decode, prefill, store, HTTP."""
+    data, ports = tmp_path / "data", free_ports(4)
+    proc = subprocess.Popen(
+        [KVSERVE, "up", "--data-dir", str(data), "--model", str(model_dir("llama")), "--decode-port", str(ports[0]),
+         "--prefill-port", str(ports[1]), "--store-port", str(ports[2]), "--http-port", str(ports[3])],
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out: list[str] = []
+    err: list[str] = []
+    for stream, lines in ((proc.stdout, out), (proc.stderr, err)):
+        threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s), daemon=True).start()
+    seen: set[int] = set()
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, "".join(err)
+            seen.update(children(proc.pid))
+            return any(line.startswith("ready:") for line in out)
+
+        wait_until(ready, 180, interval_s=0.1, message=lambda: "".join(out + err))
+        yield proc, out, err, data, ports
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pid in seen | set(children(proc.pid)):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

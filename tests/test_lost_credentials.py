@@ -13,7 +13,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from stack.stack import ServiceSpec, Stack, StackConfig, spawn_service, unreadab
 from stack.status import STATUS_FILE, read_status
 from stack.supervisor import Backoff, Supervisor
 from tests.polling import wait_until
-from tests.processes import KVSERVE, alive, children, free_ports
+from tests.processes import alive, children
 
 FAKE_SERVICE = '''
 import argparse, os, sys, threading
@@ -257,42 +256,6 @@ def test_credentials_made_again_after_a_loss_fit_together(tmp_path: Path) -> Non
 
 
 # -- a real `kvserve up` -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture()
-def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str], list[str], Path, list[int]]]:
-    """A secure `kvserve up` on the tiny model, with the HTTP API, ready; its stdout and stderr lines as they come,
-    its data dir and its ports: decode, prefill, store, HTTP."""
-    from tests.stack_fixtures import model_dir
-
-    data, ports = tmp_path / "data", free_ports(4)
-    proc = subprocess.Popen(
-        [KVSERVE, "up", "--data-dir", str(data), "--model", str(model_dir("llama")), "--decode-port", str(ports[0]),
-         "--prefill-port", str(ports[1]), "--store-port", str(ports[2]), "--http-port", str(ports[3])],
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out: list[str] = []
-    err: list[str] = []
-    for stream, lines in ((proc.stdout, out), (proc.stderr, err)):
-        threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s), daemon=True).start()
-    seen: set[int] = set()
-    try:
-        def ready() -> bool:
-            assert proc.poll() is None, "".join(err)
-            seen.update(children(proc.pid))
-            return any(line.startswith("ready:") for line in out)
-
-        wait_until(ready, 180, interval_s=0.1, message=lambda: "".join(out + err))
-        yield proc, out, err, data, ports
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for pid in seen | set(children(proc.pid)):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _serving(addr: str, credentials: grpc.ChannelCredentials) -> bool:

@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from stack.stack import ServiceSpec, port_in_use
 from stack.status import read_status
 from tests.fake_decode import FakeServer
 from tests.polling import wait_until
-from tests.processes import KVSERVE, alive, children, free_ports
+from tests.processes import KVSERVE, free_ports
 
 MEMCG = "process_api/abc"  # where the fake service runs
 
@@ -274,42 +273,6 @@ def test_the_cli_quotes_what_the_server_says_and_probes_nothing() -> None:
 
 
 # -- a real `kvserve up` -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture()
-def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str], list[str], Path, list[int]]]:
-    """A secure `kvserve up` on the tiny model, with the HTTP API, ready; its stdout and stderr lines as they come,
-    its data dir and its ports: decode, prefill, store, HTTP."""
-    from tests.stack_fixtures import model_dir
-
-    data, ports = tmp_path / "data", free_ports(4)
-    proc = subprocess.Popen(
-        [KVSERVE, "up", "--data-dir", str(data), "--model", str(model_dir("llama")), "--decode-port", str(ports[0]),
-         "--prefill-port", str(ports[1]), "--store-port", str(ports[2]), "--http-port", str(ports[3])],
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out: list[str] = []
-    err: list[str] = []
-    for stream, lines in ((proc.stdout, out), (proc.stderr, err)):
-        threading.Thread(target=lambda s=stream, lines=lines: lines.extend(s), daemon=True).start()
-    seen: set[int] = set()
-    try:
-        def ready() -> bool:
-            assert proc.poll() is None, "".join(err)
-            seen.update(children(proc.pid))
-            return any(line.startswith("ready:") for line in out)
-
-        wait_until(ready, 180, interval_s=0.1, message=lambda: "".join(out + err))
-        yield proc, out, err, data, ports
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for pid in seen | set(children(proc.pid)):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _restarted(proc: subprocess.Popen[str], err: list[str], data: Path, name: str, pid: int) -> bool:
