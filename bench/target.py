@@ -78,11 +78,11 @@ def store_device_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_record_key_flag(ap: argparse.ArgumentParser) -> None:
-    """--record-key on|off: the store started here with or without a MAC on its records, to measure its cost."""
+    """--record-key on|off: the store started here with or without sealed records, to measure their cost."""
     ap.add_argument("--record-key", choices=["on", "off"], default=None,
-                    help="the store started here: on, with a record key of its own (a MAC on every record written to "
-                         "or read from disk and Redis); off, without one (records bound to their keys by checksum "
-                         "only), as the benchmarks' plaintext stacks run by default")
+                    help="the store started here: on, with a record key of its own (every record written to or read "
+                         "from disk and Redis sealed: encrypted, under a MAC); off, without one (records in the clear, "
+                         "bound to their keys by checksum only), as the benchmarks' plaintext stacks run by default")
 
 
 def record_key_flags(args: argparse.Namespace, tmp: Path) -> list[str]:
