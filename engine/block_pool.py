@@ -13,7 +13,8 @@ Every operation is O(1) per block. Only the engine's thread calls it.
 Fresh blocks are taken lowest first, before the free list, so a pool touches the least memory it can for what
 it holds. With ``keep_cached``, a pool touches a fresh block only where no free block is left and fewer than
 ``keep_cached`` blocks are cached; else it evicts: its resident memory then follows the peak of the blocks in
-use (plus ``keep_cached``), not its size (the services' pools, whose store keeps what they evict).
+use (plus ``keep_cached``), not its size (the services' pools, whose store keeps what they evict). ``release``
+makes an idle pool fresh again, so that its memory can be given back (engine.kv_cache.KVCache.release).
 """
 
 from __future__ import annotations
@@ -158,6 +159,24 @@ class BlockPool:
                 self._free.append(block)
             else:
                 self._cached[block] = None
+
+    def release(self) -> int:
+        """Evicts every cached block and takes every block as fresh again, where no block is in use (else does
+        nothing): the blocks touched until now, returned, may have their memory given back."""
+        if self.num_used:
+            return 0
+        for block in self._cached:
+            evicted = self._hash[block]
+            assert evicted is not None
+            del self._by_hash[evicted]
+            self._hash[block] = None
+            if self.record_changes:
+                self._evicted.append(evicted)
+        self.num_evicted += len(self._cached)
+        self._cached.clear()
+        self._free.clear()
+        touched, self._fresh = self._fresh, 0
+        return touched
 
     def check_integrity(self) -> None:
         """Raises AssertionError unless free + used + cached == total and every index agrees."""

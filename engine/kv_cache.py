@@ -41,6 +41,18 @@ class KVCache:
         self.block_bytes = self.kv[0].nbytes
         self._bytes: memoryview | None = None  # the whole cache's bytes (slot_bytes)
 
+    @property
+    def releasable(self) -> bool:
+        """Whether `release` gives memory back: a CPU cache, on Linux."""
+        return self._map is not None and hasattr(mmap, "MADV_REMOVE")
+
+    def release(self, num_blocks: int) -> None:
+        """Gives the memory of the first ``num_blocks`` blocks back to the kernel (where `releasable`): they read as
+        zeros, and take pages again as they are written. Only blocks nobody holds."""
+        if self._map is not None and num_blocks and self.releasable:
+            # A shared anonymous mapping is backed by shmem: MADV_DONTNEED would leave its pages in place.
+            self._map.madvise(mmap.MADV_REMOVE, 0, min(num_blocks * self.block_bytes, len(self._map)))
+
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -42,6 +42,10 @@ from rpc.cli import (
 )
 from rpc.server import Server
 
+# After a burst, the engine gives back its pool's pages and the heap's free memory once idle this long
+# (engine.Engine's release_after_idle_s): the store keeps the prompts' KV, and the next burst takes pages again.
+RELEASE_AFTER_IDLE_S = 2.0
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(epilog=env_epilog("prefill"),
@@ -73,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = Engine(model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                             config=SchedulerConfig(engine_token_budget(args), args.max_num_seqs), cores=cores,
                             keep_cached=0, kv_cache_cap=memory_cap(),
-                            head_copy=False)  # one sampled row per prompt: not worth the table's bytes
+                            head_copy=False,  # one sampled row per prompt: not worth the table's bytes
+                            release_after_idle_s=RELEASE_AFTER_IDLE_S, on_release=trim_heap)
             warm_up(engine, "prefill")
         trim_heap()
         server = Server(args.listen, max_workers=args.max_workers, metrics_port=args.metrics_port,
