@@ -193,8 +193,14 @@ class DecodeService:
         else:
             check_text_fits(self.engine.model, job.prompt, job.options.max_tokens)
         busy = self.admission.refusal()
-        if busy is not None:
-            raise busy
+        if busy is None:
+            return
+        if job.prompt.token_ids is None and _may_not_fit(self.engine.model.max_positions, job):
+            # Only a text long enough that it may not fit is tokenized here (as every request is below the bound):
+            # a short one cannot pass the positions, and is refused as busy at once.
+            ids = tuple(encode(self.engine.model, job.prompt))
+            self._check_fits(replace(job, prompt=PromptInput(token_ids=ids)), len(ids))
+        raise busy
 
     def _check_fits(self, job: GenerateJob, num_prompt: int) -> None:
         """Refuses a request that no load could let run, before admission can call it busy (which a client
@@ -537,3 +543,16 @@ class DecodeService:
         if recomputed:
             m.recomputed_tokens.inc(recomputed)
             log.info("request %s: recomputed %d prompt tokens whose KV was not in the store", request_id, recomputed)
+
+
+TEMPLATE_TOKENS = 512  # the most tokens a chat template adds around the messages, with room to spare
+
+
+def _may_not_fit(positions: int | None, job: GenerateJob) -> bool:
+    """Whether a text prompt may pass the model's positions: no token covers less than a byte, so one whose
+    bytes (and a template's tokens) fit cannot."""
+    if positions is None:
+        return False
+    prompt = job.prompt
+    texts = [prompt.text] if prompt.text is not None else [c for _, c in prompt.messages or ()]
+    return sum(len(t.encode()) for t in texts) + TEMPLATE_TOKENS > positions - max(job.options.max_tokens, 1)

@@ -223,3 +223,18 @@ def test_a_prompt_that_can_never_fit_is_out_of_range_over_grpc_and_the_router_at
                 assert grpc_refusals(addr, request) == {("OUT_OF_RANGE", False): N}, (addr, kind)
         with Client(routed, timeout_s=60) as client, pytest.raises(OutOfRangeError, match=f"{POSITIONS} positions"):
             client.chat(chat, max_tokens=2)  # a busy refusal it retries, not this
+
+
+def test_a_text_past_the_positions_by_less_than_its_bytes_tell_is_400_at_the_waiting_bound_too(
+        stack: LocalStack, front: tuple[str, int]) -> None:
+    """At the bound, a text long enough that it may not fit is tokenized (as below it), and a short one is not."""
+    model = stack.decode.engine.model
+    text = "hello " * 1000  # 6,000 tokens here
+    assert tokens_at_least(stack, len(text)) < POSITIONS  # its bytes alone do not tell
+    with at_bound(stack):
+        stack.decode.engine.model = model  # the real tokenizer, for the long text
+        seen = Counter(post(front, "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 2})[0]
+                       for _ in range(N))
+        stack.decode.engine.model = replace(model, tokenizer=NoTokenizing())
+        status, answer = post(front, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
+    assert seen == {400: N} and status == 429, (seen, answer)
