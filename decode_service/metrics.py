@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.metrics import EngineMetrics
-from rpc.metrics import LATENCY_BUCKETS
+from kvserve.engine.metrics import EngineMetrics
+from kvserve.rpc.metrics import LATENCY_BUCKETS
 
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

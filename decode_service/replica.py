@@ -26,15 +26,15 @@ import grpc
 
 from decode_service.metrics import DecodeMetrics
 from decode_service.server import DecodeServicer
-from engine.engine import Engine
-from engine.hashing import prefix_hashes
-from handoff.requests import check_text_fits, encode, options_from_proto, prompt_from_proto
+from kvserve.engine.engine import Engine
+from kvserve.engine.hashing import prefix_hashes
+from kvserve.handoff.requests import check_text_fits, encode, options_from_proto, prompt_from_proto
+from kvserve.rpc.errors import Unavailable
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.bounds import STORE_TIERS, Lie, check_event, pieces
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
 from protos.retry import StreamBackoff
-from rpc.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import grpc
 from decode_service.cancellation import Cancellation
 from decode_service.service import DecodeService, GenerateJob, GenerateOutcome
 from decode_service.stopping import TokenOutput
-from handoff.requests import RequestOptions, options_from_proto, prompt_from_proto
+from kvserve.handoff.requests import RequestOptions, options_from_proto, prompt_from_proto
+from kvserve.rpc.auth import TenantSalts, Unauthenticated, current_tenant
+from kvserve.rpc.server import Server
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from rpc.auth import TenantSalts, Unauthenticated, current_tenant
-from rpc.server import Server
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
@@ -38,7 +38,7 @@ def _response(item: TokenOutput | GenerateOutcome) -> decode_pb2.GenerateRespons
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """With `tenant_salts` (auth on), each request's cache salt is its tenant's (`rpc.auth`), which
+    """With `tenant_salts` (auth on), each request's cache salt is its tenant's (`kvserve.rpc.auth`), which
     prefill receives too: the client's cache_salt only narrows inside the tenant's namespace."""
 
     def __init__(self, service: DecodeService, tenant_salts: TenantSalts | None = None) -> None:

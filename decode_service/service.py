@@ -20,19 +20,19 @@ import grpc
 from decode_service.cancellation import Cancellation
 from decode_service.metrics import DecodeMetrics
 from decode_service.stopping import Generation, TokenOutput
-from engine.engine import Engine, RequestTooLarge
-from engine.hashing import prefix_hashes
-from engine.model import max_new_tokens
-from engine.sampling import Sampler
-from engine.sequence import Finished, Sequence
-from handoff.decode_kv import DecodeKV
-from handoff.requests import PrefillHandle, PromptInput, RequestOptions, check_text_fits, encode
-from handoff.session import StoreSession
+from kvserve.engine.engine import Engine, RequestTooLarge
+from kvserve.engine.hashing import prefix_hashes
+from kvserve.engine.model import max_new_tokens
+from kvserve.engine.sampling import Sampler
+from kvserve.engine.sequence import Finished, Sequence
+from kvserve.handoff.decode_kv import DecodeKV
+from kvserve.handoff.requests import PrefillHandle, PromptInput, RequestOptions, check_text_fits, encode
+from kvserve.handoff.session import StoreSession
+from kvserve.rpc.admission import Admission
+from kvserve.rpc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from kvserve.rpc.metrics import outcome_of
 from kvstore import KVStoreClient
 from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplicas, UpstreamError
-from rpc.admission import Admission
-from rpc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
-from rpc.metrics import outcome_of
 
 log = logging.getLogger(__name__)
 

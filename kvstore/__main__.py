@@ -7,11 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kvstore import record_key
-from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
-from kvstore.leases import MAX_TTL_S
-from kvstore.server import StoreServer
-from rpc.cli import (
+from kvserve.rpc.cli import (
     add_server_flags,
     configure_logging,
     env_epilog,
@@ -22,6 +18,10 @@ from rpc.cli import (
     serve,
     tls_from_args,
 )
+from kvstore import record_key
+from kvstore.config import MAX_BLOCK_BYTES, RemoteConfig, StoreConfig
+from kvstore.leases import MAX_TTL_S
+from kvstore.server import StoreServer
 
 log = logging.getLogger("kvstore")
 

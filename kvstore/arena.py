@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvserve.rpc.server import GRPC_MESSAGE_LIMIT
 from kvstore.slab import PAGE_BYTES
 from kvstore.types import Buffer, Part, fill
-from rpc.server import GRPC_MESSAGE_LIMIT
 
 log = logging.getLogger(__name__)
 

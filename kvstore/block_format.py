@@ -15,7 +15,7 @@ forged, or written under another record key is a `ForeignRecord`, a miss.
   weights, the prompts), and whoever can write it can forge a record: the documented limits of plaintext mode.
 
 The tag covers the block hash alone because that is the store's whole key: the hash already commits to the
-namespace (model, KV dtype, block size, cache salt: engine/hashing.py), and the remote tier's key prefix only
+namespace (model, KV dtype, block size, cache salt: kvserve/engine/hashing.py), and the remote tier's key prefix only
 keeps deployments' keys apart in one Redis (a record copied between prefixes is the same block).
 
 The host and device tiers keep no records: which block a slot holds, and its checksum, live in the store's

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import grpc
 
+from kvserve.rpc.server import CLIENT_CHANNEL_OPTIONS
+from kvserve.rpc.tls import TLSConfig, channel
 from kvstore.arena import GET as LOCAL_GET
 from kvstore.arena import LOOKUP as LOCAL_LOOKUP
 from kvstore.arena import PUT as LOCAL_PUT
@@ -44,8 +46,6 @@ from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from rpc.server import CLIENT_CHANNEL_OPTIONS
-from rpc.tls import TLSConfig, channel
 
 if TYPE_CHECKING:
     from kvstore.device_tier import Device, OpenedSegment, Tensor

@@ -33,6 +33,7 @@ from typing import IO, NamedTuple
 
 import lmdb
 
+from kvserve.rpc.auth import private_folder
 from kvstore.block_format import (
     HEADER_BYTES,
     BlockHeader,
@@ -46,7 +47,6 @@ from kvstore.record_key import RecordKey
 from kvstore.tier import TierStorage
 from kvstore.types import Buffer, Tier
 from protos.block_hash import HASH_BYTES, BlockHash
-from rpc.auth import private_folder
 
 log = logging.getLogger(__name__)
 

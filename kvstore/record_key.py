@@ -21,8 +21,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from kvserve.rpc.auth import readable_by_others
 from kvstore.types import Buffer
-from rpc.auth import readable_by_others
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
+from kvserve.rpc.server import MAX_MESSAGE_BYTES, Server
+from kvserve.rpc.tls import TLSConfig
 from kvstore import arena
 from kvstore.arena import host_id
 from kvstore.build import build_remote, build_tiers, pinned_bytes_cap
@@ -26,8 +28,6 @@ from kvstore.wire import BlockAssembler, split_block
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from rpc.server import MAX_MESSAGE_BYTES, Server
-from rpc.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from kvserve.rpc.server import MAX_MESSAGE_BYTES
 from kvstore.errors import BlockTooLarge, InvalidRequest
 from kvstore.types import Buffer
 from protos.block_hash import HASH_BYTES, BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
-from rpc.server import MAX_MESSAGE_BYTES
 
 CHUNK_BYTES = MAX_MESSAGE_BYTES
 

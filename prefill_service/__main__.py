@@ -6,21 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from engine.cores import service_share
-from engine.engine import Engine
-from engine.model import load_model
-from engine.scheduler import SchedulerConfig
-from kvstore import KVStoreClient
-from prefill_service.metrics import PrefillMetrics
-from prefill_service.server import add_to_server
-from prefill_service.service import (
-    DEFAULT_LEASE_TTL_S,
-    DEFAULT_MAX_WAITING_SEQS,
-    DEFAULT_MAX_WAITING_TOKENS,
-    PrefillService,
-)
-from rpc.admission import Admission
-from rpc.cli import (
+from kvserve.engine.cores import service_share
+from kvserve.engine.engine import Engine
+from kvserve.engine.model import load_model
+from kvserve.engine.scheduler import SchedulerConfig
+from kvserve.rpc.admission import Admission
+from kvserve.rpc.cli import (
     EnginePriority,
     add_admission_flags,
     add_engine_flags,
@@ -40,7 +31,16 @@ from rpc.cli import (
     trim_heap,
     warm_up,
 )
-from rpc.server import Server
+from kvserve.rpc.server import Server
+from kvstore import KVStoreClient
+from prefill_service.metrics import PrefillMetrics
+from prefill_service.server import add_to_server
+from prefill_service.service import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_WAITING_SEQS,
+    DEFAULT_MAX_WAITING_TOKENS,
+    PrefillService,
+)
 
 # After a burst, the engine gives back its pool's pages and the heap's free memory once idle this long
 # (engine.Engine's release_after_idle_s): the store keeps the prompts' KV, and the next burst takes pages again.

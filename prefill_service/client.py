@@ -3,7 +3,7 @@
 `PrefillClient.start(...)` sends one PrefillStream call under a deadline and returns it while it
 runs: the first token arrives before the prompt's KV is stored, and a caller whose own client goes
 away can cancel it (the prefill service then skips the forward pass). Errors come back as ServiceErrors a front door can pass on. The request types are
-`handoff.requests`, the contract both services share.
+`kvserve.handoff.requests`, the contract both services share.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from handoff.requests import (
+from kvserve.handoff.requests import (
     MalformedHandle,
     PrefillHandle,
     PromptInput,
@@ -25,11 +25,11 @@ from handoff.requests import (
     options_to_proto,
     prompt_to_proto,
 )
+from kvserve.rpc.addresses import Targets, split_targets
+from kvserve.rpc.errors import ServiceError, Unavailable
+from kvserve.rpc.server import CLIENT_CHANNEL_OPTIONS
+from kvserve.rpc.tls import TLSConfig, channel
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
-from rpc.addresses import Targets, split_targets
-from rpc.errors import ServiceError, Unavailable
-from rpc.server import CLIENT_CHANNEL_OPTIONS
-from rpc.tls import TLSConfig, channel
 
 PASSED_THROUGH = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.metrics import EngineMetrics
-from rpc.metrics import LATENCY_BUCKETS
+from kvserve.engine.metrics import EngineMetrics
+from kvserve.rpc.metrics import LATENCY_BUCKETS
 
 
 class PrefillMetrics:

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import grpc
 
-from handoff.requests import handle_to_proto, options_from_proto, prompt_from_proto
+from kvserve.handoff.requests import handle_to_proto, options_from_proto, prompt_from_proto
+from kvserve.rpc.server import Server
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
-from rpc.server import Server
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 

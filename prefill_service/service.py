@@ -8,19 +8,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from engine.engine import Engine
-from engine.hashing import prefix_hashes
-from engine.model import max_new_tokens
-from engine.sampling import Sampler
-from engine.sequence import Finished, Sequence, TokenEvent
-from handoff.prefill_kv import PrefillKV, request_scoped_keys
-from handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions, encode
-from handoff.session import StoreSession
+from kvserve.engine.engine import Engine
+from kvserve.engine.hashing import prefix_hashes
+from kvserve.engine.model import max_new_tokens
+from kvserve.engine.sampling import Sampler
+from kvserve.engine.sequence import Finished, Sequence, TokenEvent
+from kvserve.handoff.prefill_kv import PrefillKV, request_scoped_keys
+from kvserve.handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions, encode
+from kvserve.handoff.session import StoreSession
+from kvserve.rpc.admission import Admission, Ticket
+from kvserve.rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
+from kvserve.rpc.metrics import count_outcome, outcome_of
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
-from rpc.admission import Admission, Ticket
-from rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
-from rpc.metrics import count_outcome, outcome_of
 
 DEFAULT_LEASE_TTL_S = 30.0
 # Prompts waiting for their first token, and their tokens (--max-waiting-seqs, --max-waiting-tokens).

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from client.local import HOME_ENV
-from engine.fetch import DATA_DIR_ENV
+from kvserve.engine.fetch import DATA_DIR_ENV
 from tests.polling import wait_until
 from tests.processes import KVSERVE, alive, children, free_ports
 from tests.redis_fixtures import RedisServer
 from tests.stack_fixtures import model_dir
 
 # The session's own folders, never the checkout's data/ nor the user's ~/.kvserve, so that a `kvserve up` the
-# developer runs is invisible to the tests: the data dir that commands default to (engine/fetch.py: models,
+# developer runs is invisible to the tests: the data dir that commands default to (kvserve/engine/fetch.py: models,
 # up.json), and where a `kvserve up` names its credentials for local clients (client/local.py). Set at import,
 # so that every process the tests start inherits them; each test worker has its own.
 _SESSION = Path(tempfile.mkdtemp(prefix="kvserve-tests-"))

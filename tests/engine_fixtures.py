@@ -17,16 +17,16 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.engine import Engine, StepStats
-from engine.hashing import Namespace, prefix_hashes
-from engine.kv_cache import KVCache
-from engine.model import Model, load_model
-from engine.sampling import Sampler, SamplingParams
-from engine.scheduler import SchedulerConfig
-from engine.sequence import Finished
-from engine.sequence import Sequence as KVSequence
-from engine.tiny import init_tiny_model
-from handoff.transfer import EncodedBlock, encoded_bytes, load_blocks, save_blocks
+from kvserve.engine.engine import Engine, StepStats
+from kvserve.engine.hashing import Namespace, prefix_hashes
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.model import Model, load_model
+from kvserve.engine.sampling import Sampler, SamplingParams
+from kvserve.engine.scheduler import SchedulerConfig
+from kvserve.engine.sequence import Finished
+from kvserve.engine.sequence import Sequence as KVSequence
+from kvserve.engine.tiny import init_tiny_model
+from kvserve.handoff.transfer import EncodedBlock, encoded_bytes, load_blocks, save_blocks
 from protos.block_hash import BlockHash
 
 ARCHS = ("llama", "qwen2", "gpt2")

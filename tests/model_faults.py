@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.model import Model
+from kvserve.engine.model import Model
 
 
 def never(positions: torch.Tensor) -> bool:

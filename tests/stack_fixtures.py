@@ -17,11 +17,11 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from engine.engine import Engine
-from engine.model import Model, load_model
-from engine.scheduler import SchedulerConfig
-from engine.tiny import init_tiny_model
-from handoff.transfer import EncodedBlock, encoded_bytes
+from kvserve.engine.engine import Engine
+from kvserve.engine.model import Model, load_model
+from kvserve.engine.scheduler import SchedulerConfig
+from kvserve.engine.tiny import init_tiny_model
+from kvserve.handoff.transfer import EncodedBlock, encoded_bytes
 from kvstore import KVStoreClient, Part
 from kvstore.client import scatter
 from kvstore.device_tier import as_uint8
@@ -240,12 +240,12 @@ class LocalStack:
         from decode_service.server import DecodeServicer
         from decode_service.server import add_to_server as add_decode
         from decode_service.service import DecodeService
+        from kvserve.rpc.server import Server
         from prefill_service.client import PrefillClient, PrefillReplicas
         from prefill_service.metrics import PrefillMetrics
         from prefill_service.server import add_to_server as add_prefill
         from prefill_service.service import PrefillService
         from protos.kvserve.v1 import decode_pb2_grpc
-        from rpc.server import Server
 
         self.arch = arch
         self.store = store if store is not None else FakeStore()
@@ -313,7 +313,7 @@ class ProcessStack:
                  decode_args: Sequence[str] = ()) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from stack.stack import Service, start_service
+        from kvserve.stack.stack import Service, start_service
 
         for arch in archs:  # build here, once: the start-up threads below must not race to write them
             model_dir(arch)
@@ -342,13 +342,13 @@ class ProcessStack:
                 "--listen", "127.0.0.1:0", "--log-level", "WARNING", "--insecure"]
 
     def _start_prefill(self, arch: str):  # type: ignore[no-untyped-def]
-        from stack.stack import start_service
+        from kvserve.stack.stack import start_service
 
         return start_service(f"prefill-{arch}", "prefill_service", self._common(arch),
                              self.dir / f"prefill-{arch}.log")
 
     def _start_decode(self, arch: str):  # type: ignore[no-untyped-def]
-        from stack.stack import start_service
+        from kvserve.stack.stack import start_service
 
         return start_service(f"decode-{arch}", "decode_service",
                              [*self._common(arch), "--prefill", self.prefill[arch].addr, *self.decode_args],
@@ -361,7 +361,7 @@ class ProcessStack:
 
     def restart_store(self) -> None:
         """A new store process on the same port (same disk path)."""
-        from stack.stack import start_service
+        from kvserve.stack.stack import start_service
 
         self.store = start_service("kvstore", "kvstore", ["--listen", f"127.0.0.1:{self.store.port}",
                                                           *self.store_args], self.dir / "kvstore.log")

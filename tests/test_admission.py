@@ -17,12 +17,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client, ResourceExhaustedError
+from kvserve.rpc.admission import Admission
+from kvserve.rpc.auth import Auth, Authenticator, TenantSalts
+from kvserve.rpc.errors import ResourceExhausted
+from kvserve.rpc.server import HEALTH_CHECK, PROBE_LIMIT, RESERVED_WORKERS, Server
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from protos.retry import RETRY_AFTER, retry_after_s
-from rpc.admission import Admission
-from rpc.auth import Auth, Authenticator, TenantSalts
-from rpc.errors import ResourceExhausted
-from rpc.server import HEALTH_CHECK, PROBE_LIMIT, RESERVED_WORKERS, Server
 from tests.processes import KVSERVE
 
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name

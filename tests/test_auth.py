@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.client import Client, UnauthenticatedError
-from rpc.auth import (
+from kvserve.rpc.auth import (
     Auth,
     AuthConfigError,
     Authenticator,
@@ -34,9 +34,9 @@ from rpc.auth import (
     load_tokens,
     parse_tokens,
 )
-from rpc.auth import main as token_main
-from rpc.certs import flags, make_certs
-from rpc.server import Server
+from kvserve.rpc.auth import main as token_main
+from kvserve.rpc.certs import flags, make_certs
+from kvserve.rpc.server import Server
 from tests.polling import wait_until
 
 
@@ -99,7 +99,7 @@ def test_reload_takes_a_good_file_and_keeps_the_old_table_on_a_bad_one(
     path.write_text(f"acme {sha('a')}\nglobex {sha('g')}\n")
     assert auth.reload() and auth.tenant_of("g") == "globex"
     path.write_text(f"acme {sha('a')}\nglobex not-a-hash\n")
-    with caplog.at_level(logging.ERROR, "rpc.auth"):
+    with caplog.at_level(logging.ERROR, "kvserve.rpc.auth"):
         assert not auth.reload()
     assert (auth.tenant_of("a"), auth.tenant_of("g")) == ("acme", "globex")
     assert "the previous 2 token(s) stay in use" in caplog.text and f"{path} line 2" in caplog.text
@@ -118,7 +118,7 @@ def test_a_missing_tokens_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_kvserve_token_appends_the_hash_and_prints_the_token_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from client.cli import main as kvserve
+    from kvserve.cli.commands import main as kvserve
 
     tokens_file = tmp_path / "tokens"
     assert kvserve(["token", "acme", "--tokens-file", str(tokens_file)]) == 0
@@ -186,7 +186,7 @@ def test_auth_flags_need_the_secret_and_say_when_auth_is_off(
     (tmp_path / "short").write_text("too short\n")
     with pytest.raises(AuthConfigError, match="fewer than 32"):
         auth_from_args(_flags("--auth-tokens", str(tokens_file), "--auth-secret-file", str(tmp_path / "short")), "x")
-    with caplog.at_level(logging.WARNING, "rpc.auth"):
+    with caplog.at_level(logging.WARNING, "kvserve.rpc.auth"):
         assert auth_from_args(_flags(), "decode") is None
     assert "auth is off: anyone who reaches the decode service is served, chooses its own cache_salt" in caplog.text
     secret = tmp_path / "secret"
@@ -301,9 +301,9 @@ class AuthStack:
     (`kvserve credentials`, then `kvserve token` for each, as an operator would)."""
 
     def __init__(self, root: Path) -> None:
-        from rpc.auth import add_token
-        from stack.credentials import ensure
-        from stack.stack import Stack, StackConfig
+        from kvserve.rpc.auth import add_token
+        from kvserve.stack.credentials import ensure
+        from kvserve.stack.stack import Stack, StackConfig
         from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
         self.layout, _ = ensure(root / "credentials")
@@ -423,10 +423,10 @@ def test_a_router_passes_each_callers_token_to_the_replica(auth_stack: AuthStack
     """The router holds no token table: the replica authenticates each request (and scopes its prefix
     hashes to the tenant); the router's own calls (load, events) use its service token (--token-file, from
     decode's --service-tokens), over TLS with its own certificate."""
-    from stack.stack import start_service, stop_service
+    from kvserve.stack.stack import start_service, stop_service
 
     layout = auth_stack.layout
-    router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", auth_stack.addr,
+    router = start_service("router", "kvserve.router", ["--listen", "127.0.0.1:0", "--decode", auth_stack.addr,
                                                 "--token-file", str(layout.router_token),
                                                 *layout.tls_flags("router")], tmp_path / "router.log")
     try:

@@ -1,4 +1,4 @@
-"""`kvserve bench serve` (bench/serve.py) without a server: its flags, the workload it sends (its system prompt
+"""`kvserve bench serve` (kvserve/bench/serve.py) without a server: its flags, the workload it sends (its system prompt
 sized in a model folder's tokenizer), the servers it starts (vLLM under both thread settings), the figures of
 synthetic traces and the side-by-side report. No test starts a server or opens a connection."""
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from bench import serve
-from bench.serve import Load, ServerRun, Trace, Workload
-from client.cli import forwarded
+from kvserve.bench import serve
+from kvserve.bench.serve import Load, ServerRun, Trace, Workload
+from kvserve.cli.commands import forwarded
 from tests.stack_fixtures import model_dir
 
 W = Workload("chat", sessions=3, turns=2, system_words=50, question_words=6, answer_tokens=4, seed=7)

@@ -18,15 +18,15 @@ from matplotlib import image
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from bench import handoff as bench_handoff
-from bench import http_overhead as bench_http
-from bench import multi_turn as bench_multi_turn
-from bench import routing as bench_routing
-from bench import scaling as bench_scaling
-from bench import shared_prefix as bench_shared_prefix
-from bench import store as bench_store
-from bench import vllm_peer
-from bench.report import (
+from kvserve.bench import handoff as bench_handoff
+from kvserve.bench import http_overhead as bench_http
+from kvserve.bench import multi_turn as bench_multi_turn
+from kvserve.bench import routing as bench_routing
+from kvserve.bench import scaling as bench_scaling
+from kvserve.bench import shared_prefix as bench_shared_prefix
+from kvserve.bench import store as bench_store
+from kvserve.bench import vllm_peer
+from kvserve.bench.report import (
     Column,
     Line,
     Progress,
@@ -37,9 +37,9 @@ from bench.report import (
     percentiles_s,
     save_plot,
 )
-from bench.target import ensure_model, free_port, local_stack, tiny_model_dir
-from client import cli
-from engine.fetch import DATA_DIR_ENV, REAL_MODEL, real_model_dir
+from kvserve.bench.target import ensure_model, free_port, local_stack, tiny_model_dir
+from kvserve.cli import commands as cli
+from kvserve.engine.fetch import DATA_DIR_ENV, REAL_MODEL, real_model_dir
 from tests.stack_fixtures import BLOCK_SIZE, model_dir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -109,10 +109,10 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "module"), [
-    ("hash", "bench.hashing"), ("prefill", "bench.prefill"), ("multi-turn", "bench.multi_turn"),
-    ("e2e", "bench.multi_turn"), ("shared-prefix", "bench.shared_prefix"), ("decode", "bench.decode"),
-    ("handoff", "bench.handoff"), ("store", "bench.store"), ("serve", "bench.serve"), ("http", "bench.http_overhead"),
-    ("scaling", "bench.scaling"),
+    ("hash", "kvserve.bench.hashing"), ("prefill", "kvserve.bench.prefill"), ("multi-turn", "kvserve.bench.multi_turn"),
+    ("e2e", "kvserve.bench.multi_turn"), ("shared-prefix", "kvserve.bench.shared_prefix"), ("decode", "kvserve.bench.decode"),
+    ("handoff", "kvserve.bench.handoff"), ("store", "kvserve.bench.store"), ("serve", "kvserve.bench.serve"), ("http", "kvserve.bench.http_overhead"),
+    ("scaling", "kvserve.bench.scaling"),
 ])
 def test_bench_commands_are_dispatched(name: str, module: str) -> None:
     command = cli.forwarded(["bench", name, "--json", "out.json"])

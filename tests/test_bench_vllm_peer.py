@@ -1,4 +1,4 @@
-"""`kvserve bench multi-turn --peer vllm` (bench/vllm_peer.py) without vLLM: its flags and thread settings, the
+"""`kvserve bench multi-turn --peer vllm` (kvserve/bench/vllm_peer.py) without vLLM: its flags and thread settings, the
 skipped peer when there is no venv or its server does not start (no process left behind), the session over
 the OpenAI SDK against a fake server that speaks vLLM's streamed completions, once per thread setting, and the
 side-by-side figures and goals on synthetic traces. No test starts vLLM: the real run is `make bench-peers`."""
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from bench import multi_turn, vllm_peer
-from bench.report import Progress
-from bench.sessions import Settings, random_tokens, run_session, run_session_with
-from bench.streams import StreamTrace
 from client.client import Result, Timings, Usage
+from kvserve.bench import multi_turn, vllm_peer
+from kvserve.bench.report import Progress
+from kvserve.bench.sessions import Settings, random_tokens, run_session, run_session_with
+from kvserve.bench.streams import StreamTrace
 from tests.polling import wait_until
 
 PEER_FLAGS = ["--peer", "vllm", "--users", "2", "--rounds", "3"]

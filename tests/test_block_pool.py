@@ -9,11 +9,11 @@ from collections import abc
 import pytest
 import torch
 
-from engine.block_pool import BlockPool, PoolExhausted
-from engine.kv_cache import KVCache
-from engine.sampling import Sampler, SamplingParams
-from engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
-from engine.sequence import Sequence, Status
+from kvserve.engine.block_pool import BlockPool, PoolExhausted
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.sampling import Sampler, SamplingParams
+from kvserve.engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
+from kvserve.engine.sequence import Sequence, Status
 from protos.block_hash import BlockHash
 
 ROOT = BlockHash(hashlib.sha256(b"test_block_pool").digest())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client import cli
+from kvserve.cli import commands as cli
 from protos.kvserve.v1 import kvstore_pb2
 from tests.fake_decode import FakeServer
 from tests.polling import wait_until
@@ -179,7 +179,7 @@ def test_stats_with_an_unreachable_metrics_url_is_one_line(capsys: pytest.Captur
 # back before it runs. Not in a preexec_fn: that runs the at-fork hooks of this process's gRPC threads in the child,
 # which can hang it before it runs anything (seen once in a full run: "the CLI never called the server").
 _CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "sys.argv[0] = 'kvserve'; runpy.run_module('client.cli', run_name='__main__', alter_sys=True)")
+        "sys.argv[0] = 'kvserve'; runpy.run_module('kvserve.cli', run_name='__main__', alter_sys=True)")
 
 
 def _cli(*args: str, **kwargs: object) -> subprocess.Popen[str]:

@@ -250,8 +250,8 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     default: the client finds its credentials by itself, and the health checks present the admin certificate."""
     from client.client import Client
     from client.local import Layout
-    from stack.stack import wait_healthy
-    from stack.status import UpStatus, read_status
+    from kvserve.stack.stack import wait_healthy
+    from kvserve.stack.status import UpStatus, read_status
 
     data = tmp_path / "data"
     (data / "logs").mkdir(parents=True)
@@ -468,7 +468,7 @@ def test_port_check_passes_over_time_wait_of_a_stopped_server() -> None:
     """Right after a stack stops, its ports have connections in TIME_WAIT: not "in use"."""
     import socket
 
-    from stack.stack import port_in_use
+    from kvserve.stack.stack import port_in_use
 
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

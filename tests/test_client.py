@@ -48,13 +48,13 @@ def test_unreachable_server_raises_typed_error() -> None:
 
 
 def test_client_and_cli_import_no_torch() -> None:
-    code = "import sys, client, client.cli; assert 'torch' not in sys.modules, 'client imported torch'"
+    code = "import sys, client, kvserve.cli.commands; assert 'torch' not in sys.modules, 'client imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("command", [[], ["up"], ["generate"], ["chat"], ["stats"], ["bench"], ["model"]])
 def test_cli_help(command: list[str]) -> None:
-    out = subprocess.run([sys.executable, "-m", "client.cli", *command, "--help"],
+    out = subprocess.run([sys.executable, "-m", "kvserve.cli", *command, "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "usage: kvserve" in out
 

@@ -32,7 +32,7 @@ import openai
 import pytest
 
 from client.client import Client, Result
-from engine.model import load_model
+from kvserve.engine.model import load_model
 from tests.engine_fixtures import assert_greedy_matches, oracle, random_tokens
 from tests.processes import free_ports
 

@@ -1,4 +1,4 @@
-"""engine.cores: compute services of one host lend each other their idle cores, never more than the budgets."""
+"""kvserve.engine.cores: compute services of one host lend each other their idle cores, never more than the budgets."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import cores
-from engine.cores import CoreShare, service_share
+from kvserve.engine import cores
+from kvserve.engine.cores import CoreShare, service_share
 
 
 def share(folder: Path, name: str, threads: int, calls: list[int] | None = None, cores: int = 64) -> CoreShare:
@@ -76,7 +76,7 @@ def test_an_owner_waits_for_the_borrowers_step_and_is_not_starved(tmp_path: Path
 
 
 def test_a_killed_peers_files_are_removed_and_a_restarted_one_lends_its_cores_again(tmp_path: Path) -> None:
-    code = ("import sys, time; from engine.cores import CoreShare; "
+    code = ("import sys, time; from kvserve.engine.cores import CoreShare; "
             f"s = CoreShare({str(tmp_path)!r}, 'prefill-2', 2, lambda n: None); s.busy(); "
             "print('busy', flush=True); time.sleep(60)")
     peer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import native
-from engine.model_runner import MIN_SHARED_BLOCKS
+from kvserve.engine import native
+from kvserve.engine.model_runner import MIN_SHARED_BLOCKS
 from tests.engine_fixtures import (
     ARCHS,
     assert_matches_oracle,

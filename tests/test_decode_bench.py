@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench import decode as decode_bench
-from bench import hf_batch as hf_batch_bench
-from bench.decode import gaps_overlapping, gaps_within, throughput_report
-from bench.report import percentile
-from bench.streams import StreamTrace
 from client.client import Result, Timings, Usage
+from kvserve.bench import decode as decode_bench
+from kvserve.bench import hf_batch as hf_batch_bench
+from kvserve.bench.decode import gaps_overlapping, gaps_within, throughput_report
+from kvserve.bench.report import percentile
+from kvserve.bench.streams import StreamTrace
 from tests.engine_fixtures import random_tokens, tiny_model_path
 from tests.stack_fixtures import model_dir
 

@@ -14,12 +14,12 @@ import pytest
 
 from client import Client
 from client.client import Chunk, KVServeError, Result, build_request
-from engine.hashing import prefix_hashes
-from handoff.requests import PrefillHandle
+from kvserve.engine.hashing import prefix_hashes
+from kvserve.handoff.requests import PrefillHandle
+from kvserve.rpc.errors import Unavailable
 from prefill_service.client import PrefillClient, PrefillReplicas
 from prefill_service.service import PrefillJob
 from protos.kvserve.v1 import decode_pb2_grpc
-from rpc.errors import Unavailable
 from tests.model_faults import FaultyForward, at_position, never
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from client import demo
+from kvserve.cli import demo
 from tests.stack_fixtures import model_dir
 
 

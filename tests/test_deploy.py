@@ -48,7 +48,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from rpc.cli import env_args, env_prefix, parse_size
+from kvserve.rpc.cli import env_args, env_prefix, parse_size
 from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +59,8 @@ KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("trial", "production")
 KUBERNETES_VERSION = "1.37"  # the newest kubernetes-validate 1.37 ships schemas for
 GRPC_SERVICES = {"kvstore": "kvstore.__main__", "prefill": "prefill_service.__main__",
-                 "decode": "decode_service.__main__", "router": "router.__main__"}
-SERVICES = {**GRPC_SERVICES, "http": "http_api.__main__"}  # http: OpenAI's HTTP API, in front of the router
+                 "decode": "decode_service.__main__", "router": "kvserve.router.__main__"}
+SERVICES = {**GRPC_SERVICES, "http": "kvserve.http.__main__"}  # http: OpenAI's HTTP API, in front of the router
 SHARED_VARS = {"KVSERVE_TLS_CERT", "KVSERVE_TLS_KEY", "KVSERVE_TLS_CA", "KVSERVE_AUTH_TOKENS", "KVSERVE_TOKEN"}
 # The KVSERVE_ variables a process started here keeps: the test session's own folders (tests/conftest.py).
 SESSION_VARS = {"KVSERVE_HOME", "KVSERVE_DATA_DIR"}
@@ -413,9 +413,9 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
     with its own certificate, named for every host it is dialled by, and has its secrets. A volume made before
     the HTTP front existed gains its certificate on the next run, and nothing else changes."""
     from client.local import Layout
-    from router.__main__ import service_token
-    from rpc.auth import auth_from_args
-    from rpc.cli import tls_from_args
+    from kvserve.router.__main__ import service_token
+    from kvserve.rpc.auth import auth_from_args
+    from kvserve.rpc.cli import tls_from_args
 
     spec = compose()
     services = spec["services"]
@@ -483,8 +483,8 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
 def test_the_insecure_override_serves_plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
     """docker-compose.insecure.yml: each service takes --insecure and no TLS variable (an empty variable is
     none), so its health check asks in plaintext too; decode's tokens and the store's record key stay."""
-    from client.health import parser as health_parser
-    from rpc.cli import tls_from_args
+    from kvserve.cli.health import parser as health_parser
+    from kvserve.rpc.cli import tls_from_args
 
     services = compose("insecure")["services"]
     for name in GRPC_SERVICES:
@@ -540,7 +540,7 @@ def secrets_in(text: str) -> list[str]:
 def test_no_deployment_file_holds_a_key_or_token(tmp_path: Path) -> None:
     """The compose files, the Dockerfile and the Kubernetes files hold no key, certificate, token or secret,
     and make none: no Secret object, no secretGenerator (the pods' Secret is the operator's)."""
-    from stack.credentials import ensure
+    from kvserve.stack.credentials import ensure
 
     assert ROOT / "docker-compose.yml" in DEPLOY_FILES and KUSTOMIZE / "base" / "kvstore.yaml" in DEPLOY_FILES
     assert {str(f.relative_to(ROOT)): found for f in DEPLOY_FILES if (found := secrets_in(f.read_text()))} == {}
@@ -681,7 +681,7 @@ def documented_secret(tmp_path_factory: pytest.TempPathFactory) -> dict[str, byt
         pytest.skip("kubectl is not installed")
     home = tmp_path_factory.mktemp("home")
     out = home / "objects.yaml"
-    script = (f'set -e\nkvserve() {{ "{sys.executable}" -m client.cli "$@"; }}\n'
+    script = (f'set -e\nkvserve() {{ "{sys.executable}" -m kvserve.cli "$@"; }}\n'
               f'kubectl() {{ "{KUBECTL}" "$@" --dry-run=client -o yaml >> "{out}"; echo --- >> "{out}"; }}\n'
               + documented_secret_commands())
     done = subprocess.run(["bash", "-c", script], cwd=home, capture_output=True, text=True, timeout=300,
@@ -805,7 +805,7 @@ def test_the_http_fronts_probes_ask_its_health(tmp_path: Path) -> None:
     """The probes' commands, run here against a stdlib HTTPS server with the HTTP front's certificate and the
     CA from `kvserve credentials`: readiness passes on 200 only; liveness on any answer (a 503 says the
     router is down, which restarting the pod would not mend), not when nothing answers."""
-    from stack.credentials import ensure
+    from kvserve.stack.credentials import ensure
     from tests.http_fixtures import http_server
 
     layout, _ = ensure(tmp_path / "credentials")
@@ -814,7 +814,7 @@ def test_the_http_fronts_probes_ask_its_health(tmp_path: Path) -> None:
     base = yaml.safe_load_all((KUSTOMIZE / "base" / "http.yaml").read_text())
     probes = http_probes([o for o in base if o])
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k in SESSION_VARS}
-    kvserve = f"{shlex.quote(sys.executable)} -m client.cli"
+    kvserve = f"{shlex.quote(sys.executable)} -m kvserve.cli"
 
     def passes(probe: str, port: int, path: str) -> bool:
         command = [kvserve if a == "kvserve" else a for a in probes[probe]]
@@ -916,7 +916,7 @@ class LocalCompose:
     def command(self, service: str, argv: list[str]) -> list[str]:
         """`kvserve ...` as this interpreter runs it; other commands as they are."""
         argv = [self.rewrite(service, "", a) for a in argv]
-        return [sys.executable, "-m", "client.cli", *argv[1:]] if argv[0] == "kvserve" else argv
+        return [sys.executable, "-m", "kvserve.cli", *argv[1:]] if argv[0] == "kvserve" else argv
 
     def run_once(self, service: str) -> None:
         spec = self.services[service]
@@ -948,7 +948,7 @@ class LocalCompose:
         return f"127.0.0.1:{self.port(service, PORTS[service])}"
 
     def stop(self) -> None:
-        from stack.stack import remove_shm_leftovers
+        from kvserve.stack.stack import remove_shm_leftovers
 
         for service, proc in reversed(self.processes.items()):
             if proc.poll() is None:

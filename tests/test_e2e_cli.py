@@ -60,7 +60,7 @@ def up(tmp_path: Path) -> Iterator[CliUp]:
 def check_the_readme_http_examples_and_a_killed_front(up: CliUp) -> None:
     """The curl command of docs/USAGE.md and the README's `openai` example, run as they are written (in the folder `up` runs in)
     against this `up`; a SIGKILLed HTTP front is started again by `up`, on its port, and answers again."""
-    from stack.status import read_status
+    from kvserve.stack.status import read_status
 
     url = f"https://127.0.0.1:{up.http}/v1"
     assert f"OpenAI API at {url} for model 'model-llama'; HTTPS: trust " in up.output()

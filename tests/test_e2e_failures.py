@@ -10,8 +10,8 @@ import pytest
 
 from client import Client
 from client.client import InvalidArgumentError, OutOfRangeError
-from engine.hashing import Namespace, prefix_hashes
-from engine.model import model_fingerprint
+from kvserve.engine.hashing import Namespace, prefix_hashes
+from kvserve.engine.model import model_fingerprint
 from kvstore import KVStoreClient
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, model_dir, oracle, tokens

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from client import Client
-from engine.hashing import Namespace, prefix_hashes
-from engine.model import model_fingerprint
+from kvserve.engine.hashing import Namespace, prefix_hashes
+from kvserve.engine.model import model_fingerprint
 from kvstore import KVStoreClient
 from kvstore.block_format import RECORD_VERSION
 from kvstore.record_key import write_new

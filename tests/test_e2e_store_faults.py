@@ -19,13 +19,13 @@ import torch
 
 from client import Client
 from client.client import Result
-from engine.hashing import Namespace, prefix_hashes
-from handoff.codec import decode_block, encode_block
-from handoff.requests import PrefillHandle
+from kvserve.engine.hashing import Namespace, prefix_hashes
+from kvserve.handoff.codec import decode_block, encode_block
+from kvserve.handoff.requests import PrefillHandle
+from kvserve.stack.stack import Service, start_service
 from kvstore import KVStoreClient
 from kvstore.block_format import HEADER_BYTES, checksum, pack_record, unpack_header
 from prefill_service.client import PrefillCall, PrefillClient
-from stack.stack import Service, start_service
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens, workdir
 

@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from engine import paged_attention
-from engine.engine import RequestTooLarge, StepStats
-from engine.kv_cache import KVCache
-from engine.model import load_model
-from engine.model_runner import MIN_SHARED_BLOCKS, LastLayerRows, shared_blocks
-from engine.sampling import SamplingParams
-from engine.sequence import Finished
-from engine.sequence import Sequence as KVSequence
+from kvserve.engine import paged_attention
+from kvserve.engine.engine import RequestTooLarge, StepStats
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.model import load_model
+from kvserve.engine.model_runner import MIN_SHARED_BLOCKS, LastLayerRows, shared_blocks
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sequence import Finished
+from kvserve.engine.sequence import Sequence as KVSequence
 from tests.engine_fixtures import (
     ARCHS,
     DictStore,

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from engine.model import CACHE_KEYWORDS, Model, UnsupportedModelError, probe_cache
+from kvserve.engine.model import CACHE_KEYWORDS, Model, UnsupportedModelError, probe_cache
 from tests.engine_fixtures import (
     ARCHS,
     DictStore,

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from engine.engine import Engine, StepStats
-from engine.model import Model
-from engine.scheduler import Schedule
-from engine.sequence import Finished, Status
-from engine.sequence import Sequence as KVSequence
+from kvserve.engine.engine import Engine, StepStats
+from kvserve.engine.model import Model
+from kvserve.engine.scheduler import Schedule
+from kvserve.engine.sequence import Finished, Status
+from kvserve.engine.sequence import Sequence as KVSequence
 from tests.engine_fixtures import (
     ARCHS,
     DictStore,

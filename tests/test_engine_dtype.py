@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import Model, load_model, model_dtype
-from engine.paged_attention import chunk_mask
-from engine.tiny import init_tiny_model
+from kvserve.engine.model import Model, load_model, model_dtype
+from kvserve.engine.paged_attention import chunk_mask
+from kvserve.engine.tiny import init_tiny_model
 from prefill_service.__main__ import parser as prefill_parser
 from tests.engine_fixtures import assert_matches_oracle, make_engine, make_seq, random_tokens, run
 

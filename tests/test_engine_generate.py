@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.sequence import Event, Finished, Sequence, TokenEvent
+from kvserve.engine.engine import Engine
+from kvserve.engine.sequence import Event, Finished, Sequence, TokenEvent
 from tests.engine_fixtures import (
     ARCHS,
     DictStore,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import Engine, RequestTooLarge
-from engine.kv_cache import KVCache, kv_cache_blocks
-from engine.model import DEFAULT_MAX_NEW_TOKENS, ContextLengthError, max_new_tokens
+from kvserve.engine.engine import Engine, RequestTooLarge
+from kvserve.engine.kv_cache import KVCache, kv_cache_blocks
+from kvserve.engine.model import DEFAULT_MAX_NEW_TOKENS, ContextLengthError, max_new_tokens
 from tests.engine_fixtures import tiny_model
 
 

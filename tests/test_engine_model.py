@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, MambaConfig, MistralConfig, Qwen2Config
 
-from engine.model import UnsupportedModelError, encode_prompt, load_model, model_fingerprint
+from kvserve.engine.model import UnsupportedModelError, encode_prompt, load_model, model_fingerprint
 from tests.engine_fixtures import tiny_model, tiny_model_path
 
 
@@ -26,7 +26,7 @@ def test_loaded_model_describes_its_kv() -> None:
 def test_fingerprint_stable_across_processes_and_copies(tmp_path: Path) -> None:
     path = tiny_model_path("qwen2")
     child = subprocess.run(
-        [sys.executable, "-c", "import sys; from engine.model import model_fingerprint as f; print(f(sys.argv[1]))", str(path)],
+        [sys.executable, "-c", "import sys; from kvserve.engine.model import model_fingerprint as f; print(f(sys.argv[1]))", str(path)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     copy = shutil.copytree(path, tmp_path / "elsewhere" / "copy")
@@ -88,7 +88,7 @@ class NoTokenizing:
 def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(kind: str) -> None:
     from dataclasses import replace
 
-    from engine.model import ContextLengthError
+    from kvserve.engine.model import ContextLengthError
 
     model = tiny_model("llama")
     assert model.max_positions is not None

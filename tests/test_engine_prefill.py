@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.engine import Engine
-from engine.hashing import prefix_hashes
-from engine.kv_cache import KVCache
-from engine.model import Model, layer_kv
-from engine.sequence import Sequence
-from handoff.codec import decode_block, encode_block
-from handoff.transfer import load_blocks, save_blocks
+from kvserve.engine.engine import Engine
+from kvserve.engine.hashing import prefix_hashes
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.model import Model, layer_kv
+from kvserve.engine.sequence import Sequence
+from kvserve.handoff.codec import decode_block, encode_block
+from kvserve.handoff.transfer import load_blocks, save_blocks
 from protos.block_hash import BlockHash
 from tests.engine_fixtures import (
     ARCHS,

@@ -11,10 +11,10 @@ from collections import abc
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.hashing import Namespace, prefix_hashes
-from engine.sequence import Finished, Status
-from engine.sequence import Sequence as KVSequence
+from kvserve.engine.engine import Engine
+from kvserve.engine.hashing import Namespace, prefix_hashes
+from kvserve.engine.sequence import Finished, Status
+from kvserve.engine.sequence import Sequence as KVSequence
 from tests.engine_fixtures import (
     DictStore,
     GatedSource,

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import fetch
+from kvserve.engine import fetch
 from tests.real_model import NO_INDEX, SOURCE, cached_model, fetch_cli
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,17 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from client import cli, local
+from client import local
 from client.local import Layout
+from kvserve.cli import commands as cli
+from kvserve.rpc.auth import Auth, Authenticator, TenantSalts, token_digest
+from kvserve.rpc.certs import make_certs
+from kvserve.rpc.server import Server
+from kvserve.rpc.tls import TLSConfig
+from kvserve.stack.credentials import ensure
+from kvserve.stack.status import STATUS_FILE, ServiceStatus, UpStatus, write_status
 from kvstore.config import StoreConfig
 from kvstore.server import StoreServer
 from protos.kvserve.v1 import decode_pb2_grpc
-from rpc.auth import Auth, Authenticator, TenantSalts, token_digest
-from rpc.certs import make_certs
-from rpc.server import Server
-from rpc.tls import TLSConfig
-from stack.credentials import ensure
-from stack.status import STATUS_FILE, ServiceStatus, UpStatus, write_status
 from tests.fake_decode import DECODE_SERVICE, FakeDecode
 from tests.kvstore_fixtures import REPO
 from tests.processes import free_ports
@@ -125,7 +126,7 @@ def test_a_wrong_ca_is_one_line_without_grpc_core_logs(layout: Layout, other_ca:
     does not end in gRPC's ": OK"."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
     with front_door(TLSConfig.load(*layout.cert("decode"), layout.ca)) as addr:
-        done = subprocess.run([sys.executable, "-m", "client.cli", "generate", "--addr", addr, "--tls-ca",
+        done = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--addr", addr, "--tls-ca",
                                str(other_ca), "hi"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert done.returncode == 2
     assert done.stderr == (f"kvserve generate: the certificate of the server at {addr} is not signed by the CA in "

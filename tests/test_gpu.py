@@ -10,11 +10,11 @@ from functools import cache
 import pytest
 import torch
 
-from engine.hashing import Namespace
-from engine.kv_cache import KVCache
-from engine.model import Model, load_model
-from engine.sampling import SamplingParams
-from handoff.transfer import load_blocks, save_blocks
+from kvserve.engine.hashing import Namespace
+from kvserve.engine.kv_cache import KVCache
+from kvserve.engine.model import Model, load_model
+from kvserve.engine.sampling import SamplingParams
+from kvserve.handoff.transfer import load_blocks, save_blocks
 from protos.block_hash import BlockHash
 from tests.engine_fixtures import (
     ARCHS,

@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from bench import hashing as bench
-from engine.hashing import BLOCK_FORMAT_VERSION, Namespace, hash_block_tokens, prefix_hashes
+from kvserve.bench import hashing as bench
+from kvserve.engine.hashing import BLOCK_FORMAT_VERSION, Namespace, hash_block_tokens, prefix_hashes
 
 NS = Namespace(model_fingerprint="ab" * 32, kv_dtype="float32", block_size=4, cache_salt="tenant-a")
 TOKENS = [0, 1, 2, 3, 4, 5, 6, 7, 2**32 - 1, 65536, 9, 10, 11]
 
 _CHILD = """
 import json, sys
-from engine.hashing import Namespace, prefix_hashes
+from kvserve.engine.hashing import Namespace, prefix_hashes
 ns = Namespace(model_fingerprint="ab" * 32, kv_dtype="float32", block_size=4, cache_salt="tenant-a")
 print(json.dumps([h.hex() for h in prefix_hashes(json.loads(sys.argv[1]), 4, ns.root())]))
 """

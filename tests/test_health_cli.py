@@ -19,12 +19,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import local
-from client.cli import main as kvserve
+from kvserve.cli.commands import main as kvserve
+from kvserve.rpc.certs import make_certs
+from kvserve.rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig
+from kvserve.stack.credentials import ensure
 from kvstore.config import StoreConfig
 from kvstore.server import SERVICE_NAME, StoreServer
-from rpc.certs import make_certs
-from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig
-from stack.credentials import ensure
 from tests.http_fixtures import http_server
 from tests.kvstore_fixtures import REPO, running_server
 
@@ -131,7 +131,7 @@ def test_a_server_of_an_up_on_this_host_is_asked_with_its_admin_certificate(
 def test_the_kvserve_command_exits_with_the_status(store: StoreServer) -> None:
     """What a compose health check runs: the installed command, as a process."""
     kvserve_bin = Path(sys.executable).parent / "kvserve"
-    command = [str(kvserve_bin)] if kvserve_bin.exists() else [sys.executable, "-m", "client.cli"]
+    command = [str(kvserve_bin)] if kvserve_bin.exists() else [sys.executable, "-m", "kvserve.cli"]
     done = subprocess.run([*command, "health", store.address], capture_output=True, text=True, cwd=REPO,
                           timeout=60)
     assert (done.returncode, done.stdout) == (0, f"{store.address}: SERVING\n")
@@ -145,9 +145,9 @@ def test_the_probe_imports_only_what_asking_health_needs(store: StoreServer) -> 
     """`kvserve health` runs every few seconds in each container, beside a service that may be busy: it loads
     neither the stack, its supervisor nor cryptography (what the other commands need), nor HTTP for a gRPC
     address."""
-    script = ("import sys; import client.entry as entry; sys.argv = ['kvserve', 'health', sys.argv[1]]; rc = entry.main(); "
-              "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('stack', 'cryptography', 'http', 'torch') "
-              "and m != 'stack.status' and m != 'stack'))")
+    script = ("import sys; import kvserve.cli as entry; sys.argv = ['kvserve', 'health', sys.argv[1]]; rc = entry.main(); "
+              "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('cryptography', 'http', 'torch') "
+              "or m.startswith(('kvserve.stack.', 'kvserve.http')) and m != 'kvserve.stack.status'))")
     done = subprocess.run([sys.executable, "-c", script, store.address], capture_output=True, text=True, cwd=REPO,
                           timeout=60)
     assert done.stdout.splitlines()[-1] == "0 []", (done.stdout, done.stderr)
@@ -322,7 +322,7 @@ def test_a_url_without_a_host_exits_2(no_tls_env: None, capsys: pytest.CaptureFi
 def test_the_kvserve_command_checks_a_url(tls_port: int, certs: Path) -> None:
     """What the HTTP front's compose health check and Kubernetes probe run: the installed command, as a process."""
     kvserve_bin = Path(sys.executable).parent / "kvserve"
-    command = [str(kvserve_bin)] if kvserve_bin.exists() else [sys.executable, "-m", "client.cli"]
+    command = [str(kvserve_bin)] if kvserve_bin.exists() else [sys.executable, "-m", "kvserve.cli"]
     url = f"https://127.0.0.1:{tls_port}/health"
     env = {k: v for k, v in os.environ.items() if k not in (ENV_CA, ENV_CERT, ENV_KEY)}
     done = subprocess.run([*command, "health", url, "--tls-ca", str(certs / "ca.pem")], capture_output=True,

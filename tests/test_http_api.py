@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import Client
 from client.local import Layout
 from client.metrics import parse_metrics
-from rpc.server import PROBE_LIMIT
-from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, wait_http_healthy
+from kvserve.rpc.server import PROBE_LIMIT
+from kvserve.stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, wait_http_healthy
 from tests.polling import wait_until
 from tests.processes import free_port_run, free_ports
 from tests.stack_fixtures import assert_greedy_matches, model_dir, oracle, tokens
@@ -288,7 +288,7 @@ def second_front(served: HTTPStack, request: pytest.FixtureRequest) -> Iterator[
     upstream, *flags = request.param
     cert, key = served.layout.cert("http")
     process = subprocess.Popen([
-        sys.executable, "-m", "http_api", "--listen", "127.0.0.1:0", "--upstream", upstream or served.stack.addr,
+        sys.executable, "-m", "kvserve.http", "--listen", "127.0.0.1:0", "--upstream", upstream or served.stack.addr,
         "--model-name", MODEL, "--tls-ca", str(served.layout.ca), "--tls-cert", str(cert), "--tls-key", str(key),
         *flags], stdout=subprocess.PIPE, text=True)
     try:

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from client.client import build_request
-from http_api.app import from_grpc
-from http_api.body import MAX_DEPTH, loads, nesting_depth
-from http_api.schema import BadRequest, ChatCompletionRequest, CompletionRequest, parse, short
+from kvserve.http.app import from_grpc
+from kvserve.http.body import MAX_DEPTH, loads, nesting_depth
+from kvserve.http.schema import BadRequest, ChatCompletionRequest, CompletionRequest, parse, short
 from tests.fake_decode import FakeServer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -111,7 +111,7 @@ def test_a_busy_refusal_is_429_with_its_hint() -> None:
 
 
 def test_kvserve_http_refuses_bad_flags_with_one_line() -> None:
-    run = subprocess.run([sys.executable, "-m", "http_api", "--model-name", "m", "--listen", "127.0.0.1:0"],
+    run = subprocess.run([sys.executable, "-m", "kvserve.http", "--model-name", "m", "--listen", "127.0.0.1:0"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--insecure" in run.stderr and "Traceback" not in run.stderr
 
@@ -272,7 +272,7 @@ WELL_FORMED: dict[str, list[Any]] = {  # the same front serves these: the corpus
 @contextlib.contextmanager
 def http_front(upstream: str, *flags: str) -> Iterator[tuple[str, int]]:
     """`kvserve http --insecure` (a process) in front of `upstream`, serving MODEL; its host and port."""
-    process = subprocess.Popen([sys.executable, "-m", "http_api", "--insecure", "--listen", "127.0.0.1:0",
+    process = subprocess.Popen([sys.executable, "-m", "kvserve.http", "--insecure", "--listen", "127.0.0.1:0",
                                 "--upstream", upstream, "--model-name", MODEL, *flags], stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None

@@ -17,11 +17,11 @@ import pytest
 
 from client import local
 from client.local import HOME_ENV, Layout
-from engine.fetch import DATA_DIR_ENV, default_data_dir
+from kvserve.engine.fetch import DATA_DIR_ENV, default_data_dir
+from kvserve.stack.credentials import ensure
+from kvserve.stack.status import STATUS_FILE, ServiceStatus, UpStatus, no_up, read_status, write_status
 from kvstore.config import StoreConfig
 from kvstore.server import StoreServer
-from stack.credentials import ensure
-from stack.status import STATUS_FILE, ServiceStatus, UpStatus, no_up, read_status, write_status
 from tests.fake_decode import FakeServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_the_cli_reads_neither_the_data_dir_nor_the_home_it_runs_in(
         env.update(HOME=str(home), PYTHONPATH=str(ROOT))
         commands = {"health": ["health"], "stats": ["stats", "--kvstore", store.address, "--json"],
                     "generate": ["generate", "--addr", front.addr, "--max-tokens", "3", "hi"]}
-        procs = {name: subprocess.Popen([sys.executable, "-m", "client.cli", *argv], cwd=work, env=env, text=True,
+        procs = {name: subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv], cwd=work, env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                  for name, argv in commands.items()}
         done = {name: (*proc.communicate(timeout=60), proc.returncode) for name, proc in procs.items()}

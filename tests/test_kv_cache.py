@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
+from kvserve.engine.kv_cache import KVCache
 
 
 def test_write_lands_full_and_tail_blocks_in_their_slots_token_major() -> None:

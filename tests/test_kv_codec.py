@@ -2,8 +2,8 @@ import pytest
 import torch
 import xxhash
 
-from engine.hashing import BLOCK_FORMAT_VERSION, Namespace
-from handoff.codec import (
+from kvserve.engine.hashing import BLOCK_FORMAT_VERSION, Namespace
+from kvserve.handoff.codec import (
     BLOCK_MAGIC,
     HEADER,
     HEADER_BYTES,

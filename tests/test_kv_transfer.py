@@ -9,11 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import native
-from engine.hashing import Namespace
-from engine.kv_cache import KVCache
-from handoff.codec import decode_block, encode_block
-from handoff.transfer import EncodedBlock, Loaded, encoded_bytes, load_blocks, nonfinite_blocks, save_blocks
+from kvserve.engine import native
+from kvserve.engine.hashing import Namespace
+from kvserve.engine.kv_cache import KVCache
+from kvserve.handoff.codec import decode_block, encode_block
+from kvserve.handoff.transfer import (
+    EncodedBlock,
+    Loaded,
+    encoded_bytes,
+    load_blocks,
+    nonfinite_blocks,
+    save_blocks,
+)
 from kvstore import Part
 from kvstore.client import KVStoreClient, scatter
 from protos.block_hash import BlockHash

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench import store_transfer as bench
+from kvserve.bench import store_transfer as bench
 from kvstore import KVStoreClient
 from kvstore.__main__ import main
 from tests.kvstore_fixtures import key, payload, start_process

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserve.rpc.server import CHANNEL_OPTIONS
 from kvstore import KVStoreClient, arena
 from kvstore.block_format import checksum
 from kvstore.config import StoreConfig
@@ -25,7 +26,6 @@ from kvstore.server import StoreServer
 from kvstore.types import Tier
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
-from rpc.server import CHANNEL_OPTIONS
 from tests.kvstore_fixtures import REPO, corrupt_lmdb_value, key, payload, run_in_threads, running_server
 from tests.polling import wait_until
 

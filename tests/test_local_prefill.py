@@ -12,7 +12,7 @@ import pytest
 
 from client import Client
 from client.client import Result
-from engine.hashing import prefix_hashes
+from kvserve.engine.hashing import prefix_hashes
 from protos.kvserve.v1 import decode_pb2_grpc, kvstore_pb2
 from tests.stack_fixtures import BLOCK_SIZE, FakeStore, LocalStack, assert_greedy_matches, oracle, tokens
 

@@ -25,12 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
 from client.local import Layout
-from rpc.auth import load_tokens
-from rpc.certs import DEFAULT_NAMES
-from stack.credentials import ensure as ensure_credentials
-from stack.stack import ServiceSpec, Stack, StackConfig, spawn_service, unreadable
-from stack.status import STATUS_FILE, read_status
-from stack.supervisor import Backoff, Supervisor
+from kvserve.rpc.auth import load_tokens
+from kvserve.rpc.certs import DEFAULT_NAMES
+from kvserve.stack.credentials import ensure as ensure_credentials
+from kvserve.stack.stack import ServiceSpec, Stack, StackConfig, spawn_service, unreadable
+from kvserve.stack.status import STATUS_FILE, read_status
+from kvserve.stack.supervisor import Backoff, Supervisor
 from tests.polling import wait_until
 from tests.processes import alive, children
 

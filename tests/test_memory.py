@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stack.memory import held_bytes
+from kvserve.stack.memory import held_bytes
 from tests.polling import wait_until
 from tests.processes import KVSERVE, children, free_ports, running_up
 

@@ -19,14 +19,14 @@ import openai
 import pytest
 
 from client.metrics import parse_metrics
-from engine.block_pool import BlockPool
-from engine.engine import Engine
-from engine.model import load_model
-from engine.sampling import Sampler, SamplingParams
-from engine.sequence import Finished, Sequence
-from engine.tiny import init_tiny_model
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.engine import Engine
+from kvserve.engine.model import load_model
+from kvserve.engine.sampling import Sampler, SamplingParams
+from kvserve.engine.sequence import Finished, Sequence
+from kvserve.engine.tiny import init_tiny_model
+from kvserve.stack.stack import METRICS_OFFSETS, Stack, StackConfig
 from protos.block_hash import BlockHash
-from stack.stack import METRICS_OFFSETS, Stack, StackConfig
 from tests.polling import wait_until
 from tests.processes import free_port_run
 from tests.stack_fixtures import BLOCK_SIZE, TEST_KV_CACHE_BYTES, model_dir, tokens

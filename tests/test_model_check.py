@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig, BertForMaskedLM
 
-from engine.model import load_model
-from engine.model_check import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_folder
-from engine.tiny import ARCHS
+from kvserve.engine.model import load_model
+from kvserve.engine.model_check import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_folder
+from kvserve.engine.tiny import ARCHS
 from tests.engine_fixtures import tiny_model_path
 from tests.processes import KVSERVE, free_ports
 
@@ -97,7 +97,7 @@ def test_up_refuses_a_masked_lm_before_starting_anything(tmp_path: Path, bert: P
 
 def test_up_checks_the_model_without_importing_torch() -> None:
     """`up` decides on config.json alone: its process imports no torch or transformers to refuse a model."""
-    probe = "import sys, client.cli; print(sorted({'torch', 'transformers'} & sys.modules.keys()))"
+    probe = "import sys, kvserve.cli.commands; print(sorted({'torch', 'transformers'} & sys.modules.keys()))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "[]", done.stdout
 

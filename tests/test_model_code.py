@@ -23,9 +23,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.llama import LlamaForward
-from engine.model import load_model
-from engine.model_check import SUPPORTED_MODEL_TYPES
+from kvserve.engine.llama import LlamaForward
+from kvserve.engine.model import load_model
+from kvserve.engine.model_check import SUPPORTED_MODEL_TYPES
 from tests.engine_fixtures import (
     DictStore,
     PrefixSource,

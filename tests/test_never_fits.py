@@ -18,11 +18,11 @@ import pytest
 
 from client import Client
 from client.client import OutOfRangeError, ResourceExhaustedError, build_request
+from kvserve.router.router import DECODE_SERVICE, Router
+from kvserve.router.server import RouterServicer
+from kvserve.rpc.server import Server
 from protos.kvserve.v1 import decode_pb2_grpc
 from protos.retry import retry_after_s
-from router.router import DECODE_SERVICE, Router
-from router.server import RouterServicer
-from rpc.server import Server
 from tests.polling import wait_until
 from tests.stack_fixtures import LocalStack
 from tests.test_engine_model import NoTokenizing

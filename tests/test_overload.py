@@ -28,7 +28,7 @@ import pytest
 from client import AsyncClient, Client
 from client.client import KVServeError, Result
 from client.metrics import parse_metrics
-from stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, start_service, stop_service
+from kvserve.stack.stack import METRICS_OFFSETS, Service, Stack, StackConfig, start_service, stop_service
 from tests.processes import HealthProbe, free_port_run, free_ports, openmp_as_deployed, rss_anon
 from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
 
@@ -215,7 +215,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             args[len(args) - 1 - args[::-1].index(flag) + 1] = value  # the last of each: the one argparse keeps
         with openmp_as_deployed():
             decode_b = start_service("decode-b", "decode_service", args, tmp / "logs" / "decode-b.log")
-        router = start_service("router", "router", [
+        router = start_service("router", "kvserve.router", [
             "--listen", "127.0.0.1:0", "--decode", f"{node.addr},{decode_b.addr}", "--insecure",
             "--metrics-port", str(router_metrics)], tmp / "logs" / "router.log")
         yield Deployment(node, decode_b, decode_b_metrics, decode_b_health, router, router_metrics)
@@ -380,7 +380,7 @@ def as_remote_client() -> None:
     """Raises this process to the priority of the services' threads that take calls (rpc.cli.EnginePriority) where
     it may: a client on another host does not wait for these cores behind the engines, which compute at the
     priority of the host's other work. Without privilege, what the storm measures includes its own wait for them."""
-    from rpc.cli import FRONT_RAISE
+    from kvserve.rpc.cli import FRONT_RAISE
 
     with contextlib.suppress(PermissionError):
         os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - FRONT_RAISE)

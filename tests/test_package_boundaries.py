@@ -2,10 +2,10 @@
 
 The packages are layers, bottom to top (LAYERS); each imports only the packages below it that its rule
 names (MAY_IMPORT), so no two packages import each other, and no module of a package is in an import
-cycle with others (imports inside functions and under TYPE_CHECKING count). Entry points (modules run as
-programs) are roots: they may import anything, and nothing imports them. The store is reached only
-through its public package (`KVStoreClient`) but by the stack and the benchmarks, which start it; the
-prefill service only through `prefill_service.client`. Third-party: no torch in the RPC plumbing, the
+cycle with others (imports inside functions and under TYPE_CHECKING count). No module is exempt: the
+`kvserve` command (kvserve.cli) is the top layer. The store is reached only through its public package
+(`KVStoreClient`) and its program, but by the stack and the benchmarks, which start it; the prefill
+service only through `prefill_service.client` and its program. Third-party: no torch in the RPC plumbing, the
 router (it holds no model), the client or the stack; no grpc in the engine; torch (or cupy) in the
 store only in its device tier.
 """
@@ -19,40 +19,58 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("protos", "rpc", "engine", "kvstore", "handoff", "prefill_service", "decode_service", "router", "client",
-          "http_api", "stack", "bench")
+# The design card's packages at the top of the repo, and what else there is under `kvserve`; a unit is a
+# top-level package or a package (or module) directly under kvserve/.
+LAYERS = ("protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service", "decode_service",
+          "kvserve.router", "client", "kvserve.http", "kvserve.stack", "kvserve.bench", "kvserve.pytest_plugin",
+          "kvserve.cli")
 MAY_IMPORT: dict[str, set[str]] = {
     "protos": set(),
-    "rpc": {"protos"},
-    "engine": {"protos"},
-    "kvstore": {"protos", "rpc"},
-    "handoff": {"protos", "rpc", "engine", "kvstore"},
-    "prefill_service": {"protos", "rpc", "engine", "kvstore", "handoff"},
-    "decode_service": {"protos", "rpc", "engine", "kvstore", "handoff", "prefill_service"},
-    "router": {"protos", "rpc"},  # it holds no model
-    "client": {"protos"},  # the library: Client, the metrics page reader (the rest of client/ are entry points)
-    "http_api": {"protos", "rpc", "client"},  # OpenAI's HTTP API in front of the gRPC one: no model either
-    "stack": {"rpc", "client"},  # it starts the services as `python -m` processes, with credentials it makes
-    "bench": set(LAYERS[:-1]),
+    "kvserve.rpc": {"protos"},
+    "kvserve.engine": {"protos"},
+    "kvstore": {"protos", "kvserve.rpc"},
+    "kvserve.handoff": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore"},
+    "prefill_service": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff"},
+    "decode_service": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service"},
+    "kvserve.router": {"protos", "kvserve.rpc"},  # it holds no model
+    "client": {"protos"},  # the client library: Client, its credentials, the metrics page reader
+    "kvserve.http": {"protos", "kvserve.rpc", "client"},  # OpenAI's HTTP API in front of the gRPC one: no model either
+    # It starts the services as `python -m` processes, with credentials it makes; the engine's model helpers
+    # (fetch, check) are stdlib only.
+    "kvserve.stack": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "client"},
+    "kvserve.bench": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service",
+                      "decode_service", "kvserve.router", "client", "kvserve.http", "kvserve.stack"},
+    "kvserve.pytest_plugin": {"kvserve.rpc", "kvserve.engine", "kvstore", "client", "kvserve.stack"},
+    "kvserve.cli": set(LAYERS[:-1]),  # the `kvserve` command: each service's `__main__` and every benchmark
 }
-# Besides every __main__.py: the `kvserve` command (client.entry hands `health` to client.health, the rest to
-# client.cli), `make demo`, `kvserve health` and the pytest plugin.
-ENTRY_POINTS = {"client.entry", "client.cli", "client.demo", "client.health", "client.pytest_plugin"}
 # The only modules of these packages that other packages import (the store's public package holds KVStoreClient).
-PUBLIC = {"kvstore": {"kvstore"}, "prefill_service": {"prefill_service.client"}}
-STARTERS = {"stack", "bench"}  # they start the store, so they may reach into it
-NEVER = {package: {"torch", "transformers"} for package in ("rpc", "router", "client", "http_api", "stack")} | {"engine": {"grpc"}}
+PUBLIC = {"kvstore": {"kvstore", "kvstore.__main__"},
+          "prefill_service": {"prefill_service.client", "prefill_service.__main__"}}
+STARTERS = {"kvserve.stack", "kvserve.bench"}  # they start the store, so they may reach into it
+NEVER = ({package: {"torch", "transformers"} for package in ("kvserve.rpc", "kvserve.router", "client", "kvserve.http",
+                                                           "kvserve.stack", "kvserve.cli")}
+         | {"kvserve.engine": {"grpc"}})
 TORCH_IN_KVSTORE = {"kvstore.device_tier"}
+
+
+def unit(module: str) -> str:
+    """The layer a module belongs to: its top-level package, or under kvserve/ the package or module below it."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "kvserve" and len(parts) > 1 else parts[0]
 
 
 def module_paths(root: Path, packages: Iterable[str]) -> dict[str, Path]:
     """Every module of `packages` under `root` by its dotted name (a package by its own)."""
     paths = {}
     for package in packages:
-        for path in (root / package).rglob("*.py"):
+        for path in _files(root / package.replace(".", "/")):
             parts = path.relative_to(root).with_suffix("").parts
             paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return paths
+
+
+def _files(base: Path) -> Iterable[Path]:
+    return [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else base.rglob("*.py")
 
 
 def imported_names(name: str, path: Path) -> set[str]:
@@ -83,24 +101,17 @@ def module_graph(root: Path = ROOT, packages: Iterable[str] = LAYERS) -> dict[st
             for name, path in paths.items()}
 
 
-def entry_points(graph: Mapping[str, set[str]]) -> set[str]:
-    return ENTRY_POINTS | {name for name in graph if name.endswith(".__main__")}
-
-
 def violations(graph: Mapping[str, set[str]]) -> list[str]:
-    """The imports the rules forbid (an entry point's are all allowed): of an entry point, of a package
-    MAY_IMPORT does not name, of a module another package keeps to itself."""
-    roots = entry_points(graph)
+    """The imports the rules forbid: of a package MAY_IMPORT does not name, of a module another package keeps
+    to itself."""
     bad = []
     for name, imported in graph.items():
-        package = name.split(".")[0]
+        package = unit(name)
         for other in imported:
-            target = other.split(".")[0]
-            if name in roots or target == package and other not in roots:
+            target = unit(other)
+            if target == package:
                 continue
-            if other in roots:
-                bad.append(f"{name} -> {other}: an entry point")
-            elif target not in MAY_IMPORT[package]:
+            if target not in MAY_IMPORT[package]:
                 bad.append(f"{name} -> {other}: {package} may not import {target}")
             elif target in PUBLIC and other not in PUBLIC[target] and package not in STARTERS:
                 bad.append(f"{name} -> {other}: only {', '.join(sorted(PUBLIC[target]))} of {target}")
@@ -108,13 +119,10 @@ def violations(graph: Mapping[str, set[str]]) -> list[str]:
 
 
 def package_graph(graph: Mapping[str, set[str]]) -> dict[str, set[str]]:
-    """Package -> the other packages its modules import, entry points left out."""
-    roots = entry_points(graph)
+    """Package -> the other packages its modules import."""
     packages: dict[str, set[str]] = {}
     for name, imported in graph.items():
-        if name not in roots:
-            package = name.split(".")[0]
-            packages.setdefault(package, set()).update(m.split(".")[0] for m in imported if m.split(".")[0] != package)
+        packages.setdefault(unit(name), set()).update(unit(m) for m in imported if unit(m) != unit(name))
     return packages
 
 
@@ -142,11 +150,11 @@ def test_each_package_may_import_only_packages_below_it() -> None:
     assert {p: MAY_IMPORT[p] - set(LAYERS[: LAYERS.index(p)]) for p in LAYERS} == {p: set() for p in LAYERS}
 
 
-def test_the_entry_points_are_the_programs_pyproject_names() -> None:
+def test_the_programs_pyproject_names_are_the_top_layers() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     named = [*project["scripts"].values(), *project["entry-points"]["pytest11"].values()]
-    assert {target.split(":")[0] for target in named} <= entry_points(GRAPH)
+    assert {unit(target.split(":")[0]) for target in named} == {"kvserve.cli", "kvserve.pytest_plugin"}
 
 
 def test_imports_follow_the_layers() -> None:
@@ -175,16 +183,19 @@ def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
 
 def test_the_rules_catch_forbidden_imports() -> None:
     graph = {
-        "rpc.metrics": {"engine.engine", "rpc.errors"},
+        "kvserve.rpc.metrics": {"kvserve.engine.engine", "kvserve.rpc.errors"},
         "decode_service.service": {"prefill_service.service", "prefill_service.client", "kvstore.store", "kvstore"},
-        "bench.target": {"client.cli", "kvstore.client"},
-        "client.cli": {"bench.prefill", "kvstore.__main__", "client.health"},  # an entry point imports anything
+        "kvserve.bench.target": {"kvserve.cli.commands", "kvstore.client"},
+        "kvserve.cli.commands": {"kvserve.bench.prefill", "kvstore.__main__", "kvserve.cli.health"},
+        "client.client": {"kvserve.stack.stack"},
     }
     assert violations(graph) == [
-        "bench.target -> client.cli: an entry point",
-        "decode_service.service -> kvstore.store: only kvstore of kvstore",
-        "decode_service.service -> prefill_service.service: only prefill_service.client of prefill_service",
-        "rpc.metrics -> engine.engine: rpc may not import engine",
+        "client.client -> kvserve.stack.stack: client may not import kvserve.stack",
+        "decode_service.service -> kvstore.store: only kvstore, kvstore.__main__ of kvstore",
+        "decode_service.service -> prefill_service.service: only prefill_service.__main__, prefill_service.client "
+        "of prefill_service",
+        "kvserve.bench.target -> kvserve.cli.commands: kvserve.bench may not import kvserve.cli",
+        "kvserve.rpc.metrics -> kvserve.engine.engine: kvserve.rpc may not import kvserve.engine",
     ]
 
 

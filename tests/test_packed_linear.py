@@ -1,4 +1,4 @@
-"""engine.packed_linear: an engine's linear layers run on weights oneDNN packed once, with nn.Linear's results
+"""kvserve.engine.packed_linear: an engine's linear layers run on weights oneDNN packed once, with nn.Linear's results
 to the last bits, siblings that read the same input as one product, and leave a tied output embedding alone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from engine.packed_linear import FusedPart, PackedLinear, can_pack, pack_linear_layers
+from kvserve.engine.packed_linear import FusedPart, PackedLinear, can_pack, pack_linear_layers
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 

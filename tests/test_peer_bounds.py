@@ -11,8 +11,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from engine.sampling import SamplingParams
-from handoff.requests import MalformedHandle, PromptInput, RequestOptions, handle_from_proto
+from kvserve.engine.sampling import SamplingParams
+from kvserve.handoff.requests import MalformedHandle, PromptInput, RequestOptions, handle_from_proto
+from kvserve.rpc.errors import Unavailable
 from kvstore import KVStoreClient
 from kvstore.errors import BlockTooLarge
 from prefill_service.client import PrefillClient
@@ -20,7 +21,6 @@ from protos.block_hash import BlockHash
 from protos.kvserve.v1 import kvstore_pb2 as pb
 from protos.kvserve.v1 import kvstore_pb2_grpc as pb_grpc
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
-from rpc.errors import Unavailable
 
 KEY = BlockHash(b"k" * 32)
 

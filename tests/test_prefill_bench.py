@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from bench import prefill as prefill_bench
+from kvserve.bench import prefill as prefill_bench
 from tests.engine_fixtures import tiny_model, tiny_model_path
 
 

@@ -17,11 +17,11 @@ from client import Client
 from client.client import InvalidArgumentError, OutOfRangeError
 from decode_service.cancellation import Cancellation
 from decode_service.service import GenerateJob
-from engine.sampling import SamplingParams
-from handoff.requests import PromptInput, RequestOptions
+from kvserve.engine.sampling import SamplingParams
+from kvserve.handoff.requests import PromptInput, RequestOptions
+from kvserve.rpc.errors import Unavailable
 from prefill_service.client import PrefillClient, UpstreamError
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
-from rpc.errors import Unavailable
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from engine.hashing import prefix_hashes
-from engine.sampling import SamplingParams
-from handoff.requests import PromptInput, RequestOptions
+from kvserve.engine.hashing import prefix_hashes
+from kvserve.engine.sampling import SamplingParams
+from kvserve.handoff.requests import PromptInput, RequestOptions
+from kvserve.rpc.server import Server
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import SERVICE_NAME, PrefillServicer
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from rpc.server import Server
 from tests.stack_fixtures import BLOCK_SIZE, FakeStore, engine, oracle, tokens
 
 ARCH = "llama"

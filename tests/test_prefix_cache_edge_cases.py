@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from client import Client
 from client.client import FailedPreconditionError, Result
-from engine.hashing import prefix_hashes
+from kvserve.engine.hashing import prefix_hashes
 from tests.stack_fixtures import (
     ARCHS,
     BLOCK_SIZE,

@@ -1,4 +1,4 @@
-"""The pytest plugin kvserve installs (client/pytest_plugin.py), run as its users run it: in a pytest
+"""The pytest plugin kvserve installs (kvserve/pytest_plugin.py), run as its users run it: in a pytest
 of their own (pytester, in a subprocess) that asks for its fixtures."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client.pytest_plugin import MODEL_ENV, SERVICES
+from kvserve.pytest_plugin import MODEL_ENV, SERVICES
 from tests.processes import alive
 
 pytest_plugins = ["pytester"]
@@ -70,17 +70,17 @@ def readme_example() -> str:
 
 def test_the_plugin_is_registered_with_pytest() -> None:
     plugins = {ep.name: ep.value for ep in entry_points(group="pytest11")}
-    assert plugins.get("kvserve") == "client.pytest_plugin"
+    assert plugins.get("kvserve") == "kvserve.pytest_plugin"
 
 
 def test_loading_the_plugin_imports_no_grpc_and_no_torch() -> None:
     """Every pytest run of a project with kvserve installed loads the plugin: it must cost nothing."""
-    probe = ("import sys, pytest; before = set(sys.modules); import client.pytest_plugin; "
+    probe = ("import sys, pytest; before = set(sys.modules); import kvserve.pytest_plugin; "
              "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     loaded = set(done.stdout.split())
-    assert "client" in loaded
-    assert loaded.isdisjoint({"grpc", "google", "protos", "kvstore", "engine", "torch", "transformers"}), loaded
+    assert "kvserve" in loaded
+    assert loaded.isdisjoint({"grpc", "google", "protos", "kvstore", "client", "torch", "transformers"}), loaded
 
 
 @pytest.mark.slow

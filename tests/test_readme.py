@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from client.local import HOME_ENV
-from engine.fetch import DATA_DIR_ENV
+from kvserve.engine.fetch import DATA_DIR_ENV
 from tests.processes import KVSERVE, Up, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 VENV_KVSERVE = ".venv/bin/kvserve"
 RUN = ("generate", "stats")  # `kvserve` commands cheap enough to run against the test's `up`
 NOT_RUN: frozenset[str] = frozenset()  # blocks (their exact text) deliberately left unrun; none today
-# `kvserve up`'s default ports (client/cli.py), in the order of its port flags below.
+# `kvserve up`'s default ports (kvserve/cli/commands.py), in the order of its port flags below.
 DEFAULT_PORTS = {"--decode-port": 50051, "--prefill-port": 50052, "--store-port": 50053, "--http-port": 8000}
 START_TIMEOUT_S = 120
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)

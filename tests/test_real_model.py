@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import Client, Result
-from stack.stack import Stack, StackConfig
+from kvserve.stack.stack import Stack, StackConfig
 from tests.engine_fixtures import top2_gap
 from tests.real_model import cached_model
 

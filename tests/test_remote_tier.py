@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from client import cli
+from kvserve.cli import commands as cli
+from kvserve.rpc.cli import parse_args
 from kvstore import KVStoreClient
 from kvstore.__main__ import parser, remote_config
 from kvstore.block_format import RECORD_VERSION, pack_record
@@ -21,7 +22,6 @@ from kvstore.config import RemoteConfig
 from kvstore.remote_tier import Breaker, RemoteTier
 from kvstore.store import BlockStore
 from kvstore.types import Tier
-from rpc.cli import parse_args
 from tests.kvstore_fixtures import FakeClock, key, make_store, payload, running_server
 from tests.processes import free_ports
 from tests.redis_fixtures import RedisServer, needs_redis, redis_cluster

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from client.client import build_request
-from engine.hashing import prefix_hashes
+from kvserve.engine.hashing import prefix_hashes
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.model_faults import FaultyForward
 from tests.polling import wait_until

@@ -14,16 +14,16 @@ import pytest
 
 from client import Client
 from client.client import InvalidArgumentError, build_request
+from kvserve.router.__main__ import parser
+from kvserve.router.router import DECODE_SERVICE, ENTRY_BYTES, BlockIndex, Router
+from kvserve.router.server import RouterServicer
+from kvserve.rpc.addresses import resolve
+from kvserve.rpc.cli import env_args
+from kvserve.rpc.server import Server
 from prefill_service.client import PrefillReplicas
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2_grpc
 from protos.retry import StreamBackoff
-from router.__main__ import parser
-from router.router import DECODE_SERVICE, ENTRY_BYTES, BlockIndex, Router
-from router.server import RouterServicer
-from rpc.addresses import resolve
-from rpc.cli import env_args
-from rpc.server import Server
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 

@@ -25,6 +25,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from decode_service.replica import DecodeReplicaServicer, PoolEvents
+from kvserve.router.router import ENTRY_BYTES, BlockIndex, Router
+from kvserve.router.server import RouterMetrics
+from kvserve.rpc.server import Server
 from protos.block_hash import HASH_BYTES, BlockHash
 from protos.bounds import (
     MAX_EVENT_HASHES,
@@ -36,9 +39,6 @@ from protos.bounds import (
     prompt_hashes,
 )
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from router.router import ENTRY_BYTES, BlockIndex, Router
-from router.server import RouterMetrics
-from rpc.server import Server
 from tests.fake_decode import FakeReplica, FakeServer
 from tests.polling import wait_until
 from tests.stack_fixtures import FakeRpcError
@@ -311,7 +311,7 @@ def test_a_replica_lying_about_its_load_or_a_prompts_hashes_is_distrusted(server
 
 def test_prefix_hashes_are_asked_with_the_routers_token_for_the_callers_tenant(servers: list[FakeServer]) -> None:
     """Decode's internal API answers only a service token; the caller's token names the tenant whose
-    namespace the hashes are in (rpc/auth.py). A refused token places the request by load."""
+    namespace the hashes are in (kvserve/rpc/auth.py). A refused token places the request by load."""
     prompt = [h(i) for i in range(4)]
     replica = FakeReplica(prefix=decode_pb2.PrefixHashesResponse(hashes=prompt, prompt_tokens=64, block_size=16))
     servers.append(serve(replica))

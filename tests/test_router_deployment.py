@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.target import free_port
 from client import Client
 from client.client import KVServeError, Result
 from client.metrics import parse_metrics
-from stack.stack import Service, Stack, StackConfig, start_service, stop_service
+from kvserve.bench.target import free_port
+from kvserve.stack.stack import Service, Stack, StackConfig, start_service, stop_service
 from tests.polling import wait_until
 from tests.redis_fixtures import RedisServer
 from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
@@ -56,7 +56,7 @@ class Deployment:
 
 def start_router(decode: list[str], policy: str) -> tuple[Service, int]:
     port = free_port()
-    service = start_service(f"router-{policy}", "router", [
+    service = start_service(f"router-{policy}", "kvserve.router", [
         "--listen", "127.0.0.1:0", "--decode", ",".join(decode), "--policy", policy, "--metrics-port", str(port),
         "--insecure"])
     return service, port

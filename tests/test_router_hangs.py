@@ -23,14 +23,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.target import free_port
 from client.client import build_request
 from client.metrics import parse_metrics
+from kvserve.bench.target import free_port
+from kvserve.router.__main__ import parser
+from kvserve.router.router import DECODE_SERVICE, Replica
+from kvserve.rpc.cli import env_args
+from kvserve.stack.stack import Service, start_service, stop_service
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
-from router.__main__ import parser
-from router.router import DECODE_SERVICE, Replica
-from rpc.cli import env_args
-from stack.stack import Service, start_service, stop_service
 from tests.fake_decode import FakeDecode, FakeHealth, FakeReplica, positional
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
@@ -100,7 +100,7 @@ def router_process(decode: Sequence[str], log_path: Path) -> Iterator[tuple[Serv
     """`kvserve router` in front of `decode`, round robin, with the test's first-token and ejection flags; its
     metrics port."""
     metrics_port = free_port()
-    service = start_service("router", "router", [
+    service = start_service("router", "kvserve.router", [
         "--listen", "127.0.0.1:0", "--decode", ",".join(decode), "--policy", "round-robin", "--insecure",
         "--metrics-port", str(metrics_port), "--first-token-timeout-s", str(FIRST_TOKEN_S),
         "--eject-after", str(EJECT_AFTER), "--ejection-s", str(EJECTION_S)], log_path=log_path)

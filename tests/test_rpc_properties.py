@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import Client
+from kvserve.stack.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, kvstore_pb2, prefill_pb2
-from stack.stack import Service, start_service, stop_service
 from tests.stack_fixtures import ProcessStack, tokens
 
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ def stack() -> Iterator[ProcessStack]:
 @pytest.fixture(scope="module")
 def services(stack: ProcessStack) -> Iterator[dict[str, Service]]:
     """Each service of SERVICES by name: the stack's, and a router in front of its decode."""
-    router = start_service("router", "router", ["--listen", "127.0.0.1:0", "--decode", stack.decode[ARCH].addr,
+    router = start_service("router", "kvserve.router", ["--listen", "127.0.0.1:0", "--decode", stack.decode[ARCH].addr,
                                                 "--insecure"])  # as the stack: random values, not credentials
     yield {"store": stack.store, "prefill": stack.prefill[ARCH], "decode": stack.decode[ARCH],
            "decode-replica": stack.decode[ARCH], "router": router}

@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.model import ContextLengthError
+from kvserve.engine.model import ContextLengthError
+from kvserve.rpc.errors import FailedPrecondition, InvalidArgument, Unavailable, status_of
+from kvserve.rpc.metrics import outcome_of
+from kvserve.rpc.server import Server, run_until_signal
 from kvstore.errors import InvalidRequest
-from rpc.errors import FailedPrecondition, InvalidArgument, Unavailable, status_of
-from rpc.metrics import outcome_of
-from rpc.server import Server, run_until_signal
 from tests.polling import wait_until
 from tests.processes import catches
 
@@ -100,7 +100,7 @@ def test_a_main_loop_that_ends_by_itself_shuts_the_service_down() -> None:
 
 _BUSY_SERVICE = """
 import sys, threading
-from rpc.server import Server, run_until_signal
+from kvserve.rpc.server import Server, run_until_signal
 from tests.polling import wait_until
 from tests.processes import catches
 server = Server("127.0.0.1:0")
@@ -137,7 +137,7 @@ def test_a_burst_of_stop_signals_stops_a_service(trial: int) -> None:
 
 _HUNG_STOP = """
 import threading, time
-from rpc.server import Server, run_until_signal
+from kvserve.rpc.server import Server, run_until_signal
 from tests.polling import wait_until
 from tests.processes import catches
 server = Server("127.0.0.1:0")
@@ -166,9 +166,9 @@ def test_a_stop_that_hangs_ends_within_its_bound_with_every_stack_in_stderr() ->
 
 _IDLE_ENGINE = """
 import sys
-from engine.engine import Engine
-from engine.model import load_model
-from rpc.server import Server, run_until_signal
+from kvserve.engine.engine import Engine
+from kvserve.engine.model import load_model
+from kvserve.rpc.server import Server, run_until_signal
 from tests.polling import wait_until
 from tests.processes import catches
 engine = Engine(load_model(sys.argv[1]), kv_cache_memory=1 << 20)
@@ -287,7 +287,7 @@ def test_bytes_that_are_not_the_request_message_get_invalid_argument(tmp_path: P
 
 COLLECTIONS = """
 import gc, json, time
-from rpc.cli import collect_when_quiet
+from kvserve.rpc.cli import collect_when_quiet
 
 gc.set_threshold(100, 10)  # generation-1 collections come fast; Python's full one after ten of them
 gc.collect()  # none pending from the imports
@@ -324,7 +324,7 @@ print(json.dumps(full))
 
 
 def test_full_collections_wait_for_a_moment_without_calls() -> None:
-    """rpc.cli.collect_when_quiet (in a process of its own: it sets the collector's thresholds). While calls
+    """kvserve.rpc.cli.collect_when_quiet (in a process of its own: it sets the collector's thresholds). While calls
     keep coming, a full collection runs only once `at_most` generation-1 collections have passed; when none
     comes, once Python would have run one (ten of them)."""
     done = subprocess.run([sys.executable, "-c", COLLECTIONS], cwd=Path(__file__).resolve().parents[1],

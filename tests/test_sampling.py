@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingParams, sample_batch
+from kvserve.engine.sampling import Sampler, SamplingParams, sample_batch
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 

@@ -22,9 +22,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.client import Client, UnauthenticatedError
 from client.local import Layout
+from kvserve.rpc.certs import make_certs
 from kvstore.block_format import checksum
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from rpc.certs import make_certs
 from tests.processes import KVSERVE, free_port_run, free_ports
 from tests.stack_fixtures import model_dir
 

@@ -25,9 +25,11 @@ from decode_service.cancellation import Cancellation
 from decode_service.server import DecodeServicer
 from decode_service.service import DeploymentMismatch, GenerateJob, GenerateOutcome, Timings, Usage
 from decode_service.stopping import TokenOutput
-from engine.model import ContextLengthError
-from engine.sampling import SamplingParams
-from handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
+from kvserve.engine.model import ContextLengthError
+from kvserve.engine.sampling import SamplingParams
+from kvserve.handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions
+from kvserve.rpc.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
+from kvserve.rpc.server import with_status_mapping
 from kvstore.block_format import checksum
 from kvstore.host_tier import MemoryHostTier
 from kvstore.server import KVStoreServicer
@@ -37,8 +39,6 @@ from prefill_service.server import PrefillServicer
 from prefill_service.service import PrefillJob
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2
-from rpc.errors import Cancelled, DeadlineExceeded, InvalidArgument, Unavailable
-from rpc.server import with_status_mapping
 from tests.kvstore_fixtures import FakeClock, key, payload
 from tests.polling import wait_until
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from client.cli import main as kvserve
-from client.terminal import Progress, printable
-from rpc.certs import flags
-from stack.stack import Service, Stack, StackConfig
+from kvserve.cli.commands import main as kvserve
+from kvserve.cli.terminal import Progress, printable
+from kvserve.rpc.certs import flags
+from kvserve.stack.stack import Service, Stack, StackConfig
 from tests.polling import wait_until
 from tests.stack_fixtures import model_dir
 
@@ -68,7 +68,7 @@ def test_a_stack_reports_its_stop_and_is_quiet_without_a_progress_callback(tmp_p
 def test_loading_a_model_draws_no_progress_bar(capfd: pytest.CaptureFixture[str]) -> None:
     from transformers.utils import logging as hf_logging
 
-    from engine.model import load_model
+    from kvserve.engine.model import load_model
 
     path = model_dir("llama")
     was = hf_logging.is_progress_bar_enabled()

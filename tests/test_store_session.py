@@ -1,11 +1,11 @@
-"""handoff.session: the store as a best-effort cache for one request."""
+"""kvserve.handoff.session: the store as a best-effort cache for one request."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from handoff.session import StoreSession
+from kvserve.handoff.session import StoreSession
 from tests.stack_fixtures import FakeRpcError, FakeStore
 
 A, B = b"a" * 32, b"b" * 32

@@ -19,8 +19,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rpc.cli import CUDA_THREADS, FRONT_SLICE_NS, EnginePriority, default_threads, engine_threads, env_args
-from stack.stack import Stack, StackConfig, flag_value, thread_budgets
+from kvserve.rpc.cli import (
+    CUDA_THREADS,
+    FRONT_SLICE_NS,
+    EnginePriority,
+    default_threads,
+    engine_threads,
+    env_args,
+)
+from kvserve.stack.stack import Stack, StackConfig, flag_value, thread_budgets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +116,7 @@ PREPARE = """
 import sys
 import torch
 from {module}.__main__ import parser
-from rpc.cli import configure_logging, prepare_engine_process
+from kvserve.rpc.cli import configure_logging, prepare_engine_process
 args = parser().parse_args(["--model", "m", *sys.argv[1:]])
 configure_logging("test", "INFO")
 prepare_engine_process(args)
@@ -156,7 +163,7 @@ import ctypes
 import os
 import torch
 import decode_service.__main__  # what the service imports before it prepares the process: no oneDNN kernel yet
-from rpc.cli import prepare_engine_process
+from kvserve.rpc.cli import prepare_engine_process
 prepare_engine_process(0)
 
 class MallInfo(ctypes.Structure):  # glibc's mallinfo2: bytes handed out from the heaps, and in mmapped chunks
@@ -197,7 +204,7 @@ def test_an_engine_process_bounds_the_kernels_onednn_keeps() -> None:
     the kernels hold stops growing once the cap is reached."""
     import torch
 
-    from engine.packed_linear import can_pack
+    from kvserve.engine.packed_linear import can_pack
     if not can_pack(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN linear kernels")
 
@@ -336,7 +343,7 @@ def test_a_services_compute_runs_below_the_threads_that_take_calls(tmp_path: Pat
     worker, which loading the model started) run at the service's priority plus --engine-nice; gRPC's threads,
     which take calls and refuse them, run above them (raised where this process may, else with a shorter slice)."""
     from client import Client
-    from stack.stack import start_service, stop_service
+    from kvserve.stack.stack import start_service, stop_service
     from tests.stack_fixtures import model_dir
 
     decode = start_service("decode", "decode_service", [

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine import tiny
-from engine.model import load_model
+from kvserve.engine import tiny
+from kvserve.engine.model import load_model
 from tests.engine_fixtures import ARCHS, NEAR_TIE_GAP, random_tokens, tiny_model, tiny_model_path, top2_gap
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]

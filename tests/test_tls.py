@@ -18,14 +18,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.cli import main as kvserve
+from kvserve.cli.commands import main as kvserve
+from kvserve.rpc.certs import flags, make_certs
+from kvserve.rpc.cli import tls_from_args
+from kvserve.rpc.server import Server
+from kvserve.rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
+from kvserve.stack.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
-from rpc.certs import flags, make_certs
-from rpc.cli import tls_from_args
-from rpc.server import Server
-from rpc.tls import ENV_CA, ENV_CERT, ENV_KEY, TLSConfig, TLSError, channel
-from stack.stack import Service, start_service, stop_service
 
 NAMES = ("kvstore", "prefill", "decode", "router", "http")
 KEY = BlockHash(b"k" * 32)

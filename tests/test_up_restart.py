@@ -24,11 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncClient, Client, KVServeError, UnavailableError
 from client.client import SERVER_SAYS
-from stack.credentials import ensure as ensure_credentials
-from stack.memory import LOOKBACK_S, SAMPLE_S, Watch, held_bytes, kill_cause, oom_counter, size
-from stack.placeholder import Placeholder, restarting
-from stack.stack import ServiceSpec, port_in_use
-from stack.status import read_status
+from kvserve.stack.credentials import ensure as ensure_credentials
+from kvserve.stack.memory import LOOKBACK_S, SAMPLE_S, Watch, held_bytes, kill_cause, oom_counter, size
+from kvserve.stack.placeholder import Placeholder, restarting
+from kvserve.stack.stack import ServiceSpec, port_in_use
+from kvserve.stack.status import read_status
 from tests.fake_decode import FakeServer
 from tests.polling import wait_until
 from tests.processes import KVSERVE, free_ports
@@ -194,7 +194,7 @@ def test_the_http_apis_placeholder_answers_503_with_why_and_retry_after(tmp_path
     layout, _ = ensure_credentials(tmp_path)
     port = free_ports(1)[0]
     flags = layout.tls_flags("http") if secure else ["--insecure"]
-    spec = ServiceSpec("http", "http_api", ("--listen", f"127.0.0.1:{port}", *flags), None, "127.0.0.1", "/health")
+    spec = ServiceSpec("http", "kvserve.http", ("--listen", f"127.0.0.1:{port}", *flags), None, "127.0.0.1", "/health")
     placeholder = Placeholder.open(spec, restarting("http", "killed by SIGKILL"))
     assert placeholder is not None
     context = ssl.create_default_context(cafile=str(layout.ca)) if secure else None
@@ -263,7 +263,7 @@ def test_a_stream_that_broke_after_a_token_is_not_sent_again_and_says_what_the_s
 
 
 def test_the_cli_quotes_what_the_server_says_and_probes_nothing() -> None:
-    from client.diagnose import Dialed, explain
+    from kvserve.cli.diagnose import Dialed, explain
 
     broke = "Socket closed" + SERVER_SAYS + restarting("decode", "killed: out of memory")
     dialed = Dialed("127.0.0.1:1", tls=True)  # nothing listens there: a probe would say so

@@ -1,4 +1,4 @@
-"""`kvserve up`'s supervisor (stack/supervisor.py) over small fake services that start in a fraction of a
+"""`kvserve up`'s supervisor (kvserve/stack/supervisor.py) over small fake services that start in a fraction of a
 second: a dead service is reported with its own log lines and started again on its port with growing
 delays; failures that last end `up`; the status file; and what a dead store leaves behind (its shm
 dir, a client's mapping of its arena). tests/test_cli_up.py kills the real services."""
@@ -22,9 +22,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.local import Layout
-from stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
-from stack.status import STATUS_FILE, read_status
-from stack.supervisor import Backoff, Supervisor, Unrecoverable
+from kvserve.stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
+from kvserve.stack.status import STATUS_FILE, read_status
+from kvserve.stack.supervisor import Backoff, Supervisor, Unrecoverable
 from tests.polling import wait_until
 from tests.processes import free_ports, memfd_inodes
 

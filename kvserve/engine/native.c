@@ -1,0 +1,393 @@
+/* The engine's C kernels (kvserve/engine/native.py builds and loads this file): decode attention read where the keys
+ * and values lie in the paged KV cache (engine.paged_attention calls it for a step's decode rows on a CPU),
+ * and a copy that checks the values it moves (a block fetched from the store into a cache slot).
+ *
+ * Each decode row has one query per head. For each row and KV head, the queries of the heads that share that
+ * KV head (the group) walk the row's blocks in order: a block's scores, then an online softmax (a running
+ * maximum and sum, the output rescaled when the maximum grows), as a flash kernel does. Nothing is gathered:
+ * SDPA needs each row's keys and values copied out of their blocks first, a copy as large as what it reads.
+ *
+ * Layout of the cache: [blocks][layers][2 (keys, values)][block_size][kv_heads][head_dim], float32.
+ * Returned per row, KV head and group member: the output and the log-sum-exp of its scores (what
+ * cascade attention needs to merge this part with the shared prefix's).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* e^x for x <= 0 (a score minus the running maximum), vectorizable: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
+ * its Taylor polynomial to r^7 (relative error under 2e-7, about one float ulp), 2^n put in the exponent bits.
+ * Below -87 (e^x under the smallest normal float) it gives 0. */
+/* 16 floats, whatever vectors the CPU has (one AVX-512 register, two AVX2 ones): a dot product of head_dim
+ * (a multiple of 16) summed lane by lane, then across the lanes in four halvings. An `omp simd` reduction
+ * would sum the lanes one by one, for every key. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    v16 acc = *(const v16 *)a * *(const v16 *)b;
+    for (int64_t i = 16; i < n; i += 16)
+        acc += *(const v16 *)(a + i) * *(const v16 *)(b + i);
+    acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    acc += __builtin_shufflevector(acc, acc, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return acc[0];
+}
+
+#pragma omp declare simd
+static inline float exp_nonpositive(float x) {
+    const int under = x < -87.0f;
+    x = under ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return under ? 0.0f : p * scale.f;
+}
+
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+
+/* exp_nonpositive on 16 lanes at once: the same steps, in vector operations. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const v16 lo = (v16){0} - 87.0f;
+    const i16v under = x < lo;
+    x = (v16)(((i16v)x & ~under) | ((i16v)lo & under));
+    const v16 y = x * 1.44269504088896341f + 0.5f;
+    i16v ni = __builtin_convertvector(y, i16v); /* toward zero: one less where that rounded up */
+    ni += __builtin_convertvector(ni, v16) > y;
+    const v16 n = __builtin_convertvector(ni, v16);
+    const v16 r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+    v16 p = (v16){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (v16)((i16v)(p * (v16)((ni + 127) << 23)) & ~under);
+}
+
+/* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
+ * each of its queries (kv_heads * group of them, KV head major). A block's keys are read once, KV head by KV head,
+ * against the group's queries; then its values likewise, each query's output summed in registers over the
+ * block's tokens. Inlined for the usual head sizes (attend_row), so that the compiler knows head_dim: the loops
+ * over it unroll, and an output row of 64 or 128 floats stays in registers across a block. */
+static inline __attribute__((always_inline)) void attend_blocks(
+    const float *restrict q, const float *restrict kv, const int64_t *table, int64_t len, int64_t first,
+    int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size, int64_t kv_heads, int64_t group,
+    const int64_t head_dim, float scale, float *restrict o, float *restrict m, float *restrict l) {
+    const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
+    float s[queries][block_size];
+    for (int64_t i = 0; i < queries; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * queries * head_dim);
+    for (int64_t b = first; b < last; b++) {
+        const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
+        if (b + 1 < last) { /* the next block lies elsewhere: ask for its first keys and values now */
+            const float *next = kv + table[b + 1] * block_stride + layer_offset;
+            __builtin_prefetch(next);
+            __builtin_prefetch(next + half);
+        }
+        const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t t = 0; t < n; t++) {
+                const float *kt = k + t * slot + h * head_dim;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qi = q + (h * group + g) * head_dim;
+                    float dot = 0.0f;
+                    if (head_dim % 16 == 0) {
+                        dot = dot16(qi, kt, head_dim);
+                    } else {
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < head_dim; d++)
+                            dot += qi[d] * kt[d];
+                    }
+                    s[h * group + g][t] = dot * scale;
+                }
+            }
+        }
+        for (int64_t i = 0; i < queries; i++) {
+            if (block_size == 16) { /* the block's 16 scores as one vector (past n: -inf, whatever the slot holds) */
+                v16 sv;
+                memcpy(&sv, s[i], sizeof sv);
+                for (int t = n; t < 16; t++)
+                    sv[t] = -INFINITY;
+                float top = m[i];
+                for (int t = 0; t < 16; t++)
+                    top = sv[t] > top ? sv[t] : top;
+                if (top > m[i]) {
+                    const float c = exp_nonpositive(m[i] - top);
+                    l[i] *= c;
+                    for (int64_t d = 0; d < head_dim; d++)
+                        o[i * head_dim + d] *= c;
+                    m[i] = top;
+                }
+                const v16 pv = exp16_nonpositive(sv - top);
+                memcpy(s[i], &pv, sizeof pv);
+                float sum = 0.0f;
+                for (int t = 0; t < 16; t++)
+                    sum += pv[t];
+                l[i] += sum;
+                continue;
+            }
+            float top = m[i];
+            for (int64_t t = 0; t < n; t++)
+                top = s[i][t] > top ? s[i][t] : top;
+            if (top > m[i]) { /* rescale what was summed under the old maximum */
+                const float c = exp_nonpositive(m[i] - top);
+                l[i] *= c;
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[i * head_dim + d] *= c;
+                m[i] = top;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                s[i][t] = exp_nonpositive(s[i][t] - top);
+                sum += s[i][t];
+            }
+            l[i] += sum;
+        }
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t g = 0; g < group; g++) {
+                float *oi = o + (h * group + g) * head_dim;
+                const float *p = s[h * group + g];
+                for (int64_t t = 0; t < n; t++) {
+                    const float *vt = v + t * slot + h * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++)
+                        oi[d] += p[t] * vt[d];
+                }
+            }
+        }
+    }
+}
+
+/* attend_blocks for many queries per KV head (WIDE_GROUP or more: a step's rows over a prefix they share, read
+ * once for all of them), 16 queries at a time in the lanes of a vector: a block's scores as head_dim
+ * multiply-adds of the queries' d-th elements by each key's d-th, broadcast, with no sum across lanes; the
+ * softmax's maxima and sums lane by lane. qt holds the queries transposed and scaled: [kv_heads][chunks][head_dim]
+ * of 16 lanes, zero past the last query. */
+#define WIDE_GROUP 8
+static inline __attribute__((always_inline)) void attend_blocks_wide(
+    const v16 *restrict qt, const float *restrict kv, const int64_t *table, int64_t len, int64_t first, int64_t last,
+    int64_t block_stride, int64_t layer_offset, const int64_t block_size, int64_t kv_heads, int64_t group,
+    const int64_t head_dim, float *restrict o, float *restrict m, float *restrict l) {
+    const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
+    const int64_t chunks = (group + 15) / 16;
+    v16 mv[kv_heads * chunks], lv[kv_heads * chunks], s[16];
+    for (int64_t i = 0; i < kv_heads * chunks; i++) {
+        for (int j = 0; j < 16; j++) {
+            mv[i][j] = -INFINITY;
+            lv[i][j] = 0.0f;
+        }
+    }
+    memset(o, 0, sizeof(float) * queries * head_dim);
+    for (int64_t b = first; b < last; b++) {
+        const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
+        if (b + 1 < last) {
+            const float *next = kv + table[b + 1] * block_stride + layer_offset;
+            for (int64_t i = 0; i < 2 * half; i += 16)
+                __builtin_prefetch(next + i, 0, 2);
+        }
+        const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t c = 0; c < chunks; c++) {
+                const v16 *qc = qt + (h * chunks + c) * head_dim;
+                /* every slot of the block (past n: whatever it holds, never read as a score) */
+                for (int64_t t0 = 0; t0 < block_size; t0 += 8) { /* 8 tokens a pass: their sums stay in registers */
+                    const int64_t tn = block_size - t0 < 8 ? block_size - t0 : 8;
+                    v16 acc[8] = {{0}};
+                    const float *kt = k + t0 * slot + h * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) {
+                        const v16 qd = qc[d];
+                        for (int64_t t = 0; t < tn; t++)
+                            acc[t] += qd * kt[t * slot + d];
+                    }
+                    for (int64_t t = 0; t < tn; t++)
+                        s[t0 + t] = acc[t];
+                }
+                v16 top = mv[h * chunks + c];
+                for (int64_t t = 0; t < n; t++)
+                    top = (v16)(((i16v)s[t] & (s[t] > top)) | ((i16v)top & ~(s[t] > top)));
+                const v16 corr = exp16_nonpositive(mv[h * chunks + c] - top);
+                v16 sum = {0}, p[16];
+                for (int64_t t = 0; t < n; t++) {
+                    p[t] = exp16_nonpositive(s[t] - top);
+                    sum += p[t];
+                }
+                lv[h * chunks + c] = lv[h * chunks + c] * corr + sum;
+                mv[h * chunks + c] = top;
+                const int64_t g_end = group - c * 16 < 16 ? group - c * 16 : 16;
+                for (int64_t j = 0; j < g_end; j++) {
+                    float *oi = o + (h * group + c * 16 + j) * head_dim;
+                    const float cj = corr[j];
+                    for (int64_t d = 0; d < head_dim; d++)
+                        oi[d] *= cj;
+                    for (int64_t t = 0; t < n; t++) {
+                        const float *vt = v + t * slot + h * head_dim;
+                        const float pt = p[t][j];
+                        for (int64_t d = 0; d < head_dim; d++)
+                            oi[d] += pt * vt[d];
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < kv_heads; h++) {
+        for (int64_t g = 0; g < group; g++) {
+            m[h * group + g] = mv[h * chunks + g / 16][g % 16];
+            l[h * group + g] = lv[h * chunks + g / 16][g % 16];
+        }
+    }
+}
+
+static void attend_row_wide(const v16 *qt, const float *kv, const int64_t *table, int64_t len, int64_t first,
+                            int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                            int64_t kv_heads, int64_t group, int64_t head_dim, float *o, float *m, float *l) {
+    if (head_dim == 64 && block_size == 16)
+        attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, 16, kv_heads, group,
+                           64, o, m, l);
+    else if (head_dim == 128 && block_size == 16)
+        attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, 16, kv_heads, group,
+                           128, o, m, l);
+    else
+        attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                           head_dim, o, m, l);
+}
+
+static void attend_row(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t first,
+                       int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                       int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m, float *l) {
+    if (head_dim == 64)
+        attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group, 64,
+                      scale, o, m, l);
+    else if (head_dim == 128)
+        attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group, 128,
+                      scale, o, m, l);
+    else
+        attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                      head_dim, scale, o, m, l);
+}
+
+/* q [rows][kv_heads][group][head_dim]; kv [blocks][layers][2][block_size][kv_heads][head_dim]; tables
+ * [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group]. A row's blocks are split in ranges,
+ * enough for every thread to have work with a single row, and the ranges' results merged by their maxima and
+ * sums. Returns 0; -2, reading nothing, when a row's length or a block it reads is out of bounds; -1 when out
+ * of memory. */
+int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, const int64_t *tables,
+                             const int64_t *lens, int64_t rows, int64_t width, int64_t layers, int64_t layer,
+                             int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+                             float *out, float *lse) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (lens[r] < 1 || lens[r] > width * block_size)
+            return -2;
+        for (int64_t b = 0; b * block_size < lens[r]; b++)
+            if (tables[r * width + b] < 0 || tables[r * width + b] >= blocks)
+                return -2;
+    }
+    if (layer < 0 || layer >= layers)
+        return -2;
+    const int64_t queries = kv_heads * group, half = block_size * kv_heads * head_dim;
+    const int64_t block_stride = layers * 2 * half, layer_offset = layer * 2 * half;
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = (2 * threads + rows - 1) / rows;
+    if (splits > width)
+        splits = width;
+    float *part = malloc(sizeof(float) * rows * splits * queries * (head_dim + 2));
+    if (part == NULL)
+        return -1;
+    float *part_m = part + rows * splits * queries * head_dim, *part_l = part_m + rows * splits * queries;
+    const int64_t chunks = (group + 15) / 16;
+    v16 *qt = NULL;
+    if (group >= WIDE_GROUP) { /* the queries transposed, scaled, 16 to a vector (attend_blocks_wide) */
+        qt = aligned_alloc(64, sizeof(v16) * rows * kv_heads * chunks * head_dim);
+        if (qt == NULL) {
+            free(part);
+            return -1;
+        }
+        memset(qt, 0, sizeof(v16) * rows * kv_heads * chunks * head_dim);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t d = 0; d < head_dim; d++)
+                        qt[((r * kv_heads + h) * chunks + g / 16) * head_dim + d][g % 16] =
+                            q[((r * kv_heads + h) * group + g) * head_dim + d] * scale;
+    }
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t p = 0; p < splits; p++) {
+            const int64_t blocks = (lens[r] + block_size - 1) / block_size, at = (r * splits + p) * queries;
+            if (qt != NULL)
+                attend_row_wide(qt + r * kv_heads * chunks * head_dim, kv, tables + r * width, lens[r],
+                                blocks * p / splits, blocks * (p + 1) / splits, block_stride, layer_offset, block_size,
+                                kv_heads, group, head_dim, part + at * head_dim, part_m + at, part_l + at);
+            else
+                attend_row(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
+                           blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group,
+                           head_dim, scale, part + at * head_dim, part_m + at, part_l + at);
+        }
+    }
+    free(qt);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < queries; i++) {
+            float top = -INFINITY, sum = 0.0f;
+            for (int64_t p = 0; p < splits; p++)
+                top = part_m[(r * splits + p) * queries + i] > top ? part_m[(r * splits + p) * queries + i] : top;
+            float *o = out + (r * queries + i) * head_dim;
+            memset(o, 0, sizeof(float) * head_dim);
+            for (int64_t p = 0; p < splits; p++) {
+                const int64_t at = (r * splits + p) * queries + i;
+                const float c = exp_nonpositive(part_m[at] - top);
+                sum += part_l[at] * c;
+                for (int64_t d = 0; d < head_dim; d++)
+                    o[d] += part[at * head_dim + d] * c;
+            }
+            for (int64_t d = 0; d < head_dim; d++)
+                o[d] /= sum;
+            lse[r * queries + i] = top + logf(sum);
+        }
+    }
+    free(part);
+    return 0;
+}
+
+/* Copies `n` bytes of `width`-byte floats (2, 4 or 8) from src to dst; 1 when every value is finite (its exponent
+ * bits, `exponent`, not all set), else 0. One pass over the bytes: the check rides on the copy's memory traffic,
+ * where a separate pass over a fetched block would read it again. Bytes past the last whole value are copied
+ * unchecked (none for a KV block). The check reads what was written (dst), never src again: src is memory
+ * another process shares, and a compiler that turned the copy into a memcpy before the loop would otherwise
+ * check a second read of it. */
+#define COPY_FINITE(T)                                                                        \
+    do {                                                                                      \
+        T *d = dst, bad = 0, e = (T)exponent;                                                 \
+        const T *s = src;                                                                     \
+        for (int64_t i = 0; i < n / (int64_t)sizeof(T); i++) {                                \
+            d[i] = s[i];                                                                      \
+            bad |= (T)((d[i] & e) == e);                                                      \
+        }                                                                                     \
+        memcpy((char *)dst + n / sizeof(T) * sizeof(T), (const char *)src + n / sizeof(T) * sizeof(T), \
+               n % sizeof(T));                                                                \
+        return !bad;                                                                          \
+    } while (0)
+
+int kvserve_copy_finite(void *restrict dst, const void *restrict src, int64_t n, int width, uint64_t exponent) {
+    switch (width) {
+    case 2: COPY_FINITE(uint16_t);
+    case 4: COPY_FINITE(uint32_t);
+    case 8: COPY_FINITE(uint64_t);
+    default: return -1;
+    }
+}
