@@ -11,6 +11,7 @@ import pytest
 
 from client import AsyncClient, Client, Result, UnavailableError
 from client.client import build_request
+from client.metrics import parse_metrics
 from tests.fake_decode import FakeServer
 
 
@@ -45,6 +46,25 @@ def test_unreachable_server_raises_typed_error() -> None:
     with Client("127.0.0.1:1", timeout_s=2.0) as c, pytest.raises(UnavailableError) as info:
         c.generate("hello")
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_parse_metrics_names_each_sample_as_the_page_writes_it() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    Counter("kvserve_router_requests", "", ["policy", "replica"], registry=registry).labels("prefix", 'a"b\\c').inc(3)
+    Histogram("kvserve_http_ttft_seconds", "", buckets=[0.5], registry=registry).observe(0.25)
+    samples = parse_metrics(generate_latest(registry).decode())
+    created = {k for k in samples if "_created" in k}
+    assert created == {'kvserve_router_requests_created{policy="prefix",replica="a\\"b\\\\c"}',
+                       "kvserve_http_ttft_seconds_created"}
+    assert {k: v for k, v in samples.items() if k not in created} == {
+        'kvserve_router_requests_total{policy="prefix",replica="a\\"b\\\\c"}': 3.0,
+        'kvserve_http_ttft_seconds_bucket{le="0.5"}': 1.0, 'kvserve_http_ttft_seconds_bucket{le="+Inf"}': 1.0,
+        "kvserve_http_ttft_seconds_count": 1.0, "kvserve_http_ttft_seconds_sum": 0.25}
+    assert parse_metrics("# HELP x nothing\n") == {}
+    with pytest.raises(ValueError):
+        parse_metrics("kvserve_x not-a-number\n")
 
 
 def test_client_and_cli_import_no_torch() -> None:
