@@ -1,5 +1,6 @@
 """Helpers for the prefill, decode and end-to-end tests: tiny models, the HF oracle, an in-memory
-store with fault injection, the two services in process, and the three as real processes."""
+store with fault injection, the two services in process, and the three as real processes, each as a
+module-scoped fixture (`stack_fixture`)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from client import Client
+from client.client import Result
 from kvserve.engine.engine import Engine
 from kvserve.engine.model import Model, load_model
 from kvserve.engine.scheduler import SchedulerConfig
@@ -78,6 +83,11 @@ def oracle(arch: str, token_ids: Sequence[int], max_new_tokens: int) -> tuple[li
 def tokens(n: int, seed: int) -> list[int]:
     """n random byte tokens (valid ids for every tiny model)."""
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(client: Client, ids: Sequence[int], n: int, **kw: Any) -> Result:
+    """`n` new tokens of `ids`, greedy, EOS ignored; `kw` go to `Client.generate` as they are."""
+    return client.generate(token_ids=ids, max_tokens=n, ignore_eos=True, **kw)
 
 
 # --- an in-memory KV store with fault injection ------------------------------------------------
@@ -248,6 +258,7 @@ class LocalStack:
         from protos.kvserve.v1 import decode_pb2_grpc
 
         self.arch = arch
+        self.block_size = block_size
         self.store = store if store is not None else FakeStore()
         self.prefill_server = Server("127.0.0.1:0", metrics_port=0)
         prefill_metrics = PrefillMetrics(self.prefill_server.registry)
@@ -295,6 +306,12 @@ class LocalStack:
         self.decode.stop()
         self.prefill_server.stop(0)
         self.prefill.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # --- the three services as real processes on loopback ------------------------------------------
@@ -381,3 +398,32 @@ class ProcessStack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def __enter__(self) -> ProcessStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- either stack as a module-scoped fixture -----------------------------------------------------
+
+S = TypeVar("S", LocalStack, ProcessStack)
+
+
+def stack_fixture(kind: Callable[..., S], *args: Any, params: Sequence[dict[str, Any]] | None = None,
+                  ids: Sequence[str] | Callable[[Any], str] | None = None,
+                  start_in: Callable[[], AbstractContextManager[object]] = nullcontext, **options: Any) -> Any:
+    """A module-scoped fixture of `kind(*args, **options)` (LocalStack or ProcessStack), started inside
+    `start_in()` and stopped after the module's last test; named as the module attribute it is assigned to:
+    `stack = stack_fixture(LocalStack, "llama")`. With `params`, a stack per dict of further options, each
+    test run on each, named by `ids`."""
+
+    @pytest.fixture(scope="module", params=params, ids=ids)
+    def fixture(request: pytest.FixtureRequest) -> Iterator[S]:
+        with start_in():
+            stack = kind(*args, **options, **(request.param if params is not None else {}))
+        with stack:
+            yield stack
+
+    return fixture

@@ -22,26 +22,26 @@ from prefill_service.service import PrefillJob
 from protos.kvserve.v1 import decode_pb2_grpc
 from tests.model_faults import FaultyForward, at_position, never
 from tests.polling import wait_until
-from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
+from tests.stack_fixtures import (
+    BLOCK_SIZE,
+    LocalStack,
+    assert_greedy_matches,
+    greedy,
+    oracle,
+    stack_fixture,
+    tokens,
+)
 
 ARCH = "qwen2"
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[LocalStack]:
-    s = LocalStack(ARCH)
-    yield s
-    s.close()
+stack = stack_fixture(LocalStack, ARCH)
 
 
 @pytest.fixture(scope="module")
 def client(stack: LocalStack) -> Iterator[Client]:
     with Client(stack.addr, timeout_s=60) as c:
         yield c
-
-
-def greedy(client: Client, ids: list[int], n: int, **kw: object) -> Result:
-    return client.generate(token_ids=ids, max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
 def test_cold_and_warm_match_the_oracle(stack: LocalStack, client: Client) -> None:

@@ -5,30 +5,27 @@ pool's blocks announced to a router (DecodeReplica.Events, tier ENGINE)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
-import pytest
 
 from client import Client
-from client.client import Result
 from kvserve.engine.hashing import prefix_hashes
 from protos.kvserve.v1 import decode_pb2_grpc, kvstore_pb2
-from tests.stack_fixtures import BLOCK_SIZE, FakeStore, LocalStack, assert_greedy_matches, oracle, tokens
+from tests.stack_fixtures import (
+    BLOCK_SIZE,
+    FakeStore,
+    LocalStack,
+    assert_greedy_matches,
+    greedy,
+    oracle,
+    stack_fixture,
+    tokens,
+)
 
 ARCH = "llama"
 THRESHOLD = 2 * BLOCK_SIZE
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[LocalStack]:
-    s = LocalStack(ARCH, local_prefill_tokens=THRESHOLD)
-    yield s
-    s.close()
-
-
-def greedy(client: Client, ids: list[int], n: int, **kw: object) -> Result:
-    return client.generate(token_ids=ids, max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+stack = stack_fixture(LocalStack, ARCH, local_prefill_tokens=THRESHOLD)
 
 
 def paths(stack: LocalStack) -> tuple[float, float]:

@@ -64,9 +64,8 @@ def prefill() -> Iterator[tuple[str, FakePrefill]]:
 @pytest.fixture(scope="module")
 def stack(prefill: tuple[str, FakePrefill]) -> Iterator[LocalStack]:
     addr, _ = prefill
-    s = LocalStack(ARCH, wrap_prefill_client=lambda _: PrefillClient(addr, timeout_s=CAP_S))
-    yield s
-    s.close()
+    with LocalStack(ARCH, wrap_prefill_client=lambda _: PrefillClient(addr, timeout_s=CAP_S)) as s:
+        yield s
 
 
 def fallbacks(stack: LocalStack) -> dict[str, float | None]:
