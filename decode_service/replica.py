@@ -34,7 +34,7 @@ from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.bounds import STORE_TIERS, Lie, check_event, pieces
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from protos.retry import StreamBackoff
+from protos.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
         store_error: list[Lie] = []
 
         def relay() -> None:  # the store's events into the same queue, waiting for room: they must not be lost
-            backoff = StreamBackoff()
+            backoff = Backoff(initial_s=0.5, max_s=5.0, stable_s=5.0)
             while context.is_active():
                 call, opened = calls[0], time.monotonic()
                 try:
@@ -146,7 +146,7 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
                 except grpc.RpcError as exc:
                     log.debug("the events of this replica's store (%s) ended (%s): asking again", self.store.addr,
                               exc.code().name if isinstance(exc, grpc.Call) else exc)
-                end = time.monotonic() + backoff.after(time.monotonic() - opened)
+                end = time.monotonic() + backoff.delay(time.monotonic() - opened)
                 while context.is_active() and time.monotonic() < end:
                     time.sleep(min(_POLL_S, max(0.0, end - time.monotonic())))
                 if context.is_active():

@@ -1,9 +1,11 @@
-"""The wire contract of a busy server's hint: a RESOURCE_EXHAUSTED worth retrying carries trailing metadata
-`retry-after-ms`, how long to wait before trying again. One without it (a request that can never fit, a
-per-caller cap) will fail the same way again. And how soon a stream that ended is followed again
-(StreamBackoff)."""
+"""Retrying, one way for every caller. A busy server's RESOURCE_EXHAUSTED worth retrying carries trailing
+metadata `retry-after-ms`, how long to wait before trying again; one without it (a request that can never fit, a
+per-caller cap) will fail the same way again. `Backoff` says how long to wait before each next try."""
 
 from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
 
 RETRY_AFTER = "retry-after-ms"
 
@@ -20,18 +22,30 @@ def retry_after_s(call: object) -> float | None:
     return None
 
 
-class StreamBackoff:
-    """How long to wait before following a stream again (an Events stream that ended): `first`, doubling to
-    `most` while the streams keep ending soon after they begin (a server refusing one more, say), and `first`
-    again after one that lasted `most`."""
+@dataclass(slots=True)
+class Backoff:
+    """The waits before the tries of one thing (a service started again, a stream followed again, busy replicas
+    asked again): `initial_s`, doubling up to `max_s` while tries keep failing, and `initial_s` again after a try
+    that lasted `stable_s`. With `jitter`, each wait is drawn below its step (full jitter), so that callers
+    refused together do not come back together; a server's hint is waited on top. Never more than `max_s`."""
 
-    def __init__(self, first: float = 0.5, most: float = 5.0) -> None:
-        self.first, self.most = first, most
-        self._next = first
+    initial_s: float = 0.5
+    max_s: float = 30.0
+    stable_s: float = 60.0
+    jitter: bool = False
+    rng: random.Random = field(default_factory=random.Random, repr=False, compare=False)
+    next_s: float = field(init=False)  # the next step, before jitter and hint
 
-    def after(self, lived_s: float) -> float:
-        """The wait after a stream that lived `lived_s` seconds."""
-        if lived_s > self.most:
-            self._next = self.first
-        wait, self._next = self._next, min(2 * self._next, self.most)
-        return wait
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s:
+            raise ValueError(f"a backoff needs 0 < initial_s ({self.initial_s}) <= max_s ({self.max_s})")
+        self.next_s = self.initial_s
+
+    def delay(self, lasted_s: float | None = None, hint_s: float | None = None) -> float:
+        """The wait before the next try, after one that lasted `lasted_s` (None: it failed as it began) and was
+        answered with a retry-after hint of `hint_s` (None: none)."""
+        if lasted_s is not None and lasted_s >= self.stable_s:
+            self.next_s = self.initial_s
+        step, self.next_s = self.next_s, min(2 * self.next_s, self.max_s)
+        wait = self.rng.uniform(0, step) if self.jitter else step
+        return min(self.max_s, (hint_s or 0.0) + wait)

@@ -5,6 +5,7 @@ prefill and decode in this process. A deployment of real processes is tests/test
 from __future__ import annotations
 
 import hashlib
+import random
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ from kvserve.rpc.server import Server
 from prefill_service.client import PrefillReplicas
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2_grpc
-from protos.retry import StreamBackoff
+from protos.retry import Backoff
 from tests.polling import wait_until
 from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
 
@@ -290,6 +291,14 @@ def test_a_replica_that_fails_before_the_first_token_is_replaced(replica: LocalS
 
 
 def test_a_stream_that_keeps_ending_is_followed_again_later_and_later() -> None:
-    backoff = StreamBackoff(first=0.5, most=5.0)
-    assert [backoff.after(0.1) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
-    assert backoff.after(60.0) == 0.5 and backoff.after(0.1) == 1.0  # one that lasted: from the start again
+    backoff = Backoff(initial_s=0.5, max_s=5.0, stable_s=5.0)
+    assert [backoff.delay(0.1) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert backoff.delay(60.0) == 0.5 and backoff.delay(0.1) == 1.0  # one that lasted: from the start again
+
+
+def test_a_jittered_backoff_stays_under_its_step_and_waits_out_a_hint() -> None:
+    backoff = Backoff(initial_s=0.05, max_s=2.0, jitter=True, rng=random.Random(7))
+    waits = [backoff.delay() for _ in range(8)]
+    steps = [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    assert all(0 <= w <= s for w, s in zip(waits, steps, strict=True)) and len(set(waits)) == 8
+    assert backoff.next_s == 2.0 and 1.5 <= backoff.delay(hint_s=1.5) <= 2.0  # at least the hint, never past the cap

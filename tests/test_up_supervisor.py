@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.local import Layout
 from kvserve.stack.stack import ServiceSpec, Stack, StackConfig, log_lines, remove_shm_leftovers
 from kvserve.stack.status import STATUS_FILE, read_status
-from kvserve.stack.supervisor import Backoff, Supervisor, Unrecoverable
+from kvserve.stack.supervisor import Supervisor, Unrecoverable
+from protos.retry import Backoff
 from tests.polling import wait_until
 from tests.processes import free_ports, memfd_inodes
 
@@ -118,10 +119,10 @@ def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[
 
 def test_backoff_doubles_up_to_its_cap_and_starts_over_after_a_stable_run() -> None:
     b = Backoff(initial_s=0.5, max_s=30.0, stable_s=60.0)
-    assert [b.after_exit(None) for _ in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
-    assert b.after_exit(59.0) == 30  # a short run is still a crash loop
-    assert b.after_exit(60.0) == 0.5
-    assert b.after_exit(None) == 1
+    assert [b.delay(None) for _ in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert b.delay(59.0) == 30  # a short run is still a crash loop
+    assert b.delay(60.0) == 0.5
+    assert b.delay(None) == 1
 
 
 def test_a_killed_service_is_reported_with_its_own_lines_and_started_again_on_its_port(fakes: Callable[..., Fakes],

@@ -57,7 +57,7 @@ from kvserve.rpc.tls import TLSConfig, channel
 from protos.block_hash import BlockHash
 from protos.bounds import Lie, check_event, check_load, prompt_hashes
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
-from protos.retry import StreamBackoff, retry_after_s
+from protos.retry import Backoff, retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ class Replica:
         return True
 
     def _follow_events(self) -> None:
-        backoff = StreamBackoff()
+        backoff = Backoff(initial_s=0.5, max_s=5.0, stable_s=5.0)
         while not self._stop.is_set():
             if self.lie is not None:  # it lied: nothing it said is kept, and it is heard again after a while
                 if self._stop.wait(self._distrust_s):
@@ -444,7 +444,7 @@ class Replica:
                 log.debug("events of %s ended (%s); following again", self.addr, code)
             # one that keeps ending soon after it began is followed again later and later, not every half second
             # with its snapshot sent each time
-            self._stop.wait(backoff.after(time.monotonic() - opened))
+            self._stop.wait(backoff.delay(time.monotonic() - opened))
 
 
 class Router:

@@ -3,7 +3,7 @@
 A service that exits while `up` runs is reported in one line (how it ended, for a SIGKILL whether the
 kernel's OOM killer sent it and what it held, and its own last log lines), a dead store's shared-memory dir
 is removed, and the service is started again with the same flags on the same port after a backoff
-(`Backoff`). Until the new process listens, a placeholder holds the port and answers every call with
+(protos.retry.Backoff). Until the new process listens, a placeholder holds the port and answers every call with
 UNAVAILABLE (HTTP: 503) and the reason (stack.placeholder). The others keep running: their channels
 reconnect to the new process. A file the service reads as it starts (its credentials, its model's files)
 that is missing or unreadable is said in one line with what to do, and looked for again at each delay: the
@@ -49,35 +49,13 @@ from kvserve.stack.status import (
     read_status,
     write_status,
 )
+from protos.retry import Backoff
 
 UNRECOVERABLE_EXIT_CODE = 2  # what a service exits with when its flags, model or port cannot work
 
 
 class Unrecoverable(Exception):
     """A service that starting again cannot bring back: `kvserve up` stops, exit code 2."""
-
-
-@dataclass(slots=True)
-class Backoff:
-    """The delays before the starts of one service: initial_s, doubling up to max_s while it keeps
-    failing; initial_s again once it has run for stable_s."""
-
-    initial_s: float = 0.5
-    max_s: float = 30.0
-    stable_s: float = 60.0
-    next_s: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.next_s = self.initial_s
-
-    def after_exit(self, ran_s: float | None) -> float:
-        """The delay before the next start of a service that ran for `ran_s` (None: it failed
-        while starting)."""
-        if ran_s is not None and ran_s >= self.stable_s:
-            self.next_s = self.initial_s
-        delay = self.next_s
-        self.next_s = min(delay * 2, self.max_s)
-        return delay
 
 
 @dataclass(slots=True)
@@ -175,7 +153,7 @@ class Supervisor:
         child.last_exit = ExitStatus.of(proc.returncode, time.time(), None if cause is None else cause.text)
         self._hold_port(child, cause.short if cause else describe_exit(proc.returncode).removeprefix("was "))
         cleaned = self._clean_up(child)
-        delay = child.backoff.after_exit(ran_s)
+        delay = child.backoff.delay(ran_s)
         child.state, child.restart_at = "waiting", self._clock() + delay
         self.write_status()
         self._say(f"kvserve up: {child.name} (pid {proc.pid}) {describe_exit(proc.returncode)} after "
@@ -242,7 +220,7 @@ class Supervisor:
             self.write_status()
             raise Unrecoverable(f"cannot start {child.name} again: it {reason} (bad flags, or a port or model "
                                 f"it cannot use){self._last_lines(child)}")
-        delay = child.backoff.after_exit(None)
+        delay = child.backoff.delay(None)
         child.state, child.restart_at = "waiting", self._clock() + delay
         self.write_status()
         then = (f"it keeps failing to start: trying again every {delay:g} s until it starts or `up` is stopped"
@@ -253,7 +231,7 @@ class Supervisor:
     def _not_started(self, child: _Child, why: str, short: str) -> None:
         """Leaves a service down for another delay without starting it, saying `why` unless it said so last (its
         placeholder says `short`, which names no file to callers)."""
-        delay = child.backoff.after_exit(None)
+        delay = child.backoff.delay(None)
         child.state, child.restart_at = "waiting", self._clock() + delay
         self._hold_port(child, short)
         self.write_status()
