@@ -771,9 +771,25 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvserve bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_server_flags(ap)
+    _add_workload_flags(ap)
+    add_output_flags(ap)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked, with the defaults that depend on --target or --servers filled in."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    _settle_servers(ap, args)
+    _check_workload(ap, args)
+    return args
+
+
+def _add_server_flags(ap: argparse.ArgumentParser) -> None:
     where = ap.add_argument_group("servers")
     where.add_argument("--target", metavar="URL", default=None,
                        help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 (/v1 is added)")
@@ -797,6 +813,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--vllm-start-timeout", type=float, default=vllm_peer.DEFAULT_START_TIMEOUT_S, metavar="S",
                        help="how long vLLM may take to get ready (default %(default)g)")
     where.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here")
+
+
+def _add_workload_flags(ap: argparse.ArgumentParser) -> None:
     work = ap.add_argument_group("workload")
     work.add_argument("--scenario", choices=SCENARIOS, default="chat", help="(default %(default)s)")
     work.add_argument("--users", type=int, default=None, help="chat: users (default 4)")
@@ -816,8 +835,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--concurrency", type=int, default=None,
                       help="closed loop: sessions at a time (default: every chat user; 4 in fan-out)")
     load.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests/s")
-    add_output_flags(ap)
-    args = ap.parse_args(argv)
+
+
+def _settle_servers(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--target or --servers, with the flags that go with each; fills in the defaults that depend on which."""
     if args.target and args.servers:
         ap.error("--target drives a running server, --servers starts servers: one or the other")
     if not args.target:
@@ -833,6 +854,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.system_words = TARGET_SYSTEM_WORDS
     if args.target and args.extra_body is None:
         args.extra_body = json.loads(DEFAULT_EXTRA_BODY)
+
+
+def _check_workload(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.scenario == "chat" and args.requests is not None:
         ap.error("--requests is fan-out's; chat has --users and --rounds")
     if args.scenario == "fan-out" and (args.users is not None or args.rounds is not None):
@@ -846,7 +870,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rate must be > 0")
     if min(args.start_timeout, args.vllm_start_timeout, args.request_timeout) <= 0 or args.vllm_kv_space < 1:
         ap.error("the timeouts must be > 0 and --vllm-kv-space >= 1")
-    return args
 
 
 def workload(args: argparse.Namespace) -> tuple[Workload, Load]:
