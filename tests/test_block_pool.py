@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import abc
 
 import pytest
 import torch
 
-from kvserve.engine.block_pool import BlockPool, PoolExhausted
+from kvserve.engine.block_pool import BlockPool, PoolExhausted, check_pool_state
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.sampling import Sampler, SamplingParams
 from kvserve.engine.scheduler import Schedule, Scheduler, SchedulerConfig, Spill
@@ -192,9 +193,12 @@ def test_a_pool_that_keeps_few_cached_blocks_evicts_before_it_touches_fresh_ones
 def test_check_integrity_fails_on_a_broken_pool() -> None:
     pool = _pool(3)
     pool.free(pool.allocate(2)[1:])
-    pool._free.append(1)  # block 1 on the free list twice: no public operation can do this
+    state = pool.state()
+    assert state.free == (1,)
+    check_pool_state(state)
+    broken = dataclasses.replace(state, free=(1, 1))  # block 1 on the free list twice: no public operation can do this
     with pytest.raises(AssertionError, match="free list twice"):
-        pool.check_integrity()
+        check_pool_state(broken)
 
 
 # ---- the scheduler over a tiny pool --------------------------------------------------------
@@ -550,5 +554,6 @@ def test_the_changes_a_router_is_told_are_where_each_hash_ended() -> None:
     named, evicted = pool.take_changes()
     assert (named, evicted) == ([_h("1")], [_h("2"), _h("3")])  # h3's eviction tells a router nothing it holds
     events.changed(named, evicted)
-    assert list(events._held) == [_h("1")] and pool.count_hits([_h("1")]) == 1
+    snapshot = events.subscribe().get_nowait()  # a new stream starts from what the events hold
+    assert snapshot is not None and list(snapshot.hashes) == [_h("1")] and pool.count_hits([_h("1")]) == 1
     pool.free([c, e])

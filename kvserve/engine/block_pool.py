@@ -20,13 +20,44 @@ makes an idle pool fresh again, so that its memory can be given back (engine.kv_
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from protos.block_hash import BlockHash
 
 
 class PoolExhausted(RuntimeError):
     """More blocks were asked for than are free or evictable; the scheduler checks before it asks."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """A copy of a pool's bookkeeping, as ``check_pool_state`` reads it (``BlockPool.state``)."""
+
+    num_blocks: int
+    fresh: int  # blocks fresh.. have never been taken
+    free: tuple[int, ...]  # the free list, in order
+    cached: tuple[int, ...]  # oldest first
+    refs: tuple[int, ...]  # per block
+    hashes: tuple[BlockHash | None, ...]  # per block
+    by_hash: Mapping[BlockHash, int]
+
+
+def check_pool_state(s: PoolState) -> None:
+    """Raises AssertionError unless free + used + cached == total and every index agrees."""
+    free, cached = set(s.free) | set(range(s.fresh, s.num_blocks)), set(s.cached)
+    assert len(set(s.free)) == len(s.free), "a block is on the free list twice"
+    assert all(b < s.fresh for b in s.free), "a fresh block is on the free list"
+    assert not free & cached, "a block is both free and cached"
+    used = {b for b in range(s.num_blocks) if s.refs[b] > 0}
+    assert not used & (free | cached), "a block in use is also free or cached"
+    assert len(free) + len(cached) + len(used) == s.num_blocks, (
+        f"free {len(free)} + cached {len(cached)} + used {len(used)} != {s.num_blocks}"
+    )
+    assert all(s.hashes[b] is None for b in free), "a free block keeps a hash"
+    assert all(s.hashes[b] is not None for b in cached), "a cached block has no hash"
+    assert all(s.hashes[b] == h for h, b in s.by_hash.items()), "hash index disagrees with blocks"
+    assert sum(h is not None for h in s.hashes) == len(s.by_hash), "a block hash is not indexed"
 
 
 class BlockPool:
@@ -178,18 +209,11 @@ class BlockPool:
         touched, self._fresh = self._fresh, 0
         return touched
 
+    def state(self) -> PoolState:
+        """A copy of the bookkeeping, for ``check_integrity`` and for tests."""
+        return PoolState(self.num_blocks, self._fresh, tuple(self._free), tuple(self._cached), tuple(self._refs),
+                         tuple(self._hash), dict(self._by_hash))
+
     def check_integrity(self) -> None:
         """Raises AssertionError unless free + used + cached == total and every index agrees."""
-        free, cached = set(self._free) | set(range(self._fresh, self.num_blocks)), set(self._cached)
-        assert len(set(self._free)) == len(self._free), "a block is on the free list twice"
-        assert all(b < self._fresh for b in self._free), "a fresh block is on the free list"
-        assert not free & cached, "a block is both free and cached"
-        used = {b for b in range(self.num_blocks) if self._refs[b] > 0}
-        assert not used & (free | cached), "a block in use is also free or cached"
-        assert len(free) + len(cached) + len(used) == self.num_blocks, (
-            f"free {len(free)} + cached {len(cached)} + used {len(used)} != {self.num_blocks}"
-        )
-        assert all(self._hash[b] is None for b in free), "a free block keeps a hash"
-        assert all(self._hash[b] is not None for b in cached), "a cached block has no hash"
-        assert all(self._hash[b] == h for h, b in self._by_hash.items()), "hash index disagrees with blocks"
-        assert sum(h is not None for h in self._hash) == len(self._by_hash), "a block hash is not indexed"
+        check_pool_state(self.state())
