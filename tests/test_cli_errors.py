@@ -134,7 +134,7 @@ def test_stats_json_counts_are_numbers_and_tiers_are_named() -> None:
         tiers=[kvstore_pb2.TierStats(tier=kvstore_pb2.TIER_HOST, blocks=3, bytes=10, capacity_bytes=100, hits=2)],
         leases=1,
     )
-    d = cli._stats_dict(reply)
+    d = cli.stats_dict(reply)
     assert d["tiers"] == [{"tier": "host", "blocks": 3, "bytes": 10, "capacity_bytes": 100, "hits": 2,
                            "misses": 0, "evictions": 0, "demotions": 0, "promotions": 0, "unavailable": False}]
     assert d["leases"] == 1 and d["pinned_blocks"] == 0

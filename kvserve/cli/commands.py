@@ -672,7 +672,7 @@ def shown_metric(sample: str) -> bool:
     return name.startswith("kvserve_") and not name.endswith(("_bucket", "_created"))
 
 
-def _stats_dict(reply: Any) -> dict[str, Any]:
+def stats_dict(reply: Any) -> dict[str, Any]:
     """The Stats reply as JSON, with 64-bit counters as numbers (protobuf's JSON makes them strings)."""
     from google.protobuf.json_format import MessageToDict
 
@@ -724,7 +724,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             reply = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=5.0)
     except grpc.RpcError as exc:
         raise Failed(explain(dialed, exc.code(), exc.details() or "")) from None  # type: ignore[attr-defined]
-    report: dict[str, Any] = {"kvstore": _stats_dict(reply)}
+    report: dict[str, Any] = {"kvstore": stats_dict(reply)}
     up_urls = [] if up is None else [s.metrics_url for s in up.services.values() if s.metrics_url]
     report["services"] = {}
     for url in dict.fromkeys([*up_urls, *args.metrics]):
