@@ -338,9 +338,9 @@ def test_a_shared_prompts_kept_keys_and_values_are_read_only_while_the_same_prom
     for seq in (one, other):
         seq.block_table = list(range(n))
         seq.full_block_hashes(BLOCK, n)
-    assert engine.runner._shared_key(one, n) != engine.runner._shared_key(other, n)
+    assert engine.runner.shared_key(one, n) != engine.runner.shared_key(other, n)
     one.block_hashes = []  # never hashed: not kept
-    assert engine.runner._shared_key(one, n) is None
+    assert engine.runner.shared_key(one, n) is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)

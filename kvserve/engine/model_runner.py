@@ -163,7 +163,7 @@ class ModelRunner:
             )
         return out.logits[0] if self._logits_to_keep else out.logits[0, rows]
 
-    def _shared_key(self, seq: Sequence, n: int) -> tuple[object, ...] | None:
+    def shared_key(self, seq: Sequence, n: int) -> tuple[object, ...] | None:
         """What names the first ``n`` blocks of ``seq`` and their contents (SharedPrefixKV), or None when they
         are not to be kept: unhashed (never shared through the pool), or too large."""
         if len(seq.block_hashes) < n or self.cache.block_bytes * n > self.shared_kv.max_bytes:
@@ -208,7 +208,7 @@ class ModelRunner:
         shared = None
         n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and device.type == "cpu" else 0
         if not self.in_place_decode:  # (engine.native's kernel reads the shared blocks where they lie)
-            self.shared_kv.use(self._shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
+            self.shared_kv.use(self.shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
         if decode_rows:
             if n:
                 shared = torch.tensor(decode_tables[0][:n], device=device)
