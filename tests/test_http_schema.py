@@ -173,7 +173,14 @@ def test_a_body_within_bounds_parses_as_json_does() -> None:
 
 def malformed_bodies() -> dict[str, bytes]:
     """Bodies no endpoint may serve, by name: each must be a 4xx with OpenAI's error object, none a 5xx."""
-    bodies: dict[str, bytes] = {
+    bodies = {**_not_json_bodies(), **_too_deep_bodies(), **_lone_surrogate_bodies(), **_bad_number_bodies(),
+              **_wrong_field_bodies()}
+    return {f"chat: {name}": body for name, body in bodies.items()}
+
+
+def _not_json_bodies() -> dict[str, bytes]:
+    """Not JSON, not an object, not UTF-8, too large, or a key given twice."""
+    return {
         "empty": b"", "blank": b" \r\n\t", "text": b"hello", "xml": b"<model>m</model>", "form": b"model=m&max_tokens=2",
         "truncated": b'{"model": "m", "messages": [', "trailing data": b'{"model": "m"} x', "two objects": b"{}{}",
         "comment": b'{"model": "m" /* x */}', "single quotes": b"{'model': 'm'}", "trailing comma": b'{"model": "m",}',
@@ -190,6 +197,10 @@ def malformed_bodies() -> dict[str, bytes]:
                             b'"content": "hi"}]}',
         "duplicated role": b'{"model": "m", "messages": [{"role": "user", "role": "user", "content": "hi"}]}',
     }
+
+
+def _too_deep_bodies() -> dict[str, bytes]:
+    bodies: dict[str, bytes] = {}
     for name, leaf in [("arrays", "[]"), ("objects", "{}")]:
         for depth in (MAX_DEPTH + 1, 100, 100_000):
             bodies[f"{depth} {name} deep"] = (leaf[0] * depth + leaf[1] * depth).encode()
@@ -199,6 +210,11 @@ def malformed_bodies() -> dict[str, bytes]:
             '"hi"', nested(depth, '{"type": "text", "text": "hi"}')).encode()
         bodies[f"stop {depth} deep"] = json.dumps(chat_body()).replace("}", ', "stop": ' + nested(depth, '"x"') + "}",
                                                                        1).encode()
+    return bodies
+
+
+def _lone_surrogate_bodies() -> dict[str, bytes]:
+    bodies: dict[str, bytes] = {}
     for where, template in [("content", '"content": "{}"'), ("key", '"{}": 1, "content": "hi"'),
                             ("role", '"role": "{}", "content": "hi"')]:
         for escape in ("\\ud800", "\\udfff", "\\udc00\\ud800", "x\\ud83d"):
@@ -206,10 +222,21 @@ def malformed_bodies() -> dict[str, bytes]:
             bodies[f"lone surrogate {escape} in {where}"] = (
                 f'{{"model": "m", "messages": [{message}]}}'.encode())
     bodies["lone surrogate in model"] = b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    return bodies
+
+
+def _bad_number_bodies() -> dict[str, bytes]:
+    bodies: dict[str, bytes] = {}
     for number in ["NaN", "Infinity", "-Infinity", "1e999999", "-1e999999", "9" * 5000, "1" + "0" * 100, "01",
                    "0x10", "+1", ".5", "1.", "1e", "--1"]:
         bodies[f"temperature {number[:12]}"] = json.dumps(chat_body(temperature=0)).replace(
             '"temperature": 0', f'"temperature": {number}').encode()
+    return bodies
+
+
+def _wrong_field_bodies() -> dict[str, bytes]:
+    """Each field with values it must refuse, and fields that disagree."""
+    bodies: dict[str, bytes] = {}
     wrong: dict[str, list[Any]] = {  # each field, values it must refuse
         "model": [None, 1, [], {}, "", "x" * 300, "gpt-4o"],
         "messages": [None, "hi", {}, [], [1], [None], [{}], [{"role": "user"}], [{"content": "hi"}],
@@ -241,7 +268,7 @@ def malformed_bodies() -> dict[str, bytes]:
     bodies["stream_options without stream"] = json.dumps(chat_body(stream_options={"include_usage": True})).encode()
     bodies["max_tokens and max_completion_tokens disagree"] = json.dumps(
         chat_body(max_completion_tokens=3)).encode()
-    return {f"chat: {name}": body for name, body in bodies.items()}
+    return bodies
 
 
 def malformed_completions() -> dict[str, bytes]:
