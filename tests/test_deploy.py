@@ -41,7 +41,7 @@ import urllib.request
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import pytest
@@ -50,6 +50,10 @@ from cryptography import x509
 
 from kvserve.rpc.cli import env_args, env_prefix, parse_size
 from tests.polling import wait_until
+
+if TYPE_CHECKING:
+    from client.local import Layout
+
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -415,43 +419,17 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
     from client.local import Layout
     from kvserve.router.__main__ import service_token
     from kvserve.rpc.auth import auth_from_args
-    from kvserve.rpc.cli import tls_from_args
 
     spec = compose()
-    services = spec["services"]
     stack = LocalCompose(spec, tmp_path)
     stack.run_once("credentials")
     master = Layout(stack.volumes["credentials"])
     assert master.complete() and (master.certs / "ca-key.pem").is_file()
     assert [f.removeprefix("/credentials/") for f in exported_files()] == ["certs/ca.pem", "admin/admin.token"]
 
-    def mounted_by(volume: str) -> list[str]:
-        return [n for n, s in services.items() if any(m.split(":")[0] == volume for m in s.get("volumes", []))]
-
-    assert mounted_by("credentials") == ["credentials"]  # the master keys and the CA's key: the job's alone
+    assert mounted_by(spec["services"], "credentials") == ["credentials"]  # the master keys and the CA's key
     for name, names in SERVICE_FILES.items():
-        own = stack.volumes[f"{name}-credentials"]
-        assert mounted_by(f"{name}-credentials") == ["credentials", name]
-        assert f"{name}-credentials:/credentials:ro" in services[name]["volumes"]
-        assert sorted(f.name for f in own.iterdir()) == sorted(names)
-        for file, source in names.items():
-            assert (own / file).read_bytes() == (master.root / source).read_bytes()
-            if not file.endswith(".pem") or file.endswith("-key.pem"):
-                assert (own / file).stat().st_mode & 0o077 == 0, file  # secrets stay 0600
-        env = stack.env(name)  # its variables name every file it gets, and only those
-        assert {Path(env[k]) for k, v in services[name]["environment"].items()
-                if str(v).startswith("/credentials/")} == {own / f for f in names}
-        assert "127.0.0.1" in cert_hosts(own / f"{name}.pem")  # what its health check dials
-        if not has_parser(name):
-            continue  # the HTTP front until http_api lands: skipped at the end
-        args = service_args_in(stack, name, monkeypatch)
-        tls = tls_from_args(args, name)
-        assert tls is not None and tls.has_identity and tls.ca == master.ca.read_bytes()
-        assert args.tls_cert == str(own / f"{name}.pem")
-        dialled = service_args(name, services[name])
-        for flag, peer in PEERS.items():  # the host it dials a peer by is in the peer's certificate
-            if (addr := getattr(dialled, flag, None)) and name != peer:
-                assert addr.rsplit(":", 1)[0] in cert_hosts(stack.volumes[f"{peer}-credentials"] / f"{peer}.pem")
+        _check_own_files(stack, master, name, names, monkeypatch)
 
     store = service_args_in(stack, "kvstore", monkeypatch)
     assert store.record_key_file == stack.volumes["kvstore-credentials"] / "record.key" and store.remote_url
@@ -462,6 +440,48 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
     assert (auth.authenticator.tenant_of(admin), auth.services.tenant_of(router)) == ("admin", "router")
     assert auth.authenticator.tenant_of(router) is None and auth.services.tenant_of(admin) is None
 
+    _check_a_second_run_keeps_them(stack, master)
+    skip_without_parser("http", "the HTTP front's TLS from its variables")
+
+
+def mounted_by(services: dict[str, Any], volume: str) -> list[str]:
+    return [n for n, s in services.items() if any(m.split(":")[0] == volume for m in s.get("volumes", []))]
+
+
+def _check_own_files(stack: LocalCompose, master: Layout, name: str, names: dict[str, str],
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`name` alone mounts its volume, read-only, holding copies of `names` (secrets 0600), which its variables
+    name; it serves TLS with its certificate, named for each host its peers dial it by."""
+    from kvserve.rpc.cli import tls_from_args
+
+    services = stack.services
+    own = stack.volumes[f"{name}-credentials"]
+    assert mounted_by(services, f"{name}-credentials") == ["credentials", name]
+    assert f"{name}-credentials:/credentials:ro" in services[name]["volumes"]
+    assert sorted(f.name for f in own.iterdir()) == sorted(names)
+    for file, source in names.items():
+        assert (own / file).read_bytes() == (master.root / source).read_bytes()
+        if not file.endswith(".pem") or file.endswith("-key.pem"):
+            assert (own / file).stat().st_mode & 0o077 == 0, file  # secrets stay 0600
+    env = stack.env(name)  # its variables name every file it gets, and only those
+    assert {Path(env[k]) for k, v in services[name]["environment"].items()
+            if str(v).startswith("/credentials/")} == {own / f for f in names}
+    assert "127.0.0.1" in cert_hosts(own / f"{name}.pem")  # what its health check dials
+    if not has_parser(name):
+        return  # the HTTP front until http_api lands: skipped at the end
+    args = service_args_in(stack, name, monkeypatch)
+    tls = tls_from_args(args, name)
+    assert tls is not None and tls.has_identity and tls.ca == master.ca.read_bytes()
+    assert args.tls_cert == str(own / f"{name}.pem")
+    dialled = service_args(name, services[name])
+    for flag, peer in PEERS.items():  # the host it dials a peer by is in the peer's certificate
+        if (addr := getattr(dialled, flag, None)) and name != peer:
+            assert addr.rsplit(":", 1)[0] in cert_hosts(stack.volumes[f"{peer}-credentials"] / f"{peer}.pem")
+
+
+def _check_a_second_run_keeps_them(stack: LocalCompose, master: Layout) -> None:
+    """The job run again keeps what is there; run on a volume made before the HTTP front, it adds its
+    certificate, from the same CA, and changes nothing else."""
     before = {f: f.read_bytes() for f in master.root.rglob("*") if f.is_file()}
     stack.run_once("credentials")  # every `up` runs it again: it keeps what is there
     assert {f: f.read_bytes() for f in master.root.rglob("*") if f.is_file()} == before
@@ -477,7 +497,6 @@ def test_the_credentials_job_gives_each_service_its_own_files(tmp_path: Path, mo
     x509.load_pem_x509_certificate(after[http_files[0]]).verify_directly_issued_by(
         x509.load_pem_x509_certificate(after[master.ca]))
     assert (stack.volumes["http-credentials"] / "http.pem").read_bytes() == after[http_files[0]]
-    skip_without_parser("http", "the HTTP front's TLS from its variables")
 
 
 def test_the_insecure_override_serves_plaintext(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -979,8 +998,6 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
     calls it with the CA and token the compose file's header says to take out, and refuses a caller with
     no token, a plaintext caller, and a metrics scraper without a certificate. The HTTP front answers the
     same token over HTTPS with the router's tokens, and refuses the same callers."""
-    from client import Client
-    from client.client import KVServeError, UnauthenticatedError
     from tests.redis_fixtures import RedisServer
 
     spec = compose()
@@ -992,62 +1009,84 @@ def test_the_compose_stack_answers_as_local_processes(tmp_path: Path) -> None:
         assert redis.cli(*spec["services"]["redis"]["healthcheck"]["test"][2:]) == "PONG"
         assert redis.cli("CONFIG", "GET", "maxmemory-policy").split() == ["maxmemory-policy", "allkeys-lru"]
         cleanup.callback(stack.stop)
-        for service in _order(spec["services"]):
-            if spec["services"][service].get("restart") == "no":  # a one-shot
-                stack.run_once(service)
-            elif service == "http" and not has_parser("http"):
-                continue  # until http_api lands: skipped at the end
-            elif service != "redis":
-                stack.start(service)
+        _start_in_order(stack, spec)
         assert (stack.volumes["models"] / "tiny-llama" / "config.json").exists()
 
         ca, token_file = (Path(stack.rewrite("credentials", "", path)) for path in exported_files())
         token = token_file.read_text().strip()
         prompt = "The compose stack, run as local processes, answers through its front door. " * 2
-        with Client(stack.addr("router"), token=token, tls_ca=ca) as front, \
-                Client(stack.addr("decode"), token=token, tls_ca=ca) as decode:
-            first = front.generate(prompt, max_tokens=8, ignore_eos=True)
-            again = front.generate(prompt, max_tokens=8, ignore_eos=True)
-            direct = decode.generate(prompt, max_tokens=8, ignore_eos=True)
-        assert first.usage.completion_tokens == 8 and first.usage.cached_tokens == 0
-        assert again.token_ids == direct.token_ids == first.token_ids
-        assert again.usage.cached_tokens > 0  # the store kept the prompt's blocks
-        with Client(stack.addr("router"), timeout_s=30, token="", tls_ca=ca) as anonymous, \
-                pytest.raises(UnauthenticatedError):
-            anonymous.generate(prompt, max_tokens=1)
-        with Client(stack.addr("router"), timeout_s=30, token=token) as plaintext, pytest.raises(KVServeError):
-            plaintext.generate(prompt, max_tokens=1)
-
-        metrics = f"https://127.0.0.1:{stack.port('kvstore', 9102)}/metrics"
-        admin = ssl.create_default_context(cafile=str(ca))
-        admin.load_cert_chain(*(stack.rewrite("credentials", "", f"/credentials/admin/{f}")
-                                for f in ("admin.pem", "admin-key.pem")))
-        with urllib.request.urlopen(metrics, context=admin, timeout=30) as page:
-            assert b"kvserve_kvstore_" in page.read()
-        with pytest.raises(OSError):  # no certificate from the CA: no metrics
-            urllib.request.urlopen(metrics, context=ssl.create_default_context(cafile=str(ca)), timeout=30).read()
-
+        _check_the_grpc_front(stack, ca, token, prompt)
+        _check_metrics_need_a_certificate(stack, ca)
         # written behind: wait for the first blocks to arrive
         wait_until(lambda: int(redis.cli("DBSIZE")) > 0, timeout_s=60, interval_s=0.2,
                    message="the store wrote nothing to the remote tier")
 
         skip_without_parser("http", "the HTTP front of the compose stack")
-        front_url = f"https://127.0.0.1:{stack.port('http', HTTP_PORT)}"
-        with Client(stack.addr("router"), token=token, tls_ca=ca) as front:
-            expected = front.generate(prompt, max_tokens=8)
-        model = spec["services"]["http"]["environment"]["KVSERVE_HTTP_MODEL_NAME"]
-        trusting = ssl.create_default_context(cafile=str(ca))
-        assert https_json(f"{front_url}/v1/models", token, trusting)["data"][0]["id"] == model
-        completion = https_json(f"{front_url}/v1/completions", token, trusting,
-                                {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
-        assert completion["choices"][0]["text"] == expected.text  # greedy: what the router streamed
-        assert completion["usage"]["completion_tokens"] == expected.usage.completion_tokens
-        with pytest.raises(urllib.error.HTTPError) as refused:  # no token: decode refuses it
-            https_json(f"{front_url}/v1/completions", "", trusting, {"model": model, "prompt": prompt, "max_tokens": 1})
-        assert refused.value.code == 401
-        with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP to its HTTPS port
-            https_json(f"http://127.0.0.1:{stack.port('http', HTTP_PORT)}/v1/models", token, None)
+        _check_the_http_front(stack, spec, ca, token, prompt)
 
+
+def _start_in_order(stack: LocalCompose, spec: dict[str, Any]) -> None:
+    """Each one-shot run and each service started (Valkey is the caller's), after what it depends on."""
+    for service in _order(spec["services"]):
+        if spec["services"][service].get("restart") == "no":  # a one-shot
+            stack.run_once(service)
+        elif service == "http" and not has_parser("http"):
+            continue  # until http_api lands: skipped at the end
+        elif service != "redis":
+            stack.start(service)
+
+
+def _check_the_grpc_front(stack: LocalCompose, ca: Path, token: str, prompt: str) -> None:
+    """The router answers the token over TLS as decode does, from the store the second time; no token, or
+    plaintext, is refused."""
+    from client import Client
+    from client.client import KVServeError, UnauthenticatedError
+
+    with Client(stack.addr("router"), token=token, tls_ca=ca) as front, \
+            Client(stack.addr("decode"), token=token, tls_ca=ca) as decode:
+        first = front.generate(prompt, max_tokens=8, ignore_eos=True)
+        again = front.generate(prompt, max_tokens=8, ignore_eos=True)
+        direct = decode.generate(prompt, max_tokens=8, ignore_eos=True)
+    assert first.usage.completion_tokens == 8 and first.usage.cached_tokens == 0
+    assert again.token_ids == direct.token_ids == first.token_ids
+    assert again.usage.cached_tokens > 0  # the store kept the prompt's blocks
+    with Client(stack.addr("router"), timeout_s=30, token="", tls_ca=ca) as anonymous, \
+            pytest.raises(UnauthenticatedError):
+        anonymous.generate(prompt, max_tokens=1)
+    with Client(stack.addr("router"), timeout_s=30, token=token) as plaintext, pytest.raises(KVServeError):
+        plaintext.generate(prompt, max_tokens=1)
+
+
+def _check_metrics_need_a_certificate(stack: LocalCompose, ca: Path) -> None:
+    metrics = f"https://127.0.0.1:{stack.port('kvstore', 9102)}/metrics"
+    admin = ssl.create_default_context(cafile=str(ca))
+    admin.load_cert_chain(*(stack.rewrite("credentials", "", f"/credentials/admin/{f}")
+                            for f in ("admin.pem", "admin-key.pem")))
+    with urllib.request.urlopen(metrics, context=admin, timeout=30) as page:
+        assert b"kvserve_kvstore_" in page.read()
+    with pytest.raises(OSError):  # no certificate from the CA: no metrics
+        urllib.request.urlopen(metrics, context=ssl.create_default_context(cafile=str(ca)), timeout=30).read()
+
+
+def _check_the_http_front(stack: LocalCompose, spec: dict[str, Any], ca: Path, token: str, prompt: str) -> None:
+    """The HTTP front answers what the router streams, over HTTPS; no token is a 401, plain HTTP no answer."""
+    from client import Client
+
+    front_url = f"https://127.0.0.1:{stack.port('http', HTTP_PORT)}"
+    with Client(stack.addr("router"), token=token, tls_ca=ca) as front:
+        expected = front.generate(prompt, max_tokens=8)
+    model = spec["services"]["http"]["environment"]["KVSERVE_HTTP_MODEL_NAME"]
+    trusting = ssl.create_default_context(cafile=str(ca))
+    assert https_json(f"{front_url}/v1/models", token, trusting)["data"][0]["id"] == model
+    completion = https_json(f"{front_url}/v1/completions", token, trusting,
+                            {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert completion["choices"][0]["text"] == expected.text  # greedy: what the router streamed
+    assert completion["usage"]["completion_tokens"] == expected.usage.completion_tokens
+    with pytest.raises(urllib.error.HTTPError) as refused:  # no token: decode refuses it
+        https_json(f"{front_url}/v1/completions", "", trusting, {"model": model, "prompt": prompt, "max_tokens": 1})
+    assert refused.value.code == 401
+    with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP to its HTTPS port
+        https_json(f"http://127.0.0.1:{stack.port('http', HTTP_PORT)}/v1/models", token, None)
 
 def https_json(url: str, token: str, context: ssl.SSLContext | None, body: dict[str, Any] | None = None) -> Any:
     """GET `url`, or POST `body` to it, as a caller with `token` (none when empty), trusting what `context` does;
