@@ -9,19 +9,23 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from client import Client
 from client.client import InvalidArgumentError, build_request
+from kvserve.engine.sampling import SamplingParams
+from kvserve.handoff.requests import PromptInput, RequestOptions
 from kvserve.router.__main__ import parser
-from kvserve.router.router import DECODE_SERVICE, ENTRY_BYTES, BlockIndex, Router
+from kvserve.router.index import ENTRY_BYTES, BlockIndex
+from kvserve.router.replica import DECODE_SERVICE
+from kvserve.router.router import Router
 from kvserve.router.server import RouterServicer
 from kvserve.rpc.addresses import resolve
 from kvserve.rpc.cli import env_args
 from kvserve.rpc.server import Server
-from prefill_service.client import PrefillReplicas
+from prefill_service.client import PrefillClient, PrefillReplicas
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2_grpc
 from protos.retry import Backoff
@@ -58,6 +62,26 @@ def test_resolve_names_every_address_of_a_name() -> None:
         resolve("decode")
 
 
+class Placed:
+    """A prefill call as a fake replica's `start` returns it: where it went, and nothing on the wire."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.ended: list[Callable[[], None]] = []
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        self.ended.append(fn)
+
+    def end(self) -> None:
+        for fn in self.ended:
+            fn()
+
+
+def place(replicas: PrefillReplicas) -> Placed:
+    """The replica a prefill call goes to, through PrefillReplicas' public start."""
+    return replicas.start("r", PromptInput(text="hi"), RequestOptions(SamplingParams()))  # type: ignore[return-value]
+
+
 def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     answers = {"decode.kvserve.svc": ["10.0.0.7", "10.0.0.5"]}
 
@@ -67,17 +91,18 @@ def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: pytest.M
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(PrefillClient, "start", lambda self, *args, **kwargs: Placed(self.addr))
     assert resolve("decode.kvserve.svc:50051") == [("10.0.0.5:50051", "decode.kvserve.svc"),
                                                    ("10.0.0.7:50051", "decode.kvserve.svc")]
     replicas = PrefillReplicas.connect("decode.kvserve.svc:50052, 10.0.0.9:50052", resolve_every_s=0)
     try:
         assert [c.addr for c in replicas.clients] == ["10.0.0.5:50052", "10.0.0.7:50052", "10.0.0.9:50052"]
-        answers["decode.kvserve.svc"] = ["10.0.0.7"]  # scaled down: the next pick resolves again
+        answers["decode.kvserve.svc"] = ["10.0.0.7"]  # scaled down: the next call resolves again
         replicas.mark_down("10.0.0.9:50052")
-        assert replicas._pick(()).addr == "10.0.0.7:50052"
+        assert place(replicas).addr == "10.0.0.7:50052"
         assert [c.addr for c in replicas.clients] == ["10.0.0.7:50052", "10.0.0.9:50052"]
         del answers["decode.kvserve.svc"]  # the resolver fails for a moment: the last addresses stay
-        replicas._pick(())
+        place(replicas)
         assert [c.addr for c in replicas.clients] == ["10.0.0.7:50052", "10.0.0.9:50052"]
     finally:
         replicas.close()
@@ -100,17 +125,17 @@ def test_a_replica_gone_from_its_name_keeps_its_streams_until_they_end(monkeypat
         leaving = r.replicas["10.0.0.7:50051"]
         leaving.started()  # a stream on it
         answers["decode.kvserve.svc"] = ["10.0.0.5"]
-        r._resolve()
-        assert list(r.replicas) == ["10.0.0.5:50051"] and not leaving._stop.is_set()
+        r.resolve()
+        assert list(r.replicas) == ["10.0.0.5:50051"] and not leaving.closed
         answers["decode.kvserve.svc"] = ["10.0.0.5", "10.0.0.7"]  # back: the same replica, its stream still on
-        r._resolve()
+        r.resolve()
         assert r.replicas["10.0.0.7:50051"] is leaving
         answers["decode.kvserve.svc"] = ["10.0.0.5"]
-        r._resolve()
+        r.resolve()
         leaving.ended()
-        assert not leaving._stop.is_set()
-        r._resolve()  # its last stream ended: now its channel closes
-        assert leaving._stop.is_set() and list(r.replicas) == ["10.0.0.5:50051"]
+        assert not leaving.closed
+        r.resolve()  # its last stream ended: now its channel closes
+        assert leaving.closed and list(r.replicas) == ["10.0.0.5:50051"]
     finally:
         r.close()
 
@@ -121,20 +146,24 @@ def test_a_slow_resolver_holds_up_only_the_request_that_asks_it() -> None:
     class Known:
         addr = "10.0.0.7:50052"
 
-    answered = threading.Event()
+        def start(self, *args: object, **kwargs: object) -> Placed:
+            return Placed(self.addr)
+
+    resolving, answered = threading.Event(), threading.Event()
 
     def slow() -> list[Known]:
+        resolving.set()
         answered.wait(10)
         return [Known()]
 
-    replicas = PrefillReplicas([Known()], resolve=slow, resolve_every_s=0)  # type: ignore[list-item]
-    asking = threading.Thread(target=replicas._pick, args=((),))
+    replicas = PrefillReplicas([Known()], resolve=slow, resolve_every_s=0)  # type: ignore[list-item,arg-type]
+    asking = threading.Thread(target=place, args=(replicas,))
     asking.start()
     try:
-        wait_until(lambda: replicas._resolving)
+        assert resolving.wait(10), "the resolver was never asked"
         start = time.monotonic()
-        picked = replicas._pick(())
-        replicas._done(picked.addr)
+        picked = place(replicas)
+        picked.end()
         assert time.monotonic() - start < 1.0 and picked.addr == "10.0.0.7:50052"
     finally:
         answered.set()
@@ -152,12 +181,12 @@ def test_prefix_goes_where_the_leading_blocks_are_until_that_replica_is_much_bus
     r = router("prefix")
     a, b, c = r.replicas.values()
     prompt = [h(i) for i in range(10)]
-    b.index.add(prompt[:6])
-    c.index.add(prompt[:2])
+    b.blocks.store.add(prompt[:6])
+    c.blocks.store.add(prompt[:2])
     for _ in range(6):  # whichever replica's turn it is
         assert r.choose(prompt) == (b, 6)
     b.others_load = 1  # 4 blocks left + 4 x 1 = 8 < 10 (a) and 8 (c): ties go round
-    assert r.choose(prompt)[0] in (b, c)
+    assert r.choose(prompt) in ((b, 6), (c, 2))
     b.in_flight = 2  # the router's own requests come on top: 4 + 4 x 3 = 16 > 8 (c)
     assert r.choose(prompt) == (c, 2)
     b.healthy = c.healthy = False
@@ -169,11 +198,11 @@ def test_a_replicas_pool_counts_as_holding_its_blocks() -> None:
     r = router("prefix")
     a, b, c = r.replicas.values()
     prompt = [h(i) for i in range(10)]
-    c.index.add(prompt[:5])  # in c's node store
-    b.pool.add(prompt[:4])  # in b's KV pool, and the rest of its history in its node store
-    b.index.add(prompt[4:8])
+    c.blocks.store.add(prompt[:5])  # in c's node store
+    b.blocks.pool.add(prompt[:4])  # in b's KV pool, and the rest of its history in its node store
+    b.blocks.store.add(prompt[4:8])
     assert r.choose(prompt) == (b, 8)
-    b.pool.remove(prompt[:1])  # evicted from b's pool: its store blocks no longer lead
+    b.blocks.pool.remove(prompt[:1])  # evicted from b's pool: its store blocks no longer lead
     assert r.choose(prompt) == (c, 5)
 
 
@@ -190,7 +219,7 @@ def test_new_chats_of_two_turns_spread_and_each_stays_where_it_began() -> None:
     for chat in range(4):
         prompt = [h(100 * chat + i) for i in range(8)]
         first, _ = r.choose(prompt)  # type: ignore[misc]
-        first.index.add(prompt)  # as generate does once the replica answers
+        first.blocks.store.add(prompt)  # as generate does once the replica answers
         first_turns.append(first.addr)
         assert r.choose([*prompt, h(100 * chat + 50)])[0] is first  # type: ignore[index]
     assert sorted(first_turns) == sorted(list(r.replicas) * 2)
@@ -199,9 +228,9 @@ def test_new_chats_of_two_turns_spread_and_each_stays_where_it_began() -> None:
 def test_least_loaded_ignores_prefixes_and_round_robin_ignores_load() -> None:
     r = router("least-loaded")
     a, b, c = r.replicas.values()
-    a.index.add([h(1)])
+    a.blocks.store.add([h(1)])
     a.others_load, b.others_load, c.others_load = 5, 0, 2
-    assert r.choose([h(1)])[0] is b
+    assert r.choose([h(1)]) == (b, 0)
     rr = router("round-robin", n=2)
     x, y = rr.replicas.values()
     x.others_load = 100

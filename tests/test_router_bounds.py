@@ -25,7 +25,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from decode_service.replica import DecodeReplicaServicer, PoolEvents
-from kvserve.router.router import ENTRY_BYTES, BlockIndex, Router
+from kvserve.router.index import ENTRY_BYTES, BlockIndex
+from kvserve.router.router import Router
 from kvserve.router.server import RouterMetrics
 from kvserve.rpc.server import Server
 from protos.block_hash import HASH_BYTES, BlockHash
@@ -192,12 +193,12 @@ def test_an_honest_replicas_events_are_indexed_as_before(servers: list[FakeServe
     router, registry = routed(*servers, index_bytes=64 << 20)
     try:
         replica = router.replicas[servers[0].addr]
-        wait_until(lambda: len(replica.index) == 5 + MAX_EVENT_HASHES and len(replica.pool) == 4)
-        assert replica.index.nbytes == (5 + MAX_EVENT_HASHES) * ENTRY and replica.pool.nbytes == 4 * ENTRY
-        assert prompt[5] not in replica.index and prompt[5] in replica.pool
+        wait_until(lambda: len(replica.blocks.store) == 5 + MAX_EVENT_HASHES and len(replica.blocks.pool) == 4)
+        assert replica.blocks.store.nbytes == (5 + MAX_EVENT_HASHES) * ENTRY and replica.blocks.pool.nbytes == 4 * ENTRY
+        assert prompt[5] not in replica.blocks.store and prompt[5] in replica.blocks.pool
         assert router.choose(prompt) == (replica, 8)
         wait_until(lambda: replica.load == 4)
-        assert replica.trusted and router.lies() == {} and registry.get_sample_value(
+        assert replica.blocks.trusted and router.lies() == {} and registry.get_sample_value(
             "kvserve_router_index_bytes") == (9 + MAX_EVENT_HASHES) * ENTRY
     finally:
         router.close()
@@ -252,8 +253,8 @@ def test_a_replica_sending_64_kib_hashes_is_dropped_and_the_router_stays_flat(se
         (traced_after, rss_after), after = at_rest(), liar.sent_bytes
 
         assert after - before >= 200 << 20 and lies(registry, bad.addr, "hash") == liar.streams - 1 >= 10
-        assert len(bad.index) == len(bad.pool) == 0 and bad.index.nbytes == bad.pool.nbytes == 0
-        assert router.index_bytes == good.index.nbytes == 4 * ENTRY
+        assert len(bad.blocks.store) == len(bad.blocks.pool) == 0 and bad.blocks.store.nbytes == bad.blocks.pool.nbytes == 0
+        assert router.index_bytes == good.blocks.store.nbytes == 4 * ENTRY
         assert router.choose(prompt) == (good, 4)  # its claim steers nothing
         # Python's heap, where the index of before kept every hash: flat but for a few objects a stream.
         assert traced_after - traced < 1 << 20, f"Python's heap grew by {traced_after - traced} bytes"
@@ -279,8 +280,8 @@ def test_oversized_events_and_unknown_kinds_or_tiers_drop_the_replica(
     try:
         replica = router.replicas[servers[0].addr]
         wait_until(lambda: lies(registry, replica.addr, reason) == 1)
-        assert not replica.trusted and replica.lie is not None and replica.lie.reason == reason
-        assert len(replica.index) == len(replica.pool) == 0 and router.index_bytes == 0
+        assert not replica.blocks.trusted and replica.blocks.lie is not None and replica.blocks.lie.reason == reason
+        assert len(replica.blocks.store) == len(replica.blocks.pool) == 0 and router.index_bytes == 0
         assert registry.get_sample_value("kvserve_router_distrusted_replicas") == 1
         assert router.choose(claimed) == (replica, 0)  # still served by load, its claims steer nothing
         assert liar.streams == 1  # not heard again before distrust_s
@@ -298,11 +299,11 @@ def test_a_replica_lying_about_its_load_or_a_prompts_hashes_is_distrusted(server
     try:
         a, b = router.replicas[servers[0].addr], router.replicas[servers[1].addr]
         wait_until(lambda: lies(registry, a.addr, "load") == 1)
-        assert a.load == 0 and len(a.index) == 0
-        wait_until(lambda: len(b.index) == 4)
+        assert a.load == 0 and len(a.blocks.store) == 0
+        wait_until(lambda: len(b.blocks.store) == 4)
         request = decode_pb2.GenerateRequest()
         assert router.prefix_hashes(request, [], 5.0) == []  # the forger's answer is not used, nor asked again
-        assert lies(registry, b.addr, "hash") == 1 and len(b.index) == 0
+        assert lies(registry, b.addr, "hash") == 1 and len(b.blocks.store) == 0
         assert router.prefix_hashes(request, [], 5.0) == []
         assert lies(registry, b.addr, "hash") == 1
     finally:
@@ -454,11 +455,11 @@ def test_a_replica_whose_events_keep_ending_is_followed_again_later_and_later_an
     router, _ = routed(*servers)
     try:
         followed = router.replicas[servers[0].addr]
-        wait_until(lambda: len(followed.pool) == 4)
+        wait_until(lambda: len(followed.blocks.pool) == 4)
         held = []
         end = time.monotonic() + 3.2
         while time.monotonic() < end:
-            held.append(followed.leading(pool))
+            held.append(followed.blocks.leading(pool))
             time.sleep(0.002)
         assert replica.streams <= 4, replica.streams  # at 0, 0.5, 1.5 and 3.5 s; every 0.5 s would be 7
         assert min(held) == 4

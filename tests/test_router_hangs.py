@@ -20,20 +20,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.client import build_request
 from client.metrics import parse_metrics
 from kvserve.bench.target import free_port
 from kvserve.router.__main__ import parser
-from kvserve.router.router import DECODE_SERVICE, Replica
+from kvserve.router.replica import DECODE_SERVICE, Replica
 from kvserve.rpc.cli import env_args
 from kvserve.stack.stack import Service, start_service, stop_service
 from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc
 from tests.fake_decode import FakeDecode, FakeHealth, FakeReplica, positional
 from tests.polling import wait_until
-from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens
+from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, stack_fixture, tokens
 from tests.test_router_overload import Code, fakes, generate, request, routed
 
 ARCH = "llama"
@@ -88,11 +87,7 @@ def hanging() -> Iterator[tuple[str, Hanging, FakeHealth]]:
         server.stop(0).wait()
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[LocalStack]:
-    s = LocalStack(ARCH)
-    yield s
-    s.close()
+stack = stack_fixture(LocalStack, ARCH)
 
 
 @contextmanager
@@ -244,12 +239,12 @@ def test_each_ejection_lasts_longer_up_to_the_cap_and_ends_only_when_health_says
             wait_until(lambda: replica.serving, message="the replica was never healthy")
 
             def ejected_for() -> float:
-                seconds = replica.eject(10.0, 45.0)
-                assert not replica.serving and replica.eject(10.0, 45.0) == 0  # once at a time
+                seconds = replica.ejection.eject(10.0, 45.0)
+                assert not replica.serving and replica.ejection.eject(10.0, 45.0) == 0  # once at a time
                 now[0] += seconds - 0.5
                 checks = fake.health.checks
                 wait_until(lambda: fake.health.checks >= checks + 3)
-                assert replica.ejected  # its time is not over
+                assert replica.ejection.ejected  # its time is not over
                 now[0] += 0.5
                 wait_until(lambda: replica.serving, message="never taken back")
                 return seconds
@@ -258,13 +253,13 @@ def test_each_ejection_lasts_longer_up_to_the_cap_and_ends_only_when_health_says
             now[0] += 25.0  # served 2 bases since: 5 - 2, and this one
             assert ejected_for() == 40.0
 
-            replica.eject(10.0, 45.0)
+            replica.ejection.eject(10.0, 45.0)
             fake.health.set(DECODE_SERVICE, NOT_SERVING)
             wait_until(lambda: not replica.healthy, message="NOT_SERVING never seen")  # no check before it in flight
             now[0] += 100.0
             checks = fake.health.checks
             wait_until(lambda: fake.health.checks >= checks + 3)
-            assert replica.ejected  # its time is over, but its health says it does not serve
+            assert replica.ejection.ejected  # its time is over, but its health says it does not serve
             fake.health.set(DECODE_SERVICE, SERVING)
             wait_until(lambda: replica.serving, message="never taken back")
         finally:

@@ -23,7 +23,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
-from kvserve.router.router import DECODE_SERVICE, Router
+from kvserve.router.replica import DECODE_SERVICE
+from kvserve.router.router import Router
 from kvserve.router.server import RouterMetrics, RouterServicer
 from kvserve.rpc.server import Server
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -120,7 +121,7 @@ def closed_port() -> int:
 
 def test_a_replica_whose_health_times_out_keeps_its_place_until_it_is_taken_as_dead(
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvserve.router.router")
+    caplog.set_level(logging.WARNING, logger="kvserve.router")
     with fakes(1) as (busy,), routed([busy.addr], dead_after_s=2.0) as r:
         wait_until(lambda: r.router.num_healthy == 1, message="the replica was never healthy")
         busy.health.hung.set()  # its workers all taken: checks go unanswered

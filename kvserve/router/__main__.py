@@ -8,24 +8,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvserve.router.router import (
-    DECODE_SERVICE,
-    EJECT_AFTER,
-    EJECTION_S,
-    FIRST_TOKEN_TIMEOUT_S,
-    INDEX_BYTES,
-    MAX_EJECTION_S,
-    MAX_MIGRATIONS,
-    POLICIES,
-    Router,
-)
+from kvserve.host.process import exit_with_parent
+from kvserve.router.index import INDEX_BYTES
+from kvserve.router.policy import EJECT_AFTER, EJECTION_S, MAX_EJECTION_S, POLICIES
+from kvserve.router.replica import DECODE_SERVICE
+from kvserve.router.router import FIRST_TOKEN_TIMEOUT_S, MAX_MIGRATIONS, Router
 from kvserve.router.server import RouterMetrics, RouterServicer
 from kvserve.rpc.addresses import split_targets
 from kvserve.rpc.cli import (
     add_server_flags,
     configure_logging,
     env_epilog,
-    exit_with_parent,
     parse_args,
     serve,
     tls_from_args,

@@ -1,40 +1,21 @@
-"""Placing requests on decode replicas (docs/DESIGN.md, "Router").
+"""Placing requests on decode replicas and relaying their streams (docs/DESIGN.md, "Router").
 
-Each replica is watched by two threads: one polls its health and load, the other follows its
-Events (blocks its node's store and its own KV pool named and removed) into two indexes of the
-block hashes it holds. A request goes to the healthy replica with the lowest cost:
+The prompt's block hashes come from one replica (`DecodeReplica.PrefixHashes`), which tokenizes and scopes
+them to the caller's tenant exactly as the replica serving the request will; a router holds no model and no
+tenant secret. The policy (router.policy) picks a replica from what each holds (router.index) and its load; a
+replica also learns a request's blocks when the router sends it there, before its store says so, so that a
+burst of turns of one chat stays together.
 
-- `prefix`: blocks left to compute (the prompt's full blocks past the leading ones the replica
-  holds, in its pool or its node's store) + `load_weight` × its sequences (running and waiting),
-  so a prefix pulls a request to the replica that has it until that replica is that much busier
-  than the others; a chat's next turn goes where its history is, which computes only the new
-  question (decode's --local-prefill-tokens);
-- `least-loaded`: its sequences;
-- `round-robin`: in turn.
-
-The prompt's block hashes come from one replica (`DecodeReplica.PrefixHashes`), which tokenizes and
-scopes them to the caller's tenant exactly as the replica serving the request will; a router holds
-no model and no tenant secret. A replica's index also learns a request's blocks when the router
-sends it there, before its store says so, so that a burst of turns of one chat stays together.
-
-What a replica says is checked (protos.bounds) and its indexes are capped in bytes: a replica that
-lies is distrusted, its claims dropped, so that it can neither steer placement nor grow this process.
-
-Busy is not dead: a replica is left out when it says it does not serve or its connection is refused or
-reset, not when a health check times out (until DEAD_AFTER_S of them) or is refused as busy (a replica
-answers only a few at once: a caller holding those must not take it out of service), nor when it refuses a
-request as busy (the next replica is asked, then all again after a backoff). A stream whose replica dies after its
-first token goes on from another replica, which resumes after the tokens the caller has.
-
-Accepting is not answering: a replica that sends no first response within `first_token_timeout_s` has its call
-cancelled and the request goes to another (nothing reached the caller yet). A replica that fails `eject_after`
-requests in a row (no first response in time, UNAVAILABLE, a stream ended without a result) is ejected from
-choice, as in Envoy's outlier detection, for longer each time, and taken back once that time is over and its
-health check says it serves; never the last replica serving.
+A replica that refuses a request as busy is passed over for the next, then all are asked again after a
+backoff (protos.retry). A stream whose replica dies after its first token goes on from another, which
+resumes after the tokens the caller has. Accepting is not answering: a replica that sends no first response
+within `first_token_timeout_s` has its call cancelled and the request goes to another (nothing reached the
+caller yet); failing again and again, it is ejected (router.policy.Outliers).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -47,36 +28,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserve.router.index import INDEX_BYTES
+from kvserve.router.policy import EJECT_AFTER, EJECTION_S, MAX_EJECTION_S, Outliers, Policy
+from kvserve.router.replica import CHECK_TIMEOUT_S, DEAD_AFTER_S, DISTRUST_S, Metadata, Replica
+from kvserve.router.replica import DECODE_SERVICE as DECODE_SERVICE  # where callers have imported it from
 from kvserve.rpc.addresses import Targets
 from kvserve.rpc.auth import ON_BEHALF_OF
 from kvserve.rpc.errors import ResourceExhausted, ServiceError, Unavailable
-from kvserve.rpc.server import CLIENT_CHANNEL_OPTIONS
-from kvserve.rpc.tls import TLSConfig, channel
+from kvserve.rpc.tls import TLSConfig
 from protos.block_hash import BlockHash
-from protos.bounds import Lie, check_event, check_load, prompt_hashes
-from protos.kvserve.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2
+from protos.bounds import Lie, prompt_hashes
+from protos.kvserve.v1 import decode_pb2
 from protos.retry import Backoff, retry_after_s
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("prefix", "least-loaded", "round-robin")
-DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-Metadata = Sequence[tuple[str, str]]
-# What one entry of a BlockIndex costs past its hash's own bytes: the hash's bytes object (33 bytes of
-# header, 80 in all with pymalloc's rounding for a 32-byte hash) and its dict slot (37-60 bytes measured
-# between resizes, CPython 3.11), rounded up.
-ENTRY_BYTES = 128
-# A replica's two indexes together (half each): 419,430 blocks an index at 32 + 128 bytes, 6.7 M tokens
-# at 16 a block, more than an 8B model's KV pool on an H200 (~50 k blocks); 8 replicas cost 1 GiB at most,
-# whatever they send.
-INDEX_BYTES = 128 << 20
-DISTRUST_S = 60.0  # how long a replica that lied goes unheard before its events are followed again
-# A health check unanswered this long means a busy replica (its workers all taken), not a dead one: it keeps
-# its place until its checks have gone unanswered for DEAD_AFTER_S (a hung or stopped process).
-CHECK_TIMEOUT_S = 1.0
-DEAD_AFTER_S = 30.0
 # A replica refusing a request with a retry hint (protos.retry) is only busy; without, it will refuse it again.
 BUSY_ROUNDS = 3  # times the busy replicas are asked for a request they all refuse, before it is refused
 BACKOFF_S = 0.05  # the wait between two such rounds (with full jitter) grows from this, doubling
@@ -86,11 +53,6 @@ MAX_MIGRATIONS = 3  # times one request's stream is moved to another replica aft
 # long prompt: 1.7x the slowest first token measured under load (17.9 s, a 10-round chat of 4 users on CPU with
 # no cache, BENCHMARKS.md), and half the 60 s deadline callers give, leaving the other half to the next replica.
 FIRST_TOKEN_TIMEOUT_S = 30.0
-# Outlier ejection, Envoy's defaults but for the count: each failure costs its caller up to FIRST_TOKEN_TIMEOUT_S,
-# and a busy replica that works ends some streams between its slow ones, which starts the count again.
-EJECT_AFTER = 3  # failures in a row that eject a replica
-EJECTION_S = 30.0  # how long its first ejection lasts; the n-th, n times that (less one per EJECTION_S served since)
-MAX_EJECTION_S = 300.0
 
 
 class Upstream(ServiceError):
@@ -105,6 +67,7 @@ class Upstream(ServiceError):
 class _Progress:
     """What has become of one request so far."""
 
+    backoff: Backoff  # between the rounds in which every replica refused it as busy
     sent: array[int] = field(default_factory=lambda: array("I"))  # token ids passed on to the caller, 4 bytes each
     down: dict[str, str] = field(default_factory=dict)  # replica -> how it failed it (not asked again)
     busy: dict[str, str] = field(default_factory=dict)  # replica -> its message: refused as busy this round
@@ -147,304 +110,15 @@ class FirstTokenWatch:
             self._call.cancel()
 
 
-class BlockIndex:
-    """The block hashes one replica's node holds, oldest first: at most `capacity` of them and `capacity_bytes`
-    (`nbytes`: each hash's length + ENTRY_BYTES), the oldest forgotten."""
+@dataclass(slots=True)
+class _Attempt:
+    """One call of a request to one replica."""
 
-    def __init__(self, capacity: int, capacity_bytes: int = INDEX_BYTES // 2) -> None:
-        self.capacity = capacity
-        self.capacity_bytes = capacity_bytes
-        self.nbytes = 0
-        self._blocks: dict[BlockHash, None] = {}
-        self._lock = threading.Lock()
-
-    def add(self, hashes: Sequence[bytes]) -> None:
-        with self._lock:
-            for h in hashes:
-                if h in self._blocks:
-                    del self._blocks[BlockHash(h)]  # seen again: now the newest
-                else:
-                    self.nbytes += len(h) + ENTRY_BYTES
-                self._blocks[BlockHash(h)] = None
-            while self._blocks and (len(self._blocks) > self.capacity or self.nbytes > self.capacity_bytes):
-                oldest = next(iter(self._blocks))
-                del self._blocks[oldest]
-                self.nbytes -= len(oldest) + ENTRY_BYTES
-
-    def remove(self, hashes: Sequence[bytes]) -> None:
-        with self._lock:
-            for h in hashes:
-                if h in self._blocks:
-                    del self._blocks[BlockHash(h)]
-                    self.nbytes -= len(h) + ENTRY_BYTES
-
-    def clear(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self.nbytes = 0
-
-    def __contains__(self, h: BlockHash) -> bool:
-        return h in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-
-class Replica:
-    """One decode replica: its channel, whether it is healthy, how busy, and which blocks it holds."""
-
-    def __init__(self, addr: str, tls: TLSConfig | None, metadata: Metadata, index_capacity: int,
-                 poll_s: float, target_name: str | None = None, *, index_bytes: int = INDEX_BYTES,
-                 distrust_s: float = DISTRUST_S, on_lie: Callable[[str, Lie], None] | None = None,
-                 check_timeout_s: float = CHECK_TIMEOUT_S, dead_after_s: float = DEAD_AFTER_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.addr = addr
-        options: list[tuple[str, Any]] = list(CLIENT_CHANNEL_OPTIONS)
-        if tls is not None and target_name is not None:  # an address resolved from a name: check the name
-            options.append(("grpc.ssl_target_name_override", target_name))
-        self._channel = channel(addr, options, tls)
-        self.decode = decode_pb2_grpc.DecodeStub(self._channel)
-        self.replica = decode_pb2_grpc.DecodeReplicaStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = list(metadata)
-        self.index = BlockIndex(index_capacity, index_bytes // 2)  # in its node's store
-        self.pool = BlockIndex(index_capacity, index_bytes // 2)  # in its engine's KV pool
-        self._pool_bounds = (index_capacity, index_bytes // 2)
-        self.lie: Lie | None = None  # why its claims are not believed, until its events are followed again
-        self.healthy = False
-        self.others_load = 0  # sequences there that are not this router's, when it last asked
-        self.in_flight = 0  # requests this router has sent there and not seen end
-        self.last_chosen = 0  # the router's number of the last request placed here
-        self._lock = threading.Lock()
-        self._poll_s = poll_s
-        self._check_timeout_s = max(check_timeout_s, poll_s)
-        self._dead_after_s = dead_after_s
-        self._clock = clock  # for its health's and its ejections' times
-        self._silent_since: float | None = None  # when the current run of unanswered health checks began
-        self._failures = 0  # requests that failed there in a row
-        self._ejected_until: float | None = None  # out of choice until then, and then until its health says it serves
-        self._ejections = 0  # what its next ejection's time is a multiple of, less what it served since its last
-        self._readmitted = 0.0  # when it was last taken back
-        self._distrust_s = distrust_s
-        self._on_lie = on_lie
-        self._stop = threading.Event()
-        self._events_call: Any = None
-        self._threads = [threading.Thread(target=self._poll, name=f"poll {addr}", daemon=True),
-                         threading.Thread(target=self._follow_events, name=f"events {addr}", daemon=True)]
-
-    @property
-    def trusted(self) -> bool:
-        return self.lie is None
-
-    @property
-    def ejected(self) -> bool:
-        return self._ejected_until is not None
-
-    @property
-    def serving(self) -> bool:
-        """Requests go there: its health check says it serves and it is not ejected for failing requests."""
-        return self.healthy and self._ejected_until is None
-
-    @property
-    def load(self) -> int:
-        """Sequences running or waiting there: this router's own, counted as they start and end, and the
-        others' (other routers', direct callers') as of the last poll, unless the replica lied."""
-        return self.in_flight + (self.others_load if self.lie is None else 0)
-
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of the leading `hashes` the replica holds, in its pool or its node's store; 0 when it lied."""
-        if self.lie is not None:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in self.pool and h not in self.index:
-                break
-            n += 1
-        return n
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._events_call is not None:
-            self._events_call.cancel()
-        self._channel.close()
-
-    def started(self) -> None:
-        with self._lock:
-            self.in_flight += 1
-
-    def ended(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
-
-    def mark_down(self) -> None:
-        self.healthy = False
-
-    def served(self) -> None:
-        """A stream there ended with its result: its run of failures is over."""
-        self._failures = 0
-
-    def failed(self) -> int:
-        """A request failed there (Router._failed says how): the number in a row, now."""
-        with self._lock:
-            self._failures += 1
-            return self._failures
-
-    def eject(self, base_s: float, most_s: float) -> float:
-        """Takes it out of choice for `base_s` × its ejections (one fewer for each `base_s` it served since the
-        last), at most `most_s`; the seconds, 0 when it is ejected already."""
-        with self._lock:
-            if self._ejected_until is not None:
-                return 0.0
-            now = self._clock()
-            served = int((now - self._readmitted) / base_s) if self._ejections else 0
-            self._ejections = max(0, self._ejections - served) + 1
-            seconds = min(base_s * self._ejections, max(most_s, base_s))
-            self._ejected_until = now + seconds
-            self._failures = 0
-        return seconds
-
-    def _readmit(self) -> None:
-        """Its ejection is over and its health check says it serves: back in choice."""
-        with self._lock:
-            until, self._ejected_until = self._ejected_until, None
-            self._readmitted = self._clock()
-        if until is not None:
-            log.info("decode replica %s is back in choice: its ejection ended %.1f s ago and its health check says "
-                     "it serves", self.addr, self._readmitted - until)
-
-    def learned(self, hashes: Sequence[BlockHash]) -> None:
-        """A request whose prompt has `hashes` was sent there: the replica will hold its blocks."""
-        with self._lock:
-            if self.lie is None:
-                self.index.add(hashes)
-
-    def distrust(self, lie: Lie) -> None:
-        """Drops all the replica claimed, once it lied: its Events stream is cancelled, its indexes cleared
-        and its load taken as this router's own requests there. Requests still go there (it may be healthy,
-        and only its Generate answers reach callers); its claims steer none. Its events are followed
-        again, from an empty index, after `distrust_s`."""
-        with self._lock:  # what it claimed is added under this lock too: none of it outlives the lie
-            if self.lie is not None:
-                return
-            self.lie = lie.with_traceback(None)  # whose frames hold the message that lied
-            self.index.clear()
-            self.pool.clear()
-        self.others_load = 0
-        call = self._events_call
-        if call is not None:
-            call.cancel()
-        log.warning("decode replica %s lied (%s: %s): its blocks and load are not believed; following its "
-                    "events again in %.0f s", self.addr, lie.reason, str(lie), self._distrust_s)
-        if self._on_lie is not None:
-            self._on_lie(self.addr, lie)
-
-    def _check(self) -> bool | None:
-        """True when the replica says it serves; False when it says it does not (draining, not loaded) or its
-        connection is refused or reset; None when it did not answer in time; the verdict it had when it refuses
-        the check as busy (its few health checks at once taken: it answers, so it is not dead)."""
-        try:
-            status = self._health.Check(health_pb2.HealthCheckRequest(service=DECODE_SERVICE),
-                                        timeout=self._check_timeout_s)
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return self.healthy
-            return None if code == grpc.StatusCode.DEADLINE_EXCEEDED else False
-        except ValueError:  # the channel was closed
-            return False
-        return status.status == health_pb2.HealthCheckResponse.SERVING
-
-    def _poll(self) -> None:
-        warned = False
-        while not self._stop.is_set():
-            healthy = self._check()
-            if healthy is None:  # busy, not dead: its verdict and its load stay as last known, for a while
-                now = self._clock()
-                if self._silent_since is None:
-                    self._silent_since = now
-                if self.healthy and now - self._silent_since >= self._dead_after_s:
-                    log.warning("decode replica %s has answered no health check for %.0f s (hung or stopped): "
-                                "taking it as dead", self.addr, now - self._silent_since)
-                    self.healthy = False
-                self._stop.wait(self._poll_s)
-                continue
-            self._silent_since = None
-            if healthy:
-                try:
-                    mine = self.in_flight
-                    reply = self.replica.Load(decode_pb2.LoadRequest(), timeout=self._check_timeout_s,
-                                              metadata=self._metadata)
-                    self.others_load = max(0, check_load(reply) - mine)
-                except Lie as lie:
-                    self.distrust(lie)
-                except (grpc.RpcError, ValueError) as exc:  # the load stays as last known; requests still go there
-                    if not warned and isinstance(exc, grpc.Call) and exc.code() in (
-                            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
-                        log.warning("decode replica %s does not tell its load (%s): give the router --token "
-                                    "when the replicas require one", self.addr, exc.details())
-                        warned = True
-            if healthy != self.healthy:
-                log.info("decode replica %s is %s", self.addr, "healthy" if healthy else "unhealthy")
-            self.healthy = healthy
-            until = self._ejected_until
-            if healthy and until is not None and self._clock() >= until:
-                self._readmit()
-            self._stop.wait(self._poll_s)
-
-    def _apply(self, event: kvstore_pb2.Event, snapshot: bool = False) -> bool:
-        """Adds or removes what a checked event names; False (nothing done) once the replica has lied. The
-        first event of a stream (`snapshot`) begins its pool anew: the new index takes the old one's place
-        once it holds that event's hashes, so the pool never looks empty in between."""
-        index = self.pool if event.tier == kvstore_pb2.TIER_ENGINE else self.index
-        with self._lock:
-            if self.lie is not None:
-                return False
-            if snapshot and event.tier == kvstore_pb2.TIER_ENGINE:
-                fresh = BlockIndex(*self._pool_bounds)
-                if event.kind == kvstore_pb2.Event.KIND_STORED:
-                    fresh.add(event.hashes)
-                self.pool = fresh
-            elif event.kind == kvstore_pb2.Event.KIND_STORED:
-                index.add(event.hashes)
-            else:
-                index.remove(event.hashes)
-        return True
-
-    def _follow_events(self) -> None:
-        backoff = Backoff(initial_s=0.5, max_s=5.0, stable_s=5.0)
-        while not self._stop.is_set():
-            if self.lie is not None:  # it lied: nothing it said is kept, and it is heard again after a while
-                if self._stop.wait(self._distrust_s):
-                    return
-                with self._lock:
-                    self.index.clear()
-                    self.pool.clear()
-                    self.lie = None
-            opened = time.monotonic()
-            try:
-                self._events_call = call = self.replica.Events(kvstore_pb2.EventsRequest(), metadata=self._metadata)
-                first = True  # the stream starts with a snapshot of the pool: what was known before goes then
-                for event in call:
-                    check_event(event)
-                    if not self._apply(event, snapshot=first):  # it lied elsewhere (its load, a prompt's hashes)
-                        call.cancel()
-                        break
-                    first = first and event.tier != kvstore_pb2.TIER_ENGINE
-            except Lie as lie:
-                self.distrust(lie)
-                continue
-            except (grpc.RpcError, ValueError) as exc:
-                if self._stop.is_set():
-                    return
-                code = exc.code().name if isinstance(exc, grpc.Call) else str(exc)
-                log.debug("events of %s ended (%s); following again", self.addr, code)
-            # one that keeps ending soon after it began is followed again later and later, not every half second
-            # with its snapshot sent each time
-            self._stop.wait(backoff.delay(time.monotonic() - opened))
+    replica: Replica
+    held: int  # the leading blocks of the prompt it held
+    watch: FirstTokenWatch | None  # None: no first-token deadline on this call
+    answered: bool = False  # its first response came, in time
+    finished: bool = False  # its result came: the caller has the whole answer
 
 
 class Router:
@@ -461,38 +135,27 @@ class Router:
         each of its two indexes, bytes in both); `distrust_s`: how long a replica that lied goes unheard;
         `dead_after_s`: how long a replica that answers no health check keeps its place; `busy_rounds`,
         `max_migrations` and `first_token_timeout_s` (0: none): see `generate`; `eject_after` (0: never),
-        `ejection_s` and `max_ejection_s`: see `_failed`."""
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+        `ejection_s` and `max_ejection_s`: see policy.Outliers."""
+        self.policy = Policy(policy, load_weight)
         if not targets:
             raise ValueError("at least one decode replica address is needed")
-        if first_token_timeout_s < 0 or eject_after < 0 or ejection_s <= 0:
-            raise ValueError(f"first_token_timeout_s ({first_token_timeout_s}) and eject_after ({eject_after}) must "
-                             f"be at least 0, ejection_s ({ejection_s}) more than 0")
+        if first_token_timeout_s < 0:
+            raise ValueError(f"first_token_timeout_s ({first_token_timeout_s}) must be at least 0")
+        self.outliers = Outliers(eject_after, ejection_s, max_ejection_s)
         self.targets = list(targets)
         self._targets = Targets(self.targets)
         self._leaving: dict[str, Replica] = {}  # gone from the names' addresses, streams still open on them
-        self.policy = policy
-        self.load_weight = load_weight
-        self._tls = tls
+        self._replica = functools.partial(
+            Replica, tls=tls, metadata=list(metadata), index_capacity=index_capacity, poll_s=poll_s,
+            index_bytes=index_bytes, distrust_s=distrust_s, on_lie=self._lied, check_timeout_s=check_timeout_s,
+            dead_after_s=dead_after_s)
         self._metadata = list(metadata)
-        self._index_capacity = index_capacity
-        self._index_bytes = index_bytes
-        self._distrust_s = distrust_s
-        self._poll_s = poll_s
         self._resolve_every_s = resolve_every_s
-        self._check_timeout_s = check_timeout_s
-        self._dead_after_s = dead_after_s
         self.busy_rounds = busy_rounds
         self.max_migrations = max_migrations
         self.first_token_timeout_s = first_token_timeout_s
-        self.eject_after = eject_after
-        self.ejection_s = ejection_s
-        self.max_ejection_s = max_ejection_s
         self._random = random.Random()  # the backoffs' jitter
         self._timeouts: Counter[str] = Counter()  # replica: calls cancelled for want of a first response in time
-        self._ejections: Counter[str] = Counter()  # replica: times it was ejected
-        self._ejecting = threading.Lock()  # one ejection at a time: never the last replica serving
         self._refusals: Counter[str] = Counter()  # replica: requests it refused as busy
         self._migrations: Counter[str] = Counter()  # outcome: streams moved (resumed), or not (limit, failed)
         self._overloaded = 0  # requests refused as busy, every replica having refused them
@@ -500,11 +163,10 @@ class Router:
         self.replicas: dict[str, Replica] = {}
         self._lies: Counter[tuple[str, str]] = Counter()  # (replica, reason): times it was distrusted
         self._lock = threading.Lock()
-        self._choices = itertools.count(1)  # numbers each choice: among equals, the least recently chosen goes
         self._hash_turn = itertools.count()  # which replica prefix_hashes asks
         self._stop = threading.Event()
         self._started = False
-        self._resolve()
+        self.resolve()
         self._resolver = threading.Thread(target=self._keep_resolving, name="resolve", daemon=True)
 
     def start(self) -> None:
@@ -528,16 +190,16 @@ class Router:
 
     @property
     def num_distrusted(self) -> int:
-        return sum(not r.trusted for r in self._all())
+        return sum(not r.blocks.trusted for r in self._all())
 
     @property
     def num_ejected(self) -> int:
-        return sum(r.ejected for r in self._all())
+        return sum(r.ejection.ejected for r in self._all())
 
     @property
     def index_bytes(self) -> int:
         """What the replicas' indexes hold now, in bytes (BlockIndex.nbytes)."""
-        return sum(r.index.nbytes + r.pool.nbytes for r in self._all())
+        return sum(r.blocks.nbytes for r in self._all())
 
     def lies(self) -> dict[tuple[str, str], int]:
         """(replica, reason): how many times a replica was distrusted, for every reason it was."""
@@ -567,8 +229,7 @@ class Router:
 
     def ejections(self) -> dict[str, int]:
         """Replica: how many times it was ejected for failing requests in a row."""
-        with self._lock:
-            return dict(self._ejections)
+        return self.outliers.ejections()
 
     @property
     def overloaded(self) -> int:
@@ -583,14 +244,14 @@ class Router:
 
     def prefix_hashes(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
                       timeout_s: float) -> list[BlockHash]:
-        """The prompt's block hashes from a healthy replica (the two asked at most, within `timeout_s` in all), asked with the router's own service token and,
-        in `ON_BEHALF_OF`, the caller's (so that they are its tenant's); [] when none answers (the request
-        is then placed by load alone, as when they are busy). A status about the request itself (a bad
-        prompt) is the caller's, raised as it came; a refused token is placed by load too (the Generate call then says why, or the
-        router's token is wrong: logged)."""
+        """The prompt's block hashes from a healthy replica (the two asked at most, within `timeout_s` in all),
+        asked with the router's own service token and, in `ON_BEHALF_OF`, the caller's (so that they are its
+        tenant's); [] when none answers (the request is then placed by load alone, as when they are busy). A
+        status about the request itself (a bad prompt) is the caller's, raised as it came; a refused token is
+        placed by load too (the Generate call then says why, or the router's token is wrong: logged)."""
         asked = [*self._metadata, *((ON_BEHALF_OF, v) for k, v in metadata if k == "authorization")]
         deadline = time.monotonic() + timeout_s  # for both replicas asked together
-        for replica in [r for r in self._healthy(self._hash_turn) if r.trusted][:2]:
+        for replica in [r for r in self._healthy(self._hash_turn) if r.blocks.trusted][:2]:
             try:
                 reply = replica.replica.PrefixHashes(request, metadata=asked,
                                                      timeout=max(0.0, deadline - time.monotonic()))
@@ -598,8 +259,7 @@ class Router:
             except Lie as lie:
                 replica.distrust(lie)
             except grpc.RpcError as exc:
-                code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                code, details = _status(exc)
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     log.warning("prefix hashes from %s refused (%s: %s): placing by load; the router's "
                                 "--token-file must be a token from the replicas' --service-tokens",
@@ -617,19 +277,7 @@ class Router:
     def choose(self, hashes: Sequence[BlockHash], avoid: Sequence[str] = ()) -> tuple[Replica, int] | None:
         """The replica to send a request to and how many of its leading blocks it holds; None when no
         replica outside `avoid` serves (healthy and not ejected)."""
-        candidates = [r for r in self._all() if r.serving and r.addr not in avoid]
-        if not candidates:
-            return None
-        held = {r.addr: r.leading(hashes) for r in candidates}
-
-        def cost(r: Replica) -> float:
-            if self.policy == "prefix":
-                return (len(hashes) - held[r.addr]) + self.load_weight * r.load
-            return r.load if self.policy == "least-loaded" else 0
-
-        best = min(candidates, key=lambda r: (cost(r), r.last_chosen))
-        best.last_chosen = next(self._choices)
-        return best, held[best.addr]
+        return self.policy.pick([r for r in self._all() if r.serving and r.addr not in avoid], hashes)
 
     def generate(self, request: decode_pb2.GenerateRequest, metadata: Metadata,
                  time_left: Callable[[], float | None],
@@ -647,8 +295,8 @@ class Router:
         is cancelled and the request goes to another. Any other status is the caller's, as the replica gave it.
         `on_call` receives each upstream call (to cancel it)."""
         hashes = (self.prefix_hashes(request, metadata, _bounded(time_left(), 5.0))
-                  if self.policy == "prefix" else [])
-        progress = _Progress()
+                  if self.policy.name == "prefix" else [])
+        progress = _Progress(Backoff(initial_s=BACKOFF_S, max_s=MAX_BACKOFF_S, jitter=True, rng=self._random))
         try:
             yield from self._stream(request, hashes, metadata, time_left, on_call, progress)
         except ServiceError:
@@ -659,77 +307,90 @@ class Router:
     def _stream(self, request: decode_pb2.GenerateRequest, hashes: Sequence[BlockHash], metadata: Metadata,
                 time_left: Callable[[], float | None], on_call: Callable[[Any], None],
                 p: _Progress) -> Iterator[decode_pb2.GenerateResponse]:
+        """`generate`'s tries, one replica after another, until one gives the caller its result."""
         while True:
             replica, held = self._place(hashes, p, time_left)
-            upstream = request
-            if p.sent:  # a moved stream: the replica continues after what the caller has
-                upstream = decode_pb2.GenerateRequest()
-                upstream.CopyFrom(request)
-                upstream.resume_token_ids.extend(p.sent)
-            call = replica.decode.Generate(upstream, metadata=metadata, timeout=time_left())
+            call = replica.decode.Generate(_resumed(request, p.sent), metadata=metadata, timeout=time_left())
             on_call(call)
-            watch = self._watch(call, replica, p, time_left)
+            a = _Attempt(replica, held, self._watch(call, replica, p, time_left))
             replica.started()
-            answered = finished = False
             try:
-                for response in call:
-                    if not answered:
-                        if watch is not None and not watch.answered():
-                            continue  # it came as the router cancelled the call: the stream ends CANCELLED
-                        answered = True
-                        replica.learned(hashes)  # it will hold them: the next turn should find them here
-                        if self.on_route is not None:
-                            self.on_route(replica.addr, self.policy, held)
-                        if p.moving:
-                            self._count(self._migrations, "resumed")
-                            p.moving = False
-                    if response.WhichOneof("kind") == "token":
-                        p.sent.append(response.token.token_id)
-                    else:
-                        finished = True
-                        replica.served()
-                    yield response
-                if finished:
-                    return
-                if watch is not None and watch.expired:
-                    self._late(replica, p, watch)
-                    continue
-                if not answered:
-                    self._failed(replica, "it ended its stream without an answer")
-                    raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {replica.addr} ended without an answer")
-                failure = "its stream ended without a result"
+                yield from self._relay(call, a, hashes, p)
+                failure = self._ended(a, p)
             except grpc.RpcError as exc:
-                code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-                details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or code.name
-                if code == grpc.StatusCode.CANCELLED and watch is not None and watch.expired:  # not the caller
-                    self._late(replica, p, watch)
-                    continue
-                if not answered and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self._count(self._refusals, replica.addr)
-                    hint_s = retry_after_s(exc)
-                    if hint_s is None:
-                        p.full[replica.addr] = details
-                    else:
-                        p.busy[replica.addr] = details
-                        p.hint_s = max(p.hint_s, hint_s)
-                    continue
-                if finished:  # the caller has its whole answer: how the call ended after it changes nothing
-                    return
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise Upstream(code, details) from exc
-                if not answered:
-                    log.warning("decode replica %s failed before the first token (%s): trying another",
-                                replica.addr, details)
-                    replica.mark_down()
-                    p.down[replica.addr] = details
-                    self._failed(replica, details)
-                    continue
-                failure = details
+                failure = self._broke(exc, a, p)
             finally:
-                if watch is not None:
-                    watch.stop()
+                if a.watch is not None:
+                    a.watch.stop()
                 replica.ended()
-            self._move(replica, p, failure)
+            if a.finished:
+                return
+            if failure is not None:
+                self._move(replica, p, failure)
+
+    def _relay(self, call: Iterator[decode_pb2.GenerateResponse], a: _Attempt, hashes: Sequence[BlockHash],
+               p: _Progress) -> Iterator[decode_pb2.GenerateResponse]:
+        """The replica's responses, passed on as they come."""
+        for response in call:
+            if not a.answered:
+                if a.watch is not None and not a.watch.answered():
+                    continue  # it came as the router cancelled the call: the stream ends CANCELLED
+                a.answered = True
+                a.replica.blocks.learned(hashes)  # it will hold them: the next turn should find them here
+                if self.on_route is not None:
+                    self.on_route(a.replica.addr, self.policy.name, a.held)
+                if p.moving:
+                    self._count(self._migrations, "resumed")
+                    p.moving = False
+            if response.WhichOneof("kind") == "token":
+                p.sent.append(response.token.token_id)
+            else:
+                a.finished = True
+                a.replica.ejection.served()
+            yield response
+
+    def _ended(self, a: _Attempt, p: _Progress) -> str | None:
+        """The replica's stream ended without an error: why it broke (the stream moves), or None when the caller
+        has its result or the request goes to another replica (no first response in time)."""
+        if a.finished:
+            return None
+        if a.watch is not None and a.watch.expired:
+            self._late(a.replica, p, a.watch)
+            return None
+        if not a.answered:
+            self._failed(a.replica, "it ended its stream without an answer")
+            raise Upstream(grpc.StatusCode.INTERNAL, f"decode replica {a.replica.addr} ended without an answer")
+        return "its stream ended without a result"
+
+    def _broke(self, exc: grpc.RpcError, a: _Attempt, p: _Progress) -> str | None:
+        """The replica's stream failed with `exc`: why (the stream moves), or None when the request goes to
+        another replica or the caller has its result already; a status that is the caller's is raised."""
+        code, details = _status(exc)
+        details = details or code.name
+        if code == grpc.StatusCode.CANCELLED and a.watch is not None and a.watch.expired:  # not the caller
+            self._late(a.replica, p, a.watch)
+            return None
+        if not a.answered and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._count(self._refusals, a.replica.addr)
+            hint_s = retry_after_s(exc)
+            if hint_s is None:
+                p.full[a.replica.addr] = details
+            else:
+                p.busy[a.replica.addr] = details
+                p.hint_s = max(p.hint_s, hint_s)
+            return None
+        if a.finished:  # the caller has its whole answer: how the call ended after it changes nothing
+            return None
+        if code != grpc.StatusCode.UNAVAILABLE:
+            raise Upstream(code, details) from exc
+        if not a.answered:
+            log.warning("decode replica %s failed before the first token (%s): trying another",
+                        a.replica.addr, details)
+            a.replica.mark_down()
+            p.down[a.replica.addr] = details
+            self._failed(a.replica, details)
+            return None
+        return details
 
     def _watch(self, call: Any, replica: Replica, p: _Progress,
                time_left: Callable[[], float | None]) -> FirstTokenWatch | None:
@@ -755,25 +416,7 @@ class Router:
         self._failed(replica, why)
 
     def _failed(self, replica: Replica, why: str) -> None:
-        """`replica` failed a request (`why`): no first response in time, UNAVAILABLE, a stream ended without a
-        result. At `eject_after` failures in a row it is ejected from choice (`Replica.eject`: `ejection_s` the
-        first time, n times that the n-th, at most `max_ejection_s`) until that time is over and its health check
-        says it serves, unless no other replica would be left serving: a slow answer is better than none."""
-        n = replica.failed()
-        if self.eject_after == 0 or n < self.eject_after:
-            return
-        with self._ejecting:
-            if replica.ejected:
-                return
-            if not any(r.serving for r in self._all() if r is not replica):
-                if n == self.eject_after:
-                    log.warning("decode replica %s failed %d requests in a row (the last: %s); not ejected: no "
-                                "other replica serves", replica.addr, n, why)
-                return
-            seconds = replica.eject(self.ejection_s, self.max_ejection_s)
-        self._count(self._ejections, replica.addr)
-        log.warning("decode replica %s failed %d requests in a row (the last: %s): ejected for %.0f s, then taken "
-                    "back once its health check says it serves", replica.addr, n, why, seconds)
+        self.outliers.failed(replica, self._all(), why)
 
     def _move(self, replica: Replica, p: _Progress, failure: str) -> None:
         """The stream from `replica` broke after tokens reached the caller: it goes to another replica, unless
@@ -795,9 +438,10 @@ class Router:
                time_left: Callable[[], float | None]) -> tuple[Replica, int]:
         """The replica to send the request to next and the leading blocks it holds: the best healthy one that
         has not failed the request, refused it for good, or refused it as busy in this round. Once every
-        healthy replica has refused it, those that were busy are asked again after a backoff; ResourceExhausted
-        with a retry hint after `busy_rounds` rounds, or sooner when the backoff would outlast the caller's
-        deadline, and without one when none was busy, only refusing; Unavailable when no replica is healthy."""
+        healthy replica has refused it, those that were busy are asked again after a backoff (at least the
+        longest wait a replica hinted); ResourceExhausted with a retry hint after `busy_rounds` rounds, or sooner
+        when the backoff would outlast the caller's deadline, and without one when none was busy, only
+        refusing; Unavailable when no replica is healthy."""
         while True:
             chosen = self.choose(hashes, [*p.down, *p.full, *p.busy])
             if chosen is not None:
@@ -809,27 +453,17 @@ class Router:
                 raise Unavailable(f"no healthy decode replica among {', '.join(self.targets)}{why}; "
                                   "check `kvserve health` on each")
             p.rounds += 1
-            wait = self._backoff(p)
+            wait = p.backoff.delay(hint_s=p.hint_s)
             left = time_left()
             if p.rounds >= self.busy_rounds or (left is not None and wait >= left):
                 with self._lock:
                     self._overloaded += 1
-                retry_s = p.hint_s or self._ceiling(p.rounds + 1)
+                retry_s = p.hint_s or p.backoff.next_s
                 raise ResourceExhausted(f"every decode replica is busy ({_refusals({**p.busy, **p.full})}), asked "
                                         f"{p.rounds} times; retry after {retry_s * 1000:.0f} ms", retry_after_s=retry_s)
             time.sleep(wait)
             p.busy.clear()
             p.hint_s = 0.0
-
-    def _backoff(self, p: _Progress) -> float:
-        """Seconds to wait before asking the busy replicas again: full jitter under a ceiling doubling from
-        BACKOFF_S, and at least the longest wait a replica hinted (capped), so that refused callers neither
-        come back all at once nor before they were asked to."""
-        return min(MAX_BACKOFF_S, p.hint_s + self._random.uniform(0, self._ceiling(p.rounds)))
-
-    @staticmethod
-    def _ceiling(rounds: int) -> float:
-        return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (rounds - 1))
 
     # -- replicas ------------------------------------------------------------------------------
 
@@ -845,17 +479,16 @@ class Router:
         k = next(turn) % len(up)
         return up[k:] + up[:k]
 
-    def _resolve(self) -> None:
-        """The replicas the names resolve to now. One gone from them (scaled down, or not ready for a moment) gets
-        no new request, and its channel closes once the streams on it have ended (closing it would end them
-        CANCELLED, a working replica's streams failed); one back in the meantime is taken back as it is."""
+    def resolve(self) -> None:
+        """The replicas the names resolve to now (done every `resolve_every_s` once started). One gone from them
+        (scaled down, or not ready for a moment) gets no new request, and its channel closes once the streams on
+        it have ended (closing it would end them CANCELLED, a working replica's streams failed); one back in the
+        meantime is taken back as it is."""
         wanted = self._targets.resolve()
         with self._lock:
             gone = [r for a, r in self.replicas.items() if a not in wanted]
             back = {a: r for a, r in self._leaving.items() if a in wanted}
-            new = {a: Replica(a, self._tls, self._metadata, self._index_capacity, self._poll_s, name,
-                              index_bytes=self._index_bytes, distrust_s=self._distrust_s, on_lie=self._lied,
-                              check_timeout_s=self._check_timeout_s, dead_after_s=self._dead_after_s)
+            new = {a: self._replica(a, target_name=name)
                    for a, name in wanted.items() if a not in self.replicas and a not in back}
             self.replicas = {a: r for a, r in {**self.replicas, **back, **new}.items() if a in wanted}
             self._leaving = {a: r for a, r in self._leaving.items() if a not in wanted}
@@ -874,7 +507,24 @@ class Router:
 
     def _keep_resolving(self) -> None:
         while not self._stop.wait(self._resolve_every_s):
-            self._resolve()
+            self.resolve()
+
+
+def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """A failed call's code and details."""
+    if not isinstance(exc, grpc.Call):
+        return grpc.StatusCode.UNKNOWN, str(exc)
+    return exc.code(), exc.details()
+
+
+def _resumed(request: decode_pb2.GenerateRequest, sent: array[int]) -> decode_pb2.GenerateRequest:
+    """The request as a replica gets it: a moved stream's continues after the tokens the caller has."""
+    if not sent:
+        return request
+    upstream = decode_pb2.GenerateRequest()
+    upstream.CopyFrom(request)
+    upstream.resume_token_ids.extend(sent)
+    return upstream
 
 
 def _refusals(messages: dict[str, str]) -> str:
