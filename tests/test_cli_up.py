@@ -3,6 +3,7 @@ service that dies, `up` itself killed. It must say what is wrong and leave no pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,13 +14,16 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import grpc
 import pytest
 
 from tests.polling import wait_until
 from tests.processes import KVSERVE, alive, children, free_ports, memfd_inodes
+
+if TYPE_CHECKING:
+    from kvserve.stack.status import UpStatus
 
 
 def up_argv(tmp: Path, model: Path, ports: list[int], *extra: str) -> list[str]:
@@ -248,18 +252,14 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     `kvserve stats`, and the next requests give the same tokens. A dead store's shm dir goes, and prefill
     and decode map the new store's arena instead of keeping the dead one's memory. `up` is secure, as by
     default: the client finds its credentials by itself, and the health checks present the admin certificate."""
-    from client.client import Client
-    from client.local import Layout
-    from kvserve.stack.stack import wait_healthy
-    from kvserve.stack.status import UpStatus, read_status
+    from kvserve.stack.status import read_status
+    from tests.stack_fixtures import model_dir
 
     data = tmp_path / "data"
     (data / "logs").mkdir(parents=True)
     for name in ("kvstore", "prefill", "decode"):  # what an earlier run left: never quoted as the cause
         (data / "logs" / f"{name}.log").write_text(f"a stale line of an earlier {name}\n")
     ports = free_ports(3)
-    from tests.stack_fixtures import model_dir
-
     # Every request crosses all three services: with local prefill, decode would answer this short prompt
     # alone, and prefill would map the new store's arena only at its next request.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSERVE_DECODE_LOCAL_PREFILL_TOKENS": "0"}
@@ -270,79 +270,15 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     seen: list[int] = []
     try:
         out.wait_for("ready:", proc)
-        front_door = f"127.0.0.1:{ports[0]}"
-
-        admin = Layout(data).admin_credentials()
-
-        def generate() -> list[int]:
-            with Client(front_door, timeout_s=120) as client:  # no token, no CA: those `up` registered
-                return list(client.generate(prompt="The store was killed, and yet", max_tokens=6,
-                                            ignore_eos=True).token_ids)
-
-        expected = generate()
+        up = _RunningUp(proc, err, data, f"127.0.0.1:{ports[0]}")
+        expected = up.generate()
         for name in ("kvstore", "prefill", "decode"):
             before = read_status(data)
             assert before is not None and before.pid == proc.pid
-            pid = before.services[name].pid
-            assert pid is not None
-            others = {n: s.pid for n, s in before.services.items() if n != name}
             seen.extend(s.pid for s in before.services.values() if s.pid)
-            old_shm = list(Path("/dev/shm").glob(f"kvserve-{pid}-*")) if name == "kvstore" else []
-            old_arena = memfd_inodes(pid) if name == "kvstore" else set()
-            assert name != "kvstore" or (old_shm and old_arena)
-
-            os.kill(pid, signal.SIGKILL)
-            line = err.wait_for(f"kvserve up: {name} (pid {pid}) was killed by SIGKILL", proc)
-            assert "starting it again in 0.5 s" in line and "its last log lines: " in line, line
-            assert f" {name} " in line.partition("its last log lines: ")[2] and "stale" not in line, line
-            if name == "kvstore":  # the cache is an optimisation: a request while it is down still works
-                assert generate() == expected
-
-            def running_again(name: str = name) -> UpStatus | None:
-                assert proc.poll() is None, "".join(err.lines)
-                now = read_status(data)
-                return now if now is not None and now.services[name].state == "running" else None
-
-            now = wait_until(running_again, timeout_s=180, interval_s=0.2, message=lambda: "".join(err.lines))
-            again = now.services[name]
-            assert again.restarts == 1 and again.pid not in (None, pid) and again.last_exit is not None
-            assert again.last_exit.signal == "SIGKILL" and again.addr == before.services[name].addr
-            assert {n: s.pid for n, s in now.services.items() if n != name} == others
-            wait_healthy(again.addr, 60, credentials=admin)
-            assert generate() == expected
-            assert proc.poll() is None
-
-            if name == "kvstore":
-                assert again.pid is not None
-                assert not any(d.exists() for d in old_shm)
-                assert list(Path("/dev/shm").glob(f"kvserve-{again.pid}-*"))
-                new_arena = memfd_inodes(again.pid)
-                assert new_arena and new_arena != old_arena
-                clients = [p for n in ("prefill", "decode") if (p := now.services[n].pid)]
-
-                def map_the_new_arena(clients: list[int] = clients, new_arena: set[str] = new_arena) -> bool:
-                    # a call during their channels' reconnect skips the store
-                    if all(memfd_inodes(p) == new_arena for p in clients):
-                        return True
-                    assert generate() == expected
-                    return False
-
-                wait_until(map_the_new_arena, timeout_s=60, interval_s=0,
-                           message=lambda clients=clients: str({p: memfd_inodes(p) for p in clients}))
-
-            stats = subprocess.run([KVSERVE, "stats", "--data-dir", str(data), "--json"], capture_output=True,
-                                   text=True, timeout=60)
-            assert stats.returncode == 0, stats.stderr
-            report = json.loads(stats.stdout)
-            assert report["up"]["pid"] == proc.pid and report["up"]["services"][name]["restarts"] == 1
-
-        text = subprocess.run([KVSERVE, "stats", "--data-dir", str(data)], capture_output=True, text=True,
-                              timeout=60)
-        assert text.returncode == 0, text.stderr
-        rows = {row[0]: row for row in map(str.split, text.stdout.splitlines())
-                if row and row[0] in ("kvstore", "prefill", "decode")}
-        assert {name: (row[1], row[4]) for name, row in rows.items()} == {
-            "kvstore": ("running", "1"), "prefill": ("running", "1"), "decode": ("running", "1")}, text.stdout
+            _kill_and_see_it_start_again(up, name, expected)
+            _check_stats_json_counts_the_restart(data, proc.pid, name)
+        _check_stats_text_counts_every_restart(data)
         final = read_status(data)
         assert final is not None
         seen.extend(s.pid for s in final.services.values() if s.pid)
@@ -360,6 +296,100 @@ def test_up_starts_each_killed_service_again_while_the_others_keep_serving(tmp_p
     assert not (data / "up.json").exists()
     _assert_gone(seen)
 
+
+@dataclasses.dataclass
+class _RunningUp:
+    proc: subprocess.Popen[str]
+    err: _Lines
+    data: Path
+    front_door: str
+
+    def generate(self) -> list[int]:
+        from client.client import Client
+
+        with Client(self.front_door, timeout_s=120) as client:  # no token, no CA: those `up` registered
+            return list(client.generate(prompt="The store was killed, and yet", max_tokens=6,
+                                        ignore_eos=True).token_ids)
+
+
+def _kill_and_see_it_start_again(up: _RunningUp, name: str, expected: list[int]) -> None:
+    """SIGKILLs `name`: `up` says so with its own last log lines, starts it again on its address (once, the
+    others untouched), and the next requests give `expected`; a store comes back with a new arena."""
+    from client.local import Layout
+    from kvserve.stack.stack import wait_healthy
+    from kvserve.stack.status import read_status
+
+    before = read_status(up.data)
+    assert before is not None
+    pid = before.services[name].pid
+    assert pid is not None
+    others = {n: s.pid for n, s in before.services.items() if n != name}
+    old_shm = list(Path("/dev/shm").glob(f"kvserve-{pid}-*")) if name == "kvstore" else []
+    old_arena = memfd_inodes(pid) if name == "kvstore" else set()
+    assert name != "kvstore" or (old_shm and old_arena)
+
+    os.kill(pid, signal.SIGKILL)
+    line = up.err.wait_for(f"kvserve up: {name} (pid {pid}) was killed by SIGKILL", up.proc)
+    assert "starting it again in 0.5 s" in line and "its last log lines: " in line, line
+    assert f" {name} " in line.partition("its last log lines: ")[2] and "stale" not in line, line
+    if name == "kvstore":  # the cache is an optimisation: a request while it is down still works
+        assert up.generate() == expected
+
+    def running_again() -> UpStatus | None:
+        assert up.proc.poll() is None, "".join(up.err.lines)
+        now = read_status(up.data)
+        return now if now is not None and now.services[name].state == "running" else None
+
+    now = wait_until(running_again, timeout_s=180, interval_s=0.2, message=lambda: "".join(up.err.lines))
+    assert now is not None
+    again = now.services[name]
+    assert again.restarts == 1 and again.pid not in (None, pid) and again.last_exit is not None
+    assert again.last_exit.signal == "SIGKILL" and again.addr == before.services[name].addr
+    assert {n: s.pid for n, s in now.services.items() if n != name} == others
+    wait_healthy(again.addr, 60, credentials=Layout(up.data).admin_credentials())
+    assert up.generate() == expected
+    assert up.proc.poll() is None
+    if name == "kvstore":
+        assert again.pid is not None
+        assert not any(d.exists() for d in old_shm)
+        _check_clients_map_the_new_arena(up, now, again.pid, old_arena, expected)
+
+
+def _check_clients_map_the_new_arena(up: _RunningUp, now: UpStatus, store_pid: int, old_arena: set[str],
+                                     expected: list[int]) -> None:
+    """The new store has its own shm dir and arena, and prefill and decode map it, not the dead one's."""
+    assert list(Path("/dev/shm").glob(f"kvserve-{store_pid}-*"))
+    new_arena = memfd_inodes(store_pid)
+    assert new_arena and new_arena != old_arena
+    clients = [p for n in ("prefill", "decode") if (p := now.services[n].pid)]
+
+    def map_the_new_arena() -> bool:
+        # a call during their channels' reconnect skips the store
+        if all(memfd_inodes(p) == new_arena for p in clients):
+            return True
+        assert up.generate() == expected
+        return False
+
+    wait_until(map_the_new_arena, timeout_s=60, interval_s=0,
+               message=lambda: str({p: memfd_inodes(p) for p in clients}))
+
+
+def _check_stats_json_counts_the_restart(data: Path, up_pid: int, name: str) -> None:
+    stats = subprocess.run([KVSERVE, "stats", "--data-dir", str(data), "--json"], capture_output=True,
+                           text=True, timeout=60)
+    assert stats.returncode == 0, stats.stderr
+    report = json.loads(stats.stdout)
+    assert report["up"]["pid"] == up_pid and report["up"]["services"][name]["restarts"] == 1
+
+
+def _check_stats_text_counts_every_restart(data: Path) -> None:
+    text = subprocess.run([KVSERVE, "stats", "--data-dir", str(data)], capture_output=True, text=True,
+                          timeout=60)
+    assert text.returncode == 0, text.stderr
+    rows = {row[0]: row for row in map(str.split, text.stdout.splitlines())
+            if row and row[0] in ("kvstore", "prefill", "decode")}
+    assert {name: (row[1], row[4]) for name, row in rows.items()} == {
+        "kvstore": ("running", "1"), "prefill": ("running", "1"), "decode": ("running", "1")}, text.stdout
 
 def _refuse_callers_without_a_certificate(ca: Path, ports: list[int]) -> None:
     """The store and prefill (`ports`) refuse plaintext, and TLS without a client certificate."""

@@ -287,11 +287,28 @@ def test_clients_looping_through_restarts_hear_why_and_never_connection_refused(
     """Decode SIGKILLed under a client's loop of requests; then the HTTP API under a loop of health checks."""
     proc, out, err, data, ports = up
     assert sum("MiB resident)" in line or "GiB resident)" in line for line in out) == 4, out  # "decode ready on ..."
+    outcomes, pid = _kill_decode_under_a_loop_of_requests(proc, err, data, ports[0])
+    line = next(line for line in err if line.startswith(f"kvserve up: decode (pid {pid}) was killed by SIGKILL"))
+    assert "OOM" in line and "it held " in line, line  # killed by the test: "not the kernel's OOM killer (...)"
+    failed = [o for o in outcomes if o[0] != "ok"]
+    assert failed, "the restart takes seconds: some requests came while it ran"
+    assert not [o for o in failed if "refused" in o[1].lower()], failed
+    says = "decode restarting (killed by SIGKILL); retry in a few seconds"
+    assert all(code == "UNAVAILABLE" and details.endswith(says) for code, details in failed), failed
+    assert outcomes[-3:] == [("ok", "")] * 3
+    _check_stats_say_why_decode_exited(data, line)
+    _check_a_killed_http_api_answers_why(proc, err, data)
+
+
+def _kill_decode_under_a_loop_of_requests(proc: subprocess.Popen[str], err: list[str], data: Path, port: int
+                                          ) -> tuple[list[tuple[str, str]], int]:
+    """SIGKILLs decode while a client loops over requests, until three after its restart succeed: the
+    outcomes, ("ok", "") or (code, details), and the killed pid."""
     outcomes: list[tuple[str, str]] = []
     stop = threading.Event()
 
     def loop() -> None:
-        with Client(f"127.0.0.1:{ports[0]}", timeout_s=60) as client:  # finds up's CA and admin token
+        with Client(f"127.0.0.1:{port}", timeout_s=60) as client:  # finds up's CA and admin token
             while not stop.is_set():
                 try:
                     client.generate("The decode service was killed, and yet", max_tokens=8, ignore_eos=True)
@@ -315,15 +332,11 @@ def test_clients_looping_through_restarts_hear_why_and_never_connection_refused(
     finally:
         stop.set()
         looping.join(timeout=120)
-    line = next(line for line in err if line.startswith(f"kvserve up: decode (pid {pid}) was killed by SIGKILL"))
-    assert "OOM" in line and "it held " in line, line  # killed by the test: "not the kernel's OOM killer (...)"
-    failed = [o for o in outcomes if o[0] != "ok"]
-    assert failed, "the restart takes seconds: some requests came while it ran"
-    assert not [o for o in failed if "refused" in o[1].lower()], failed
-    says = "decode restarting (killed by SIGKILL); retry in a few seconds"
-    assert all(code == "UNAVAILABLE" and details.endswith(says) for code, details in failed), failed
-    assert outcomes[-3:] == [("ok", "")] * 3
+    return outcomes, pid
 
+
+def _check_stats_say_why_decode_exited(data: Path, line: str) -> None:
+    """`kvserve stats`, as JSON and as text, shows decode's memory and the cause `up` printed in `line`."""
     stats = subprocess.run([KVSERVE, "stats", "--data-dir", str(data), "--json"], capture_output=True, text=True,
                            timeout=60)
     assert stats.returncode == 0, stats.stderr
@@ -333,6 +346,10 @@ def test_clients_looping_through_restarts_hear_why_and_never_connection_refused(
     row = next(r for r in text.stdout.splitlines() if r.startswith("decode "))
     assert row.split()[6] in ("MiB", "GiB") and "killed by SIGKILL: " in row and "OOM" in row, text.stdout
 
+
+def _check_a_killed_http_api_answers_why(proc: subprocess.Popen[str], err: list[str], data: Path) -> None:
+    """The HTTP API SIGKILLed under a loop of health checks: a 503 that says why while it restarts, and
+    connections dropped only until `up` sees it die."""
     http = read_status(data)
     assert http is not None and http.http_url is not None and (http_pid := http.services["http"].pid) is not None
     answers: list[tuple[float, str]] = []  # (seconds since the kill, answer)
