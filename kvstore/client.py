@@ -97,7 +97,7 @@ class KVStoreClient:
         self._arena: ArenaMap | None = None
         self._arena_path = ""
         self._arena_checked = False
-        self._arena_asking = False  # a thread is asking Info (_shm)
+        self._arena_asking = False  # a thread is asking Info (arena_channel)
         self._closed = False
         self._arena_lock = threading.Lock()
 
@@ -123,7 +123,7 @@ class KVStoreClient:
         host they are copied once, straight into the store's arena. A hash already stored keeps
         its payload (blocks are immutable: the first write wins)."""
         items = [(key, payload if isinstance(payload, tuple) else (payload,)) for key, payload in blocks]
-        arena = self._shm()
+        arena = self.arena_channel()
         if arena is not None and items:
             try:
                 return self._put_arena(arena, items, ephemeral)
@@ -141,7 +141,7 @@ class KVStoreClient:
         On the same host the call goes over the arena's channel (a caller there is its process; a refusal is
         raised as gRPC's would be), else by gRPC."""
         request = pb.LookupRequest(hashes=list(hashes), lease_ttl_s=lease_ttl_s or 0.0)
-        arena, response = self._shm(), None
+        arena, response = self.arena_channel(), None
         if arena is not None and LOCAL_LOOKUP in arena.methods:
             try:
                 response = pb.LookupResponse.FromString(self._arena_call(arena, LOCAL_LOOKUP, request.SerializeToString()))
@@ -288,11 +288,16 @@ class KVStoreClient:
 
     def shm_dir(self) -> Path | None:
         """The server's shared-memory dir when this client maps its arena, else None."""
-        return Path(self._arena_path).parent if self._shm() is not None else None
+        return Path(self._arena_path).parent if self.arena_channel() is not None else None
 
-    # -- internals -----------------------------------------------------------------------------
+    @property
+    def open_arena(self) -> ArenaMap | None:
+        """The channel to the store's arena open now, without asking for one (None: none is open)."""
+        return self._arena
 
-    def _shm(self) -> ArenaMap | None:
+    def arena_channel(self) -> ArenaMap | None:
+        """The channel to the store's arena, opened when not yet (None: the store is on another host, has no
+        arena, or `use_shm` is off): puts, lookups and gets go over it, their bytes through the arena."""
         # Asks Info once, and again whenever the socket has gone (the server restarted elsewhere). One thread asks
         # at a time, outside the lock: the calls meanwhile go by gRPC, each bounded by its own timeout, instead of
         # waiting in turn for a store that does not answer.
@@ -328,9 +333,11 @@ class KVStoreClient:
             with self._arena_lock:
                 self._arena_asking = False
 
+    # -- internals -----------------------------------------------------------------------------
+
     def _device_arena(self) -> tuple[ArenaMap, OpenedSegment] | None:
         """The store's arena and its segment when it is a device arena this client opened."""
-        arena = self._shm()
+        arena = self.arena_channel()
         if arena is None or not hasattr(arena.segment, "read_many"):
             return None
         return arena, arena.segment  # type: ignore[return-value]
@@ -366,7 +373,7 @@ class KVStoreClient:
              take_shm: Callable[[int, ArenaMap, int, int, int], bool]) -> None:
         """Same host: one call on the arena's channel names the slots, each block is copied out of its own;
         what is not in the arena (or failed its checksum) goes by gRPC."""
-        arena = self._shm()
+        arena = self.arena_channel()
         todo = list(range(len(keys)))
         if arena is not None and keys:
             try:

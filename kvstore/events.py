@@ -56,6 +56,11 @@ class EventHub:
         self._lock = threading.Lock()
         self.queue_len = queue_len
 
+    @property
+    def subscribers(self) -> int:
+        """How many subscriptions are open."""
+        return len(self._subs)
+
     def subscribe(self) -> Subscription:
         sub = Subscription(self, self.queue_len)
         with self._lock:

@@ -146,7 +146,7 @@ def test_a_put_with_a_bad_hash_gets_the_grpc_status_and_reserves_nothing(tmp_pat
         with pytest.raises(grpc.RpcError) as info:  # the second block's hash is malformed
             c.put([good, (b"short", payload(2, 5000))])
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # refused on the arena channel, then by gRPC
-        assert not server.store._reservations
+        assert not server.store.reserved_bytes
         assert c.put([good]) == 0  # blocks go in prefix order: the one before the bad one was stored
         assert checksum(c.get([key(1)])[0] or b"") == checksum(payload(1, 5000))
 
@@ -155,7 +155,7 @@ def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
     blocks = [(key(i), payload(i, 5000)) for i in range(4)]
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
         assert c.put(blocks[:2]) == 2
-        channel = c._shm()
+        channel = c.arena_channel()
         assert channel is not None
         request = pb.ReserveRequest(sizes=[5000] * 4, hashes=[k for k, _ in blocks])
         reply = pb.ReserveResponse.FromString(channel.call(arena.RESERVE, request.SerializeToString(), 5.0))
@@ -163,7 +163,7 @@ def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
         staged = [pb.BlockChunk(hash=key(2), total_size=5000, shm_offset=reply.offsets[2])]
         put = pb.PutRequest(staged=staged, reservation_id=reply.reservation_id)
         channel.call(arena.PUT, put.SerializeToString(), 5.0)
-        assert not server.store._reservations  # the unused slot went back when the put ended
+        assert not server.store.reserved_bytes  # the unused slot went back when the put ended
         assert c.put(blocks) == 1  # only block 3 is new: copied and put
         assert c.put(blocks[:2]) == 0  # nothing new: no put at all
         assert c.get([k for k, _ in blocks])[3] == payload(3, 5000)
@@ -172,20 +172,20 @@ def test_a_put_of_stored_blocks_copies_nothing(tmp_path: Path) -> None:
 
 def test_reservations_made_on_the_arena_channel_end_when_it_closes(tmp_path: Path) -> None:
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
-        channel = c._shm()
+        channel = c.arena_channel()
         assert channel is not None
         reply = pb.ReserveResponse.FromString(
             channel.call(arena.RESERVE, pb.ReserveRequest(sizes=[5000, 5000]).SerializeToString(), 5.0))
-        assert len(server.store._reservations) == 1
+        assert server.store.reserved_bytes == 10000
         channel.close()  # a client that dies between reserving and putting
-        wait_until(lambda: not server.store._reservations, timeout_s=5, interval_s=0.01,
+        wait_until(lambda: not server.store.reserved_bytes, timeout_s=5, interval_s=0.01,
                    message="the closed channel's reservation was kept")
         assert all(server.store.shm_tier.slots.slot_size(o) is None for o in reply.offsets)  # type: ignore[union-attr]
 
 
 def test_a_refused_call_on_the_arena_channel_names_its_status_and_the_channel_goes_on(tmp_path: Path) -> None:
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
-        channel = c._shm()
+        channel = c.arena_channel()
         assert channel is not None
         with pytest.raises(arena.LocalCallError) as info:
             channel.call(99, b"", 5.0)
@@ -201,7 +201,7 @@ def test_a_refused_call_on_the_arena_channel_names_its_status_and_the_channel_go
             channel.call(arena.LOOKUP, pb.LookupRequest(hashes=[b"short"]).SerializeToString(), 5.0)
         assert info.value.status == "INVALID_ARGUMENT" and "32 bytes" in info.value.message
         assert c.put([(key(1), payload(1, 5000))]) == 1 and c.get([key(1)]) == [payload(1, 5000)]
-        assert not server.store._reservations and server.store.stats().tier("host").blocks == 1
+        assert not server.store.reserved_bytes and server.store.stats().tier("host").blocks == 1
 
 
 def test_a_call_that_times_out_closes_the_channel_so_its_late_reply_answers_no_other(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_a_client_asks_a_store_on_its_arena_channel_only_what_the_store_says_it_
     """A store from before Lookup moved to the arena's channel names no methods in its greeting: a client then
     looks up by gRPC and still moves blocks through the arena."""
     with running_server(tmp_path) as server, KVStoreClient(server.address) as c:
-        channel = c._shm()
+        channel = c.arena_channel()
         assert channel is not None and arena.LOOKUP in channel.methods
         asked: list[int] = []
         call = channel.call

@@ -82,11 +82,11 @@ def test_a_block_put_into_a_device_slot_gets_its_xxh3_once_its_bytes_leave(tmp_p
     wsum = device.segment.write_blocks([offset], [[payload("a")]])[0]
     assert store.put_reserved(key("a"), rid, offset, 100, wsum)
     assert device.slot(key("a")) == (offset, 100, wsum)  # the client's slot became the block
-    assert store._index[key("a")].checksum == 0  # its xxh3 is not known yet: nothing was copied off the device
+    assert store.checksum_of(key("a")) == 0  # its xxh3 is not known yet: nothing was copied off the device
     for i in "bcdefg":  # push "a" down to host, then disk
         store.put(key(i), payload(i))
     store.check_integrity()
-    assert store.tier_of(key("a")) == Tier.DISK and store._index[key("a")].checksum == checksum(payload("a"))
+    assert store.tier_of(key("a")) == Tier.DISK and store.checksum_of(key("a")) == checksum(payload("a"))
     (read,) = store.get([key("a")])
     assert read is not None and read.payload == payload("a") and read.checksum == checksum(payload("a"))
     store.close()
@@ -157,13 +157,13 @@ def test_a_client_whose_arena_closed_under_it_goes_on_with_bytes(tmp_path: Path)
     with running_server(tmp_path, device="cpu", device_capacity=32 * MiB) as server, \
             KVStoreClient(server.address) as c:
         c.put_tensors([(key(1), (torch.ones(256, dtype=torch.uint8),))])
-        arena = c._arena
+        arena = c.open_arena
         assert arena is not None
         arena.segment.close()
         arena.segment.close()  # twice: once counts
         (got,) = c.get_tensors([key(1)])
         assert got is not None and bool((got == 1).all())  # by bytes over gRPC
-        assert c._arena is None and c.tensor_device() is not None  # dropped, then opened again
+        assert c.open_arena is None and c.tensor_device() is not None  # dropped, then opened again
         (got,) = c.get_tensors([key(1)])
         assert got is not None and bool((got == 1).all())
         arena.close()

@@ -275,7 +275,7 @@ def test_a_hung_store_costs_a_same_host_call_one_timeout(tmp_path: Path) -> None
     try:
         assert clients[0].put([(key(1), payload(1, 1000))]) == 1
         for c in clients[:3]:
-            assert c.lookup([key(1)]).num_hits == 1 and c._arena is not None  # each on the arena's channel
+            assert c.lookup([key(1)]).num_hits == 1 and c.open_arena is not None  # each on the arena's channel
         calls = (lambda c: c.lookup([key(1)], lease_ttl_s=5), lambda c: c.get([key(1)]),
                  lambda c: c.put([(key(2), payload(2, 1000))]))
         stop()
@@ -286,7 +286,7 @@ def test_a_hung_store_costs_a_same_host_call_one_timeout(tmp_path: Path) -> None
             proc.send_signal(signal.SIGCONT)
         for c in clients[:3]:
             assert c.get([key(1)]) == [payload(1, 1000)]
-            assert c._arena is not None  # the channel opened again
+            assert c.open_arena is not None  # the channel opened again
         stop()
         try:
             for c in (clients[0], clients[3]):  # its channel open; never opened

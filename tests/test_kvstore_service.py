@@ -292,14 +292,14 @@ def test_same_host_callers_are_told_apart_by_process(tmp_path: Path) -> None:
                                   timeout=120, check=True)
         assert attacker.stdout.split() == [str(MiB // 4), "RESOURCE_EXHAUSTED"]
         with KVStoreClient(addr) as victim:
-            assert victim._shm() is not None
+            assert victim.arena_channel() is not None
             for i in range(16):
                 assert victim.put([(key(f"real-{i}"), payload(f"real-{i}", 65536))]) == 1
                 result = victim.lookup([key(f"real-{i}")], lease_ttl_s=30)
                 assert result.num_hits == 1 and result.lease_id
                 if i < 15:
                     victim.release(result.lease_id)
-        callers = server.store._leases.pinned_by_caller()
+        callers = server.store.pinned_bytes_by_caller()
         assert callers[f"local-pid:{os.getpid()}"] == 65536
         assert [v for k, v in callers.items() if k != f"local-pid:{os.getpid()}"] == [MiB // 4]
         server.store.check_integrity()
@@ -310,7 +310,7 @@ def test_same_host_callers_are_told_apart_by_process(tmp_path: Path) -> None:
 def test_events_stream_stored_and_removed(tmp_path: Path) -> None:
     with running_server(tmp_path, host_capacity=200) as server, KVStoreClient(server.address) as c:
         events: list[tuple[bool, list[bytes]]] = []
-        stream = c._stub.Events(pb.EventsRequest())
+        stream = c.watch_events()
         got_all = threading.Event()
 
         def listen() -> None:
@@ -425,7 +425,7 @@ def test_staged_puts_come_only_over_the_arena_socket_and_must_name_reserved_slot
     # hash: a staged block is refused there, whatever it names.
     with (running_server(tmp_path, host_capacity=1 * MiB) as server, KVStoreClient(server.address) as c,
           grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as grpc_channel):
-        channel = c._shm()
+        channel = c.arena_channel()
         assert channel is not None
 
         def reserve(sizes: list[int]) -> pb.ReserveResponse:
@@ -473,23 +473,23 @@ def test_idle_events_streams_never_take_the_workers_that_serve_lookups(tmp_path:
     from kvstore.server import MAX_EVENT_STREAMS
 
     with running_server(tmp_path) as server, KVStoreClient(server.address, use_shm=False) as c:
-        streams = [c._stub.Events(pb.EventsRequest()) for _ in range(MAX_EVENT_STREAMS)]
+        streams = [c.watch_events() for _ in range(MAX_EVENT_STREAMS)]
         try:
-            wait_until(lambda: len(server.store.events._subs) >= MAX_EVENT_STREAMS, interval_s=0.01,
+            wait_until(lambda: server.store.events.subscribers >= MAX_EVENT_STREAMS, interval_s=0.01,
                        message="the streams never all subscribed")  # as the server starts them
             c.put([(key(1), payload(1))])  # each open stream sees this event
             for stream in streams:
                 assert next(stream).kind == pb.Event.KIND_STORED
-            extra = c._stub.Events(pb.EventsRequest())
+            extra = c.watch_events()
             assert status_of(lambda: next(extra)) == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert c.lookup([key(1)]).num_hits == 1 and c.stats().tier("host").blocks == 1
         finally:
             for stream in streams:
                 stream.cancel()
-        wait_until(lambda: not server.store.events._subs, interval_s=0.01,  # a closed stream gives its place back
+        wait_until(lambda: not server.store.events.subscribers, interval_s=0.01,  # a closed stream gives its place back
                    message="the cancelled streams kept their places")
-        stream = c._stub.Events(pb.EventsRequest())
-        wait_until(lambda: server.store.events._subs, interval_s=0.01, message="the new stream never subscribed")
+        stream = c.watch_events()
+        wait_until(lambda: server.store.events.subscribers, interval_s=0.01, message="the new stream never subscribed")
         c.put([(key(2), payload(2))])
         assert next(stream).kind == pb.Event.KIND_STORED
         stream.cancel()
@@ -498,7 +498,7 @@ def test_idle_events_streams_never_take_the_workers_that_serve_lookups(tmp_path:
 def test_remove_over_rpc_drops_announces_and_lets_the_block_be_stored_again(tmp_path: Path) -> None:
     with running_server(tmp_path, host_capacity=1 * MiB) as server, KVStoreClient(server.address) as c:
         c.put([(key(1), payload(1)), (key(2), payload(2))])
-        stream = c._stub.Events(pb.EventsRequest())
+        stream = c.watch_events()
         removed: list[bytes] = []
         seen = threading.Event()
 
