@@ -35,6 +35,20 @@ def default_host_capacity() -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(epilog=env_epilog("kvstore"), prog="kvserve kvstore", description="Run the tiered KV block store (gRPC kvserve.v1.KVStore).")
     add_server_flags(p, listen="127.0.0.1:50053")
+    _tier_flags(p)
+    _limit_flags(p)
+    p.add_argument("--record-key-file", type=Path, default=None, metavar="FILE",
+                   help="a secret the deployment's stores share (at least 32 hex characters, read once at start; "
+                        "`kvserve up` makes one): every record on disk and in the remote tier carries an HMAC-SHA256 "
+                        "binding it to its block hash, so that a record moved to another key, forged, or written "
+                        "by another deployment is a miss. Without it, records are bound to their keys by checksum "
+                        "only (anyone who can write the disk tier or Redis can forge blocks), and --remote-url "
+                        "needs --insecure")
+    _remote_flags(p)
+    return p
+
+
+def _tier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["off", "cpu", "cuda"], default="off",
                    help="device tier: cuda (an arena in GPU memory that same-node clients open by CUDA IPC), "
                         "cpu (the same arena in CPU memory, for tests) or off (default)")
@@ -51,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
                         "(default on)")
     p.add_argument("--shm-root", default="/dev/shm", help=argparse.SUPPRESS)
     p.add_argument("--flush-timeout", type=float, default=10.0, help="seconds SIGTERM may spend flushing memory to disk")
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-block-bytes", type=parse_size, default=MAX_BLOCK_BYTES,
                    help="largest block a caller may put (never more than the largest tier); a larger one is "
                         "refused with RESOURCE_EXHAUSTED before its bytes are buffered (default 256MiB)")
@@ -62,13 +79,9 @@ def parser() -> argparse.ArgumentParser:
                         "RESOURCE_EXHAUSTED. Callers are told apart by certificate with mTLS, else by host; on "
                         "the same host's arena socket by process (default: a quarter of the top tier, at least "
                         "64MiB)")
-    p.add_argument("--record-key-file", type=Path, default=None, metavar="FILE",
-                   help="a secret the deployment's stores share (at least 32 hex characters, read once at start; "
-                        "`kvserve up` makes one): every record on disk and in the remote tier carries an HMAC-SHA256 "
-                        "binding it to its block hash, so that a record moved to another key, forged, or written "
-                        "by another deployment is a miss. Without it, records are bound to their keys by checksum "
-                        "only (anyone who can write the disk tier or Redis can forge blocks), and --remote-url "
-                        "needs --insecure")
+
+
+def _remote_flags(p: argparse.ArgumentParser) -> None:
     remote = p.add_argument_group(
         "remote tier", "A Redis or Valkey shared by every node's store, under the local tiers: blocks stored here are "
         "written behind to it (never blocking a Put), and a local miss asks it once before computing. Its errors "
@@ -97,7 +110,6 @@ def parser() -> argparse.ArgumentParser:
     remote.add_argument("--remote-tls-cert", default=None, metavar="PEM",
                         help="with rediss://: a client certificate, for a Redis that requires one (tls-auth-clients)")
     remote.add_argument("--remote-tls-key", default=None, metavar="PEM", help="the client certificate's key")
-    return p
 
 
 def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
