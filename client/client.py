@@ -24,7 +24,7 @@ import grpc
 
 from client import local
 from protos.kvserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from protos.retry import retry_after_s
+from protos.retry import Backoff, retry_after_s
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 TOKEN_ENV = "KVSERVE_TOKEN"
@@ -35,6 +35,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 Message = Mapping[str, str]
+BUSY_BACKOFF_S = 0.05  # the first wait for a busy server that hints less, doubling each time
 BUSY_RETRIES = 8  # times a request refused by a busy server (RESOURCE_EXHAUSTED with a hint) is sent again
 # How long a call that failed UNAVAILABLE waits, once, for the server to answer again (gRPC connects again after
 # about a second): a service that `kvserve up` starts again has a placeholder on its port within a fraction of one,
@@ -301,17 +302,17 @@ def _connection(addr: str, token: str | None, tls_ca: str | os.PathLike[str] | N
     return _auth_metadata(token), _credentials(tls_ca)
 
 
-def _busy_wait(exc: grpc.RpcError, attempt: int, retries: int, deadline: float) -> float | None:
+def _busy_wait(exc: grpc.RpcError, attempt: int, retries: int, deadline: float, backoff: Backoff) -> float | None:
     """How long to wait before sending again a request that failed with `exc` before any answer, or None to
     give up: only a busy server's RESOURCE_EXHAUSTED, which carries a hint (protos.retry), is retried, at
-    most `retries` times, and never past the deadline. The wait is the hint (50 ms doubling without one)
+    most `retries` times, and never past the deadline. The wait is the hint (or `backoff`'s step, if longer)
     stretched by up to 2x at random, so that clients refused together do not come back together."""
     if attempt >= retries or not isinstance(exc, grpc.Call) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
     hint = retry_after_s(exc)
     if hint is None:
         return None
-    wait = random.uniform(1, 2) * max(hint, 0.05 * 2**attempt)
+    wait = random.uniform(1, 2) * max(hint, backoff.delay())
     return wait if time.monotonic() + wait < deadline else None
 
 
@@ -378,7 +379,7 @@ class Client:
         """
         request = build_request(prompt, **kwargs)
         deadline = time.monotonic() + self.timeout_s
-        attempt, probed = 0, False
+        attempt, probed, backoff = 0, False, Backoff(initial_s=BUSY_BACKOFF_S, max_s=30.0)
         while True:
             call = self._stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
                                        metadata=self._metadata)
@@ -395,7 +396,7 @@ class Client:
                     yield item
                 return
             except grpc.RpcError as exc:
-                wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline)
+                wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline, backoff)
                 if wait is None and _unavailable(exc) and not probed:
                     probed = True
                     hint = retry_after_s(exc) or 0.0
@@ -472,7 +473,7 @@ class AsyncClient:
         """
         request = build_request(prompt, **kwargs)
         deadline = time.monotonic() + self.timeout_s
-        attempt, probed = 0, False
+        attempt, probed, backoff = 0, False, Backoff(initial_s=BUSY_BACKOFF_S, max_s=30.0)
         while True:
             call = self._stub.Generate(request, timeout=max(0.0, deadline - time.monotonic()),
                                        metadata=self._metadata)
@@ -487,7 +488,7 @@ class AsyncClient:
                     yield item
                 return
             except grpc.RpcError as exc:
-                wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline)
+                wait = None if answered else _busy_wait(exc, attempt, self.busy_retries, deadline, backoff)
                 if wait is None and _unavailable(exc) and not probed:
                     probed = True
                     hint = retry_after_s(exc) or 0.0
