@@ -5,13 +5,18 @@ after the blocks went down to the disk tier."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from client import Client
 from kvstore import KVStoreClient
-from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
+from tests.stack_fixtures import (
+    BLOCK_SIZE,
+    ProcessStack,
+    assert_greedy_matches,
+    oracle,
+    stack_fixture,
+    tokens,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -19,14 +24,11 @@ ARCH = "llama"
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ProcessStack]:
-    # about 20 blocks of the test model in each memory tier
-    # every prompt through the hand-off (decode at --local-prefill-tokens 0), so that blocks cross the arena
-    s = ProcessStack("device-arena", [ARCH], ["--device", "cpu", "--device-capacity", "512KiB",
-                                              "--host-capacity", "512KiB"], ["--local-prefill-tokens", "0"])
-    yield s
-    s.stop()
+# about 20 blocks of the test model in each memory tier
+# every prompt through the hand-off (decode at --local-prefill-tokens 0), so that blocks cross the arena
+stack = stack_fixture(ProcessStack, "device-arena", [ARCH], ["--device", "cpu", "--device-capacity", "512KiB",
+                                                             "--host-capacity", "512KiB"],
+                      ["--local-prefill-tokens", "0"])
 
 
 def test_greedy_matches_hf_through_the_device_arena_in_every_cache_state(stack: ProcessStack) -> None:

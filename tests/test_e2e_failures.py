@@ -14,18 +14,22 @@ from kvserve.engine.hashing import Namespace, prefix_hashes
 from kvserve.engine.model import model_fingerprint
 from kvstore import KVStoreClient
 from tests.polling import wait_until
-from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, model_dir, oracle, tokens
+from tests.stack_fixtures import (
+    BLOCK_SIZE,
+    ProcessStack,
+    assert_greedy_matches,
+    model_dir,
+    oracle,
+    stack_fixture,
+    tokens,
+)
 
 pytestmark = pytest.mark.slow
 
 ARCH = "llama"
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ProcessStack]:
-    s = ProcessStack("failures", [ARCH])
-    yield s
-    s.stop()
+stack = stack_fixture(ProcessStack, "failures", [ARCH])
 
 
 @pytest.fixture(scope="module")

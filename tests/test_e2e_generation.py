@@ -4,14 +4,21 @@ multi-turn chats hit on the previous reply; users share a system prompt unless s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from client import Client
 from client.client import Result
 from kvstore import KVStoreClient
-from tests.stack_fixtures import ARCHS, BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
+from tests.stack_fixtures import (
+    ARCHS,
+    BLOCK_SIZE,
+    ProcessStack,
+    assert_greedy_matches,
+    greedy,
+    oracle,
+    stack_fixture,
+    tokens,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -20,17 +27,10 @@ NEW_TOKENS = 24
 HOST_CAPACITY = "384KiB"
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ProcessStack]:
-    # Every cache state through the hand-off: decode at --local-prefill-tokens 0 asks prefill for every prompt
-    # (tests/test_local_prefill.py covers decode computing prompts itself).
-    s = ProcessStack("generation", ARCHS, ["--host-capacity", HOST_CAPACITY], ["--local-prefill-tokens", "0"])
-    yield s
-    s.stop()
-
-
-def greedy(c: Client, ids: list[int], n: int = NEW_TOKENS) -> Result:
-    return c.generate(token_ids=ids, max_tokens=n, ignore_eos=True)
+# Every cache state through the hand-off: decode at --local-prefill-tokens 0 asks prefill for every prompt
+# (tests/test_local_prefill.py covers decode computing prompts itself).
+stack = stack_fixture(ProcessStack, "generation", ARCHS, ["--host-capacity", HOST_CAPACITY],
+                      ["--local-prefill-tokens", "0"])
 
 
 def check(arch: str, ids: list[int], r: Result) -> None:
@@ -48,23 +48,23 @@ def test_greedy_matches_hf_in_every_cache_state(stack: ProcessStack, arch: str) 
     seed = 1000 * (ARCHS.index(arch) + 1)
     a = tokens(5 * BLOCK_SIZE + 7, seed=seed)
     with Client(stack.decode[arch].addr, timeout_s=60) as c, KVStoreClient(stack.store.addr) as store:
-        cold = greedy(c, a)
+        cold = greedy(c, a, NEW_TOKENS)
         assert cold.usage.cached_tokens == 0
         check(arch, a, cold)
 
-        warm = greedy(c, a)
+        warm = greedy(c, a, NEW_TOKENS)
         assert warm.usage.cached_tokens == 5 * BLOCK_SIZE
         check(arch, a, warm)
 
         b = a[: 3 * BLOCK_SIZE] + tokens(20, seed=seed + 1)
-        partial = greedy(c, b)
+        partial = greedy(c, b, NEW_TOKENS)
         assert partial.usage.cached_tokens == 3 * BLOCK_SIZE
         check(arch, b, partial)
 
         for i in range(2):  # more than the host tier holds: a's blocks move to disk
             greedy(c, tokens(20 * BLOCK_SIZE, seed=seed + 10 + i), n=1)
         before = disk_hits(store)
-        spilled = greedy(c, a)
+        spilled = greedy(c, a, NEW_TOKENS)
         assert spilled.usage.cached_tokens == 5 * BLOCK_SIZE
         assert disk_hits(store) > before, "the spilled request did not read the disk tier"
         check(arch, a, spilled)

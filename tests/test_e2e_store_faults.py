@@ -27,7 +27,15 @@ from kvstore import KVStoreClient
 from kvstore.block_format import HEADER_BYTES, checksum, pack_record, unpack_header
 from prefill_service.client import PrefillCall, PrefillClient
 from tests.polling import wait_until
-from tests.stack_fixtures import BLOCK_SIZE, LocalStack, assert_greedy_matches, oracle, tokens, workdir
+from tests.stack_fixtures import (
+    BLOCK_SIZE,
+    LocalStack,
+    assert_greedy_matches,
+    greedy,
+    oracle,
+    tokens,
+    workdir,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -157,10 +165,6 @@ class Rig:
         self.store.stop()
 
 
-def greedy(rig: Rig, ids: list[int]) -> Result:
-    return rig.client.generate(token_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
 def check(ids: list[int], r: Result) -> None:
     assert_greedy_matches(r.token_ids, *oracle(ARCH, ids, NEW_TOKENS))
 
@@ -178,7 +182,7 @@ def test_concurrent_requests_for_the_same_new_prefix(tiny: Rig) -> None:
     results: list[Result | None] = [None] * 4
 
     def run(i: int) -> None:
-        results[i] = greedy(tiny, ids)
+        results[i] = greedy(tiny.client, ids, NEW_TOKENS)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
     for t in threads:
@@ -204,7 +208,7 @@ def test_blocks_leased_to_a_request_survive_a_flood(tiny: Rig) -> None:
 
     before, evicted = tiny.recomputed(), evictions()
     with tiny.between_prefill_and_decode(flood):
-        r = greedy(tiny, ids)
+        r = greedy(tiny.client, ids, NEW_TOKENS)
     check(ids, r)
     assert evictions() - evicted >= 10, "the flood did not evict"
     assert tiny.recomputed() - before <= 3  # the 4 leased blocks were kept; at most the tail is gone
@@ -213,7 +217,7 @@ def test_blocks_leased_to_a_request_survive_a_flood(tiny: Rig) -> None:
 def test_a_prompt_larger_than_the_store(tiny: Rig) -> None:
     ids = tokens(12 * BLOCK_SIZE + 5, seed=602)  # 12 blocks, the store holds 7
     for _ in range(2):
-        check(ids, greedy(tiny, ids))
+        check(ids, greedy(tiny.client, ids, NEW_TOKENS))
 
 
 @pytest.fixture(scope="module")
@@ -235,12 +239,12 @@ def test_store_restarted_between_prefill_and_decode(disk: Rig, wipe: bool) -> No
 
     before = disk.recomputed()
     with disk.between_prefill_and_decode(restart):
-        r = greedy(disk, ids)
+        r = greedy(disk.client, ids, NEW_TOKENS)
     check(ids, r)
     assert r.usage.cached_tokens == 0
     if wipe:
         assert disk.recomputed() - before == len(ids)
-    again = greedy(disk, ids)  # decode stored the prompt's blocks again
+    again = greedy(disk.client, ids, NEW_TOKENS)  # decode stored the prompt's blocks again
     assert again.token_ids == r.token_ids and again.usage.cached_tokens == 3 * BLOCK_SIZE
 
 
@@ -249,7 +253,7 @@ def test_a_block_corrupted_on_disk(disk: Rig, seen_by: str) -> None:
     """`store`: the store's checksum catches it, drops the block and reports a miss. `engine`: the
     store's record is consistent but the KV block inside is not; the engine's codec catches it."""
     ids = tokens(4 * BLOCK_SIZE + 3, seed=604 + (seen_by == "engine"))
-    want = greedy(disk, ids)
+    want = greedy(disk.client, ids, NEW_TOKENS)
     check(ids, want)
     key = prefix_hashes(ids, BLOCK_SIZE, disk.stack.decode.engine.namespace().root())[1]
 
@@ -264,19 +268,19 @@ def test_a_block_corrupted_on_disk(disk: Rig, seen_by: str) -> None:
     disk.store.edit_on_disk(key, flip_last_byte)
     disk.store.start_again()
     for _ in range(2):
-        r = greedy(disk, ids)
+        r = greedy(disk.client, ids, NEW_TOKENS)
         assert r.token_ids == want.token_ids
         assert r.usage.cached_tokens >= BLOCK_SIZE  # the block before the bad one is still used
 
 
 def test_a_graceful_restart_is_warm_and_gives_the_same_tokens(tiny: Rig) -> None:
     ids = tokens(2 * BLOCK_SIZE + 3, seed=606)  # its 2 blocks sit in the host tier until SIGTERM
-    first = greedy(tiny, ids)
+    first = greedy(tiny.client, ids, NEW_TOKENS)
     check(ids, first)
     tiny.store.stop()
     tiny.store.start_again()
     def hits_again() -> bool:
-        again = greedy(tiny, ids)
+        again = greedy(tiny.client, ids, NEW_TOKENS)
         assert again.token_ids == first.token_ids
         return again.usage.cached_tokens == 2 * BLOCK_SIZE
 
@@ -312,7 +316,7 @@ def test_a_poisoned_block_is_removed_and_replaced_by_the_recomputed_one(roomy: R
     kind = "nonfinite" if poison == "nan" else "namespace"
     rejected = roomy.stack.prefill_metric("kvserve_prefill_bad_blocks_total", kind=kind)
 
-    first = greedy(roomy, ids)
+    first = greedy(roomy.client, ids, NEW_TOKENS)
     check(ids, first)
     assert roomy.stack.prefill_metric("kvserve_prefill_bad_blocks_total", kind=kind) == rejected + 1
     assert roomy.kv.stats().removed_blocks == removed + 1
@@ -322,6 +326,6 @@ def test_a_poisoned_block_is_removed_and_replaced_by_the_recomputed_one(roomy: R
                         dtype=engine.kv_cache.kv.dtype, num_tokens=BLOCK_SIZE)
     assert bool(torch.isfinite(good).all())
 
-    again = greedy(roomy, ids)
+    again = greedy(roomy.client, ids, NEW_TOKENS)
     assert again.token_ids == first.token_ids and again.usage.cached_tokens == 4 * BLOCK_SIZE
     assert roomy.kv.stats().removed_blocks == removed + 1

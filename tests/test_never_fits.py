@@ -42,10 +42,9 @@ HUGE_TEXT = "hello " * HUGE  # 600 kB: 100k tokens where " hello" is one (SmolLM
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[LocalStack]:
-    s = LocalStack(ARCH, decode_kv_cache_memory=POOL_BYTES)
-    assert (s.decode.engine.pool.num_blocks, s.decode.engine.model.max_positions) == (128, POSITIONS)
-    yield s
-    s.close()
+    with LocalStack(ARCH, decode_kv_cache_memory=POOL_BYTES) as s:
+        assert (s.decode.engine.pool.num_blocks, s.decode.engine.model.max_positions) == (128, POSITIONS)
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ prefill and decode configured with different block sizes or different models."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -27,25 +27,17 @@ from tests.stack_fixtures import (
     _hf_model,
     assert_greedy_matches,
     engine,
+    greedy,
     oracle,
+    stack_fixture,
     tokens,
 )
 
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=[(arch, bs) for arch in ARCHS for bs in (8, 32)],
-                ids=lambda p: f"{p[0]}-bs{p[1]}")
-def stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
-    arch, block_size = request.param
-    s = LocalStack(arch, block_size=block_size)
-    s.block_size = block_size  # type: ignore[attr-defined]
-    yield s
-    s.close()
-
-
-def greedy(c: Client, ids: list[int], n: int = NEW_TOKENS, **kw: object) -> Result:
-    return c.generate(token_ids=ids, max_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+stack = stack_fixture(LocalStack, params=[{"arch": arch, "block_size": bs} for arch in ARCHS for bs in (8, 32)],
+                      ids=lambda p: f"{p['arch']}-bs{p['block_size']}")
 
 
 def check(arch: str, ids: list[int], r: Result, n: int = NEW_TOKENS) -> None:
@@ -57,35 +49,35 @@ def check(arch: str, ids: list[int], r: Result, n: int = NEW_TOKENS) -> None:
 def test_prompt_lengths_around_block_boundaries(stack: LocalStack) -> None:
     """Cold then warm, for 1 token, bs - 1, bs, bs + 1, 2 bs and 3 bs + 1 tokens: the cached
     tokens are every full block but the one holding the last prompt token."""
-    bs: int = stack.block_size  # type: ignore[attr-defined]
+    bs = stack.block_size
     base = tokens(3 * bs + 1, seed=bs)
     with Client(stack.addr, timeout_s=60) as c:
         for n in (1, bs - 1, bs, bs + 1, 2 * bs, 3 * bs + 1):
             ids = base[:n]
-            cold, warm = greedy(c, ids), greedy(c, ids)
+            cold, warm = greedy(c, ids, NEW_TOKENS), greedy(c, ids, NEW_TOKENS)
             check(stack.arch, ids, cold)
             assert warm.token_ids == cold.token_ids, f"{n} tokens: warm differs from cold"
             assert warm.usage.cached_tokens == (n - 1) // bs * bs, f"{n} tokens"
 
 
 def test_a_prompt_one_token_longer_than_a_cached_one(stack: LocalStack) -> None:
-    bs: int = stack.block_size  # type: ignore[attr-defined]
+    bs = stack.block_size
     whole = tokens(2 * bs, seed=10 + bs)  # exactly two blocks, both stored by the first request
     with Client(stack.addr, timeout_s=60) as c:
-        check(stack.arch, whole, greedy(c, whole))
+        check(stack.arch, whole, greedy(c, whole, NEW_TOKENS))
         longer = [*whole, 7]
-        r = greedy(c, longer)
+        r = greedy(c, longer, NEW_TOKENS)
         assert r.usage.cached_tokens == 2 * bs  # only the new token is computed
         check(stack.arch, longer, r)
 
 
 def test_a_continuation_that_differs_inside_a_block(stack: LocalStack) -> None:
-    bs: int = stack.block_size  # type: ignore[attr-defined]
+    bs = stack.block_size
     a = tokens(3 * bs + 2, seed=20 + bs)
     b = [*a[: 2 * bs + 3], *(t ^ 1 for t in a[2 * bs + 3 :])]  # same first 2 blocks + 3 tokens
     with Client(stack.addr, timeout_s=60) as c:
-        greedy(c, a)
-        r = greedy(c, b)
+        greedy(c, a, NEW_TOKENS)
+        r = greedy(c, b, NEW_TOKENS)
         assert r.usage.cached_tokens == 2 * bs
         check(stack.arch, b, r)
 
@@ -93,11 +85,7 @@ def test_a_continuation_that_differs_inside_a_block(stack: LocalStack) -> None:
 # --- one stack per arch at the default block size ----------------------------------------------
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def arch_stack(request: pytest.FixtureRequest) -> Iterator[LocalStack]:
-    s = LocalStack(request.param)
-    yield s
-    s.close()
+arch_stack = stack_fixture(LocalStack, params=[{"arch": arch} for arch in ARCHS], ids=ARCHS)
 
 
 def test_seeded_sampling_is_the_same_cold_and_warm(arch_stack: LocalStack) -> None:

@@ -24,7 +24,7 @@ from kvserve.bench.target import free_port
 from kvserve.stack.stack import Service, Stack, StackConfig, start_service, stop_service
 from tests.polling import wait_until
 from tests.redis_fixtures import RedisServer
-from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, model_dir, oracle, tokens
+from tests.stack_fixtures import BLOCK_SIZE, assert_greedy_matches, greedy, model_dir, oracle, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -92,10 +92,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 def router_client(d: Deployment, policy: str) -> Client:
     return Client(d.routers[policy][0].addr, timeout_s=120)
-
-
-def greedy(client: Client, ids: list[int], n: int) -> Result:
-    return client.generate(token_ids=ids, max_tokens=n, ignore_eos=True)
 
 
 def chat_turns(client: Client, seed: int, d: Deployment, policy: str) -> list[tuple[str, Result]]:

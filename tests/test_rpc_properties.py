@@ -27,7 +27,7 @@ from kvserve.stack.stack import Service, start_service, stop_service
 from kvstore import KVStoreClient
 from protos.block_hash import BlockHash
 from protos.kvserve.v1 import decode_pb2, kvstore_pb2, prefill_pb2
-from tests.stack_fixtures import ProcessStack, tokens
+from tests.stack_fixtures import ProcessStack, stack_fixture, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -162,11 +162,7 @@ def _call(channel: grpc.Channel, method: MethodDescriptor, requests: list[Messag
     return grpc.StatusCode.OK
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ProcessStack]:
-    s = ProcessStack("properties", [ARCH])
-    yield s
-    s.stop()
+stack = stack_fixture(ProcessStack, "properties", [ARCH])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,7 +22,14 @@ from client import Client
 from kvstore import KVStoreClient, StoreStats
 from tests.polling import wait_until
 from tests.processes import HealthProbe, openmp_as_deployed, rss_anon
-from tests.stack_fixtures import BLOCK_SIZE, ProcessStack, assert_greedy_matches, oracle, tokens
+from tests.stack_fixtures import (
+    BLOCK_SIZE,
+    ProcessStack,
+    assert_greedy_matches,
+    oracle,
+    stack_fixture,
+    tokens,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +44,7 @@ DURATION_S = float(os.environ.get("KVSERVE_LOAD_S", "0"))  # 0: one round
 RSS_SLACK_BYTES = 96 << 20
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ProcessStack]:
-    with openmp_as_deployed():
-        s = ProcessStack("load", [ARCH], ["--host-capacity", "1MiB"])
-    yield s
-    s.stop()
+stack = stack_fixture(ProcessStack, "load", [ARCH], ["--host-capacity", "1MiB"], start_in=openmp_as_deployed)
 
 
 def conversation(c: Client, client_id: int, round_id: int, ttfts: list[float]) -> list[int]:
