@@ -92,13 +92,19 @@ class GenerateOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class LocalPrompt:
-    """A prompt this decode service computes itself (a resumed stream's tokens after it), and the leading
-    blocks of them that its pool or the store hold."""
+class CachedPrompt:
+    """A prompt (a resumed stream's tokens after it), the leading blocks of them that this engine's pool or the
+    store hold, leased in ``kv`` until the engine has loaded them; ``num_stored_blocks``: the store's from the
+    first block, for prefill (None where the lookup asked only past the pool's, or the prefix cache is off)."""
 
     token_ids: tuple[int, ...]
+    num_tokens: int  # with the resumed tokens
     num_cached_blocks: int
+    num_stored_blocks: int | None
     kv: DecodeKV
+
+    def num_uncached_tokens(self, block_size: int) -> int:
+        return self.num_tokens - self.num_cached_blocks * block_size
 
 
 class DeploymentMismatch(FailedPrecondition):
@@ -225,10 +231,20 @@ class DecodeService:
         if job.resume:
             yield from self._generate_resumed(job, cancel, state)
             return
-        local = self._local_prompt(job) if self.local_prefill_tokens else None
-        if local is None:
+        prompt = self._cached_prompt(job)  # the request's one store lookup: prefill is told what it found
+        try:
+            yield from self._generate_new(job, prompt, cancel, state)
+        finally:
+            prompt.kv.release_leases()
+
+    def _generate_new(
+        self, job: GenerateJob, prompt: CachedPrompt, cancel: Cancellation, state: RequestState
+    ) -> Iterator[TokenOutput | GenerateOutcome]:
+        """Computed here when what the pool and the store do not hold is at most --local-prefill-tokens, or when
+        prefill could not; by prefill otherwise."""
+        if prompt.num_uncached_tokens(self.engine.block_size) > self.local_prefill_tokens:
             try:
-                call, handle = self._first_answer(job, cancel)
+                call, handle = self._first_answer(job, cancel, prompt.num_stored_blocks)
             except PrefillCancelled:
                 self._check_caller_left(cancel)
                 state.outcome = "cancelled"
@@ -239,13 +255,12 @@ class DecodeService:
                     raise
                 self.metrics.prefill_fallbacks.labels(reason=reason).inc()
                 log.warning("prefill %s for %s (%s): computing its prompt here", reason, job.request_id, exc)
-                local = self._local_prompt(job, always=True)
-        if local is not None:
-            self.metrics.prefills.labels(path=LOCAL).inc()
-            yield from self._generate_local(job, local, cancel, state)
-        else:
-            self.metrics.prefills.labels(path=DISAGGREGATED).inc()
-            yield from self._generate_disaggregated(job, call, handle, cancel, state)
+            else:
+                self.metrics.prefills.labels(path=DISAGGREGATED).inc()
+                yield from self._generate_disaggregated(job, call, handle, prompt.kv, cancel, state)
+                return
+        self.metrics.prefills.labels(path=LOCAL).inc()
+        yield from self._generate_local(job, prompt, cancel, state)
 
     @staticmethod
     def _fallback_reason(job: GenerateJob, exc: ServiceError) -> str | None:
@@ -277,10 +292,12 @@ class DecodeService:
             state.result_sent = True
             yield self._outcome(job, generation, tuple(prompt), 0, now, now, LOCAL)
             return
-        local = self._local_prompt(job, always=True, prompt=prompt)
-        assert local is not None
-        self.metrics.prefills.labels(path=LOCAL).inc()
-        yield from self._generate_local(job, local, cancel, state, generation)
+        cached = self._cached_prompt(job, prompt, local=True)
+        try:
+            self.metrics.prefills.labels(path=LOCAL).inc()
+            yield from self._generate_local(job, cached, cancel, state, generation)
+        finally:
+            cached.kv.release_leases()
 
     def _check_resume(self, resume: tuple[int, ...], max_tokens: int, requested: int) -> None:
         if len(resume) > max_tokens:
@@ -293,14 +310,13 @@ class DecodeService:
             raise InvalidArgument(f"resume_token_ids[{bad}] = {resume[bad]} is outside the model's vocabulary "
                                   f"[0, {vocab})")
 
-    def _local_prompt(self, job: GenerateJob, always: bool = False, prompt: list[int] | None = None
-                      ) -> LocalPrompt | None:
-        """The prompt for this engine to compute, when the part of it that neither this engine's pool nor
-        the store holds (their leading blocks, the pool's first) is at most --local-prefill-tokens, or
-        ``always``; None otherwise. The store's blocks are leased until the engine has loaded them. A
-        resumed stream's tokens are computed after the prompt, their blocks found like the prompt's (the
-        replica that generated them saved them as they filled). ``prompt``: job's prompt, encoded and
-        checked already."""
+    def _cached_prompt(self, job: GenerateJob, prompt: list[int] | None = None, local: bool = False) -> CachedPrompt:
+        """The prompt, with the leading blocks of it that this engine's pool or the store hold, found by the
+        request's one store lookup and leased until the engine has loaded them. Of the blocks past the pool's when
+        the prompt is computed here whatever the store holds (``local``, or what the pool lacks is within
+        --local-prefill-tokens), else from the first block, so that prefill takes its answer as its own. A resumed
+        stream's tokens follow the prompt, their blocks found like the prompt's (the replica that generated them
+        saved them as they filled). ``prompt``: job's prompt, encoded and checked already."""
         engine, opts, bs = self.engine, job.options, self.engine.block_size
         if prompt is None:
             prompt = encode(engine.model, job.prompt)
@@ -308,20 +324,21 @@ class DecodeService:
         token_ids = [*prompt, *job.resume]
         namespace = engine.namespace(opts.cache_salt)
         store = StoreSession(self.store, self._store_failed)
-        num_cached, lease = 0, ""
+        num_cached, num_stored, lease = 0, None, ""
         if opts.prefix_cache:  # never the last token: its logits give the next one
             reusable = prefix_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs, namespace.root())
             num_cached = engine.pool_hits(reusable)
-            in_store, lease = store.lookup(reusable[num_cached:], LEASE_TTL_S)
-            num_cached += in_store
-        if not always and len(token_ids) - num_cached * bs > self.local_prefill_tokens:
-            store.release(lease)
-            return None
-        kv = DecodeKV(store, namespace, len(token_ids), opts.prefix_cache, lease_id=lease)
-        return LocalPrompt(tuple(prompt), num_cached, kv)
+            if local or len(token_ids) - num_cached * bs <= self.local_prefill_tokens:
+                in_store, lease = store.lookup(reusable[num_cached:], LEASE_TTL_S)
+                num_cached += in_store
+            else:
+                num_stored, lease = store.lookup(reusable, LEASE_TTL_S)
+                num_cached = max(num_cached, num_stored)
+        kv = DecodeKV(store, namespace, len(token_ids), opts.prefix_cache, leases=[lease])
+        return CachedPrompt(tuple(prompt), len(token_ids), num_cached, num_stored, kv)
 
     def _generate_local(
-        self, job: GenerateJob, local: LocalPrompt, cancel: Cancellation, state: RequestState,
+        self, job: GenerateJob, local: CachedPrompt, cancel: Cancellation, state: RequestState,
         generation: Generation | None = None,
     ) -> Iterator[TokenOutput | GenerateOutcome]:
         """The prompt computed in this engine's batched step, in chunks under its token budget beside the
@@ -349,19 +366,22 @@ class DecodeService:
                     self._count_prompt(t_first - job.arrival, seq.num_prompt_tokens, num_cached)
                 yield out
         finally:
-            local.kv.release_lease()
+            local.kv.release_leases()
         self._count_kv(local.kv)
         if generation.finished:
             state.result_sent = True
             yield self._outcome(job, generation, prompt, min(num_cached, len(prompt)), t_first, t_first, LOCAL)
 
     def _generate_disaggregated(
-        self, job: GenerateJob, call: PrefillCall, handle: PrefillHandle, cancel: Cancellation, state: RequestState
+        self, job: GenerateJob, call: PrefillCall, handle: PrefillHandle, leases: DecodeKV, cancel: Cancellation,
+        state: RequestState,
     ) -> Iterator[TokenOutput | GenerateOutcome]:
         """Prefill computed the prompt and sampled the first token, sent at once; the prompt's KV comes
-        from the store (what is missing there is recomputed here)."""
+        from the store (what is missing there is recomputed here). ``leases`` holds this request's leases (its
+        lookup's, prefill's) until the engine has loaded the prompt's blocks; the caller releases what it holds."""
         engine, opts = self.engine, job.options
         t_prefilled = time.perf_counter()
+        leases.hold(handle.lease_id)
         self._check_same_deployment(handle, call.addr)
         prompt = handle.prompt_token_ids
         max_tokens = max_new_tokens(engine.model, len(prompt), opts.max_tokens)
@@ -378,7 +398,7 @@ class DecodeService:
             return
 
         namespace = engine.namespace(opts.cache_salt)
-        kv = DecodeKV.from_handle(StoreSession(self.store, self._store_failed), namespace, handle, opts.prefix_cache)
+        kv = DecodeKV.from_handle(leases.store, namespace, handle, opts.prefix_cache, leases.take_leases())
         try:
             if first.finish_reason is None:
                 seq = Sequence(
@@ -392,7 +412,7 @@ class DecodeService:
                 self._count_kv(kv)
                 self._count_recomputed(seq, handle.request_id)
         finally:
-            kv.release_lease()
+            kv.release_leases()
         if generation.finished:
             state.result_sent = True
             yield self._outcome(job, generation, prompt, handle.num_cached_tokens, t_prefilled, t_first,
@@ -425,15 +445,18 @@ class DecodeService:
                             decode_s=done - t_first, total_s=done - job.arrival, prefill_path=path),
         )
 
-    def _first_answer(self, job: GenerateJob, cancel: Cancellation) -> tuple[PrefillCall, PrefillHandle]:
+    def _first_answer(self, job: GenerateJob, cancel: Cancellation, num_stored_blocks: int | None
+                      ) -> tuple[PrefillCall, PrefillHandle]:
         """The prefill call and its first answer. A prefill replica that is unavailable (restarting, its
         connection dropped) is marked down and another asked, or the same one once more when it is the
-        only one: the call is idempotent, it only fills a cache."""
+        only one: the call is idempotent, it only fills a cache. ``num_stored_blocks``: what this request's
+        lookup found in the store, so that prefill does not look again."""
         tried: list[str] = []
         attempts = max(2, len(self.prefill.clients))
         for attempt in range(1, attempts + 1):
             call = self.prefill.start(job.request_id, job.prompt, job.options, time_left_s=job.remaining_s(),
-                                      avoid=tried)  # the caller's deadline: what went on before counts
+                                      avoid=tried,  # the caller's deadline: what went on before counts
+                                      num_stored_blocks=num_stored_blocks)
             cancel.on_cancel(call.cancel)
             try:
                 return call, call.first()
@@ -475,8 +498,7 @@ class DecodeService:
             problems.append(f"token ids outside this model's vocabulary [0, {vocab})")
         if not problems:
             return
-        StoreSession(self.store, self._store_failed).release(handle.lease_id)
-        raise DeploymentMismatch(
+        raise DeploymentMismatch(  # the handle's lease is held with the request's, released as it ends
             f"the prefill service at {prefill_addr} does not match this decode service: " + "; ".join(problems)
         )
 

@@ -129,13 +129,17 @@ class PrefillClient:
         self._channel.close()
 
     def start(
-        self, request_id: str, prompt: PromptInput, options: RequestOptions, *, time_left_s: float | None = None
+        self, request_id: str, prompt: PromptInput, options: RequestOptions, *, time_left_s: float | None = None,
+        num_stored_blocks: int | None = None,
     ) -> PrefillCall:
         """Sends the Prefill call with a deadline of min(timeout_s, time_left_s) (either may be None: no
-        deadline) and returns it in flight."""
+        deadline) and returns it in flight. `num_stored_blocks`: the prompt's leading full blocks that the
+        caller's own lookup found in the store, leased by the caller until it has loaded them (prefill then
+        looks nothing up); None: prefill looks them up."""
         sampling, cache = options_to_proto(options)
         request = prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt=prompt_to_proto(prompt), sampling=sampling, cache=cache
+            request_id=request_id, prompt=prompt_to_proto(prompt), sampling=sampling, cache=cache,
+            num_stored_blocks=num_stored_blocks,
         )
         capped = self.timeout_s is not None and (time_left_s is None or self.timeout_s < time_left_s)
         timeout = self.timeout_s if capped else time_left_s
@@ -189,10 +193,11 @@ class PrefillReplicas:
             c.close()
 
     def start(self, request_id: str, prompt: PromptInput, options: RequestOptions, *,
-              time_left_s: float | None = None, avoid: Collection[str] = ()) -> PrefillCall:
+              time_left_s: float | None = None, avoid: Collection[str] = (),
+              num_stored_blocks: int | None = None) -> PrefillCall:
         """`PrefillClient.start` on the chosen replica; one in `avoid` only when every other is."""
         client = self._pick(avoid)
-        call = client.start(request_id, prompt, options, time_left_s=time_left_s)
+        call = client.start(request_id, prompt, options, time_left_s=time_left_s, num_stored_blocks=num_stored_blocks)
         call.on_done(lambda: self._done(client.addr))
         return call
 

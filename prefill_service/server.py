@@ -8,7 +8,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from kvserve.handoff.requests import handle_to_proto, options_from_proto, prompt_from_proto
+from kvserve.handoff.requests import (
+    handle_to_proto,
+    options_from_proto,
+    prompt_from_proto,
+    stored_blocks_from_proto,
+)
 from kvserve.rpc.server import Server
 from prefill_service.service import PrefillJob, PrefillService
 from protos.kvserve.v1 import prefill_pb2, prefill_pb2_grpc
@@ -40,6 +45,7 @@ def _job(request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext) -> 
         options=options_from_proto(request.sampling, request.cache),
         deadline=time.monotonic() + remaining if remaining is not None else None,
         cancelled=lambda: not context.is_active(),
+        num_stored_blocks=stored_blocks_from_proto(request),
     )
 
 

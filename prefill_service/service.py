@@ -5,22 +5,30 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 
 from kvserve.engine.engine import Engine
-from kvserve.engine.hashing import prefix_hashes
+from kvserve.engine.hashing import Namespace, prefix_hashes
 from kvserve.engine.model import max_new_tokens
 from kvserve.engine.sampling import Sampler
 from kvserve.engine.sequence import Finished, Sequence, TokenEvent
 from kvserve.handoff.prefill_kv import PrefillKV, request_scoped_keys
-from kvserve.handoff.requests import PrefillHandle, PrefillTimings, PromptInput, RequestOptions, encode
+from kvserve.handoff.requests import (
+    PrefillHandle,
+    PrefillTimings,
+    PromptInput,
+    RequestOptions,
+    bounded_stored_blocks,
+    encode,
+)
 from kvserve.handoff.session import StoreSession
 from kvserve.rpc.admission import Admission, Ticket
 from kvserve.rpc.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from kvserve.rpc.metrics import count_outcome, outcome_of
 from kvstore import KVStoreClient
 from prefill_service.metrics import PrefillMetrics
+from protos.block_hash import BlockHash
 
 DEFAULT_LEASE_TTL_S = 30.0
 # Prompts waiting for their first token, and their tokens (--max-waiting-seqs, --max-waiting-tokens).
@@ -40,6 +48,9 @@ class PrefillJob:
     options: RequestOptions
     deadline: float | None = None  # time.monotonic() after which the caller has given up
     cancelled: Callable[[], bool] = field(default=_never)  # true once the caller has gone away
+    # The prompt's leading full blocks that the caller's own lookup found in the store, leased by the caller
+    # (PrefillRequest.num_stored_blocks); None: it sent none, and prefill looks them up itself.
+    num_stored_blocks: int | None = None
 
     def check_live(self, stage: str) -> None:
         """Raises when nobody waits for the answer any more, so that no forward pass is spent on it."""
@@ -47,6 +58,17 @@ class PrefillJob:
             raise Cancelled(f"the caller cancelled the request {stage}")
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise DeadlineExceeded(f"the caller's deadline passed {stage}")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """Where a prompt's KV lives in the store: ``blocks`` key its full blocks (request-scoped with the prefix cache
+    off), ``tail`` its partial last one; ``reusable``: the leading keys that may come from the store."""
+
+    namespace: Namespace
+    blocks: list[BlockHash]
+    tail: BlockHash
+    reusable: list[BlockHash]
 
 
 class PrefillService:
@@ -104,72 +126,92 @@ class PrefillService:
 
     def _admitted(self, job: PrefillJob, token_ids: list[int], ticket: Ticket, start: float
                   ) -> Iterator[PrefillHandle]:
-        engine, opts, bs = self.engine, job.options, self.engine.block_size
+        opts = job.options
         self.metrics.waiting.inc()
         try:
-            namespace = engine.namespace(opts.cache_salt)
+            # 1-2: hash full blocks; what the store holds of those that may be reused (never the last prompt token).
+            keys = self._keys(job, token_ids)
             store = StoreSession(self.store, self._store_failed)
-
-            # 1-2: hash full blocks; look up those that may be reused (never the last prompt token).
-            if opts.prefix_cache:
-                keys = list(prefix_hashes(token_ids, bs, namespace.root()))
-                tail_key = request_scoped_keys(namespace.root(), job.request_id, 0)[1]
-                reusable = keys[: (len(token_ids) - 1) // bs]
-            else:
-                keys, tail_key = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
-                reusable = []
-            num_hits, lookup_lease = store.lookup(reusable, self.lease_ttl_s)
+            if job.num_stored_blocks is None:  # no caller's lookup to go by: this request's one lookup
+                num_hits, lookup_lease = store.lookup(keys.reusable, self.lease_ttl_s)
+            else:  # the caller's lookup found them, and its lease pins them
+                num_hits, lookup_lease = bounded_stored_blocks(job.num_stored_blocks, len(keys.reusable)), ""
         finally:
             self.metrics.waiting.dec()
-        kv = PrefillKV(store, namespace, keys, tail_key, ephemeral=not opts.prefix_cache)
-        seq = Sequence(
-            token_ids, Sampler(opts.sampling, engine.model.device), max_new_tokens=1,
-            hash_root=namespace.root() if opts.prefix_cache else None, source=kv, num_saved_blocks=num_hits,
-            request_id=job.request_id,
-        )
+        kv = PrefillKV(store, keys.namespace, keys.blocks, keys.tail, ephemeral=not opts.prefix_cache)
         try:
             t_lookup = time.perf_counter()
-            # 3-5: the engine takes the pool's and the store's leading blocks, computes the rest in chunks
-            # beside other requests, samples the first token (sent at once), and saves what it computed.
-            job.check_live("before the prefill started")
-            self.engine.add(seq)
-            self.metrics.running.inc()
-            try:
-                first_token, t_first = self._first_token(seq, job)
-                ticket.computed()
-                num_cached = seq.stats.num_pool_hit_tokens + seq.stats.num_loaded_tokens
-                handle = PrefillHandle(
-                    request_id=job.request_id, prompt_token_ids=tuple(token_ids), block_size=bs, block_hashes=(),
-                    tail_key=None, num_cached_tokens=num_cached, num_computed_tokens=len(token_ids) - num_cached,
-                    first_token_id=first_token, timings=PrefillTimings(), model_fingerprint=engine.model.fingerprint,
-                    kv_pending=True,
-                )
-                yield handle
-                self._wait_saved(seq, job)
-            finally:
-                self.metrics.running.dec()
-            _, lease = store.lookup(keys, self.lease_ttl_s)
+            handle, t_first = yield from self._compute(job, token_ids, kv, num_hits, ticket)
+            # For decode, a lease on what it will fetch. Put hands back no lease (the store answers a Put with
+            # counts only), so this is a Lookup of its own, after the put: of every block without a caller's
+            # lookup, else of those past its hits (its lease pins the others), and none when it found them all.
+            # It keeps blocks stored here from eviction until decode has read them (tests/test_e2e_store_faults.py,
+            # the flood between prefill and decode).
+            leased = keys.blocks if job.num_stored_blocks is None else keys.blocks[num_hits:]
+            _, lease = store.lookup(leased, self.lease_ttl_s)
         finally:
             store.release(lookup_lease)
         done = time.perf_counter()
-
-        m = self.metrics
-        if kv.error is not None:
-            m.bad_blocks.labels(kind=kv.error.kind).inc()
-        m.prompt_tokens.inc(len(token_ids))
-        m.cached_tokens.inc(num_cached)
-        m.computed_tokens.inc(len(token_ids) - num_cached)
-        m.generated_tokens.inc()
-        m.stored_blocks.inc(kv.num_stored - kv.tail_stored)
-        m.ttft.observe(t_first - start)
         compute_s = max(0.0, t_first - t_lookup - kv.fetch_s)
-        m.compute.observe(compute_s)
+        self._count(kv, handle, t_first - start, compute_s)
         yield replace(
-            handle, block_hashes=tuple(keys), tail_key=tail_key if kv.tail_stored else None, lease_id=lease,
+            handle, block_hashes=tuple(keys.blocks), tail_key=keys.tail if kv.tail_stored else None, lease_id=lease,
             timings=PrefillTimings(lookup_s=t_lookup - start, fetch_s=kv.fetch_s, compute_s=compute_s,
                                    put_s=kv.put_s, total_s=done - start),
             kv_pending=False,
         )
+
+    def _keys(self, job: PrefillJob, token_ids: list[int]) -> PromptKeys:
+        engine, opts, bs = self.engine, job.options, self.engine.block_size
+        namespace = engine.namespace(opts.cache_salt)
+        if opts.prefix_cache:
+            blocks = list(prefix_hashes(token_ids, bs, namespace.root()))
+            tail = request_scoped_keys(namespace.root(), job.request_id, 0)[1]
+            return PromptKeys(namespace, blocks, tail, blocks[: (len(token_ids) - 1) // bs])
+        blocks, tail = request_scoped_keys(namespace.root(), job.request_id, len(token_ids) // bs)
+        return PromptKeys(namespace, blocks, tail, [])
+
+    def _compute(self, job: PrefillJob, token_ids: list[int], kv: PrefillKV, num_hits: int, ticket: Ticket
+                 ) -> Generator[PrefillHandle, None, tuple[PrefillHandle, float]]:
+        """3-5: the engine takes the pool's and the store's leading blocks, computes the rest in chunks beside
+        other requests, samples the first token (its early handle yielded at once), and saves what it computed.
+        Returns the early handle and when its token was sampled, once the prompt's KV is saved."""
+        engine, opts = self.engine, job.options
+        seq = Sequence(
+            token_ids, Sampler(opts.sampling, engine.model.device), max_new_tokens=1,
+            hash_root=kv.namespace.root() if opts.prefix_cache else None, source=kv, num_saved_blocks=num_hits,
+            request_id=job.request_id,
+        )
+        job.check_live("before the prefill started")
+        engine.add(seq)
+        self.metrics.running.inc()
+        try:
+            first_token, t_first = self._first_token(seq, job)
+            ticket.computed()
+            num_cached = seq.stats.num_pool_hit_tokens + seq.stats.num_loaded_tokens
+            handle = PrefillHandle(
+                request_id=job.request_id, prompt_token_ids=tuple(token_ids), block_size=engine.block_size,
+                block_hashes=(), tail_key=None, num_cached_tokens=num_cached,
+                num_computed_tokens=len(token_ids) - num_cached, first_token_id=first_token, timings=PrefillTimings(),
+                model_fingerprint=engine.model.fingerprint, kv_pending=True,
+            )
+            yield handle
+            self._wait_saved(seq, job)
+        finally:
+            self.metrics.running.dec()
+        return handle, t_first
+
+    def _count(self, kv: PrefillKV, handle: PrefillHandle, ttft_s: float, compute_s: float) -> None:
+        m = self.metrics
+        if kv.error is not None:
+            m.bad_blocks.labels(kind=kv.error.kind).inc()
+        m.prompt_tokens.inc(len(handle.prompt_token_ids))
+        m.cached_tokens.inc(handle.num_cached_tokens)
+        m.computed_tokens.inc(handle.num_computed_tokens)
+        m.generated_tokens.inc()
+        m.stored_blocks.inc(kv.num_stored - kv.tail_stored)
+        m.ttft.observe(ttft_s)
+        m.compute.observe(compute_s)
 
     def _first_token(self, seq: Sequence, job: PrefillJob) -> tuple[int, float]:
         """The first token and when it was sampled."""

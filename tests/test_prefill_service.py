@@ -47,8 +47,9 @@ def replica(store: FakeStore) -> Iterator[PrefillService]:
     s.stop()
 
 
-def job(ids: list[int], **options: object) -> PrefillJob:
-    return PrefillJob("req", PromptInput(token_ids=tuple(ids)), RequestOptions(SamplingParams(), **options))  # type: ignore[arg-type]
+def job(ids: list[int], num_stored_blocks: int | None = None, **options: object) -> PrefillJob:
+    return PrefillJob("req", PromptInput(token_ids=tuple(ids)), RequestOptions(SamplingParams(), **options),  # type: ignore[arg-type]
+                      num_stored_blocks=num_stored_blocks)
 
 
 def metric(service: PrefillService, name: str, **labels: str) -> float:
@@ -144,6 +145,33 @@ def test_cache_salt_separates_tenants(service: PrefillService) -> None:
     assert service.prefill(job(ids, cache_salt="a")).num_cached_tokens == 3 * BLOCK_SIZE
 
 
+def test_the_callers_lookup_is_taken_as_prefills_own(service: PrefillService, replica: PrefillService,
+                                                     store: FakeStore) -> None:
+    """Told what the caller's lookup found (decode's), prefill looks nothing up before computing, and after its
+    put leases for decode only the blocks past that count: the caller's own lease pins those."""
+    ids = tokens(4 * BLOCK_SIZE + 3, seed=10)
+    service.prefill(job(ids[: 2 * BLOCK_SIZE + 1]))  # the store holds the first two blocks
+    store.calls.clear()
+    h = replica.prefill(job(ids, num_stored_blocks=2))
+    assert store.calls[0] == "get" and store.calls.count("lookup") == 1  # only the lease after its put
+    assert (h.num_cached_tokens, h.first_token_id) == (2 * BLOCK_SIZE, oracle(ARCH, ids, 1)[0][0])
+    assert store.leases[h.lease_id] == list(h.block_hashes[2:])
+    store.calls.clear()
+    assert replica.prefill(job(ids[: 2 * BLOCK_SIZE + 5], num_stored_blocks=2)).lease_id == ""  # nothing new to lease
+    assert "lookup" not in store.calls
+
+
+def test_a_wrong_count_from_the_caller_costs_recomputation_only(service: PrefillService, replica: PrefillService,
+                                                                store: FakeStore) -> None:
+    ids = tokens(3 * BLOCK_SIZE + 3, seed=11)
+    first = oracle(ARCH, ids, 1)[0][0]
+    h = replica.prefill(job(ids, num_stored_blocks=2**32 - 1))  # cut to the prompt; the store has none of them
+    assert (h.num_cached_tokens, h.num_computed_tokens, h.first_token_id) == (0, len(ids), first)
+    assert store.persistent_keys() == set(h.block_hashes)  # computed, and stored
+    h = service.prefill(job(ids, num_stored_blocks=0))  # the store has them all: computed again, not read
+    assert (h.num_cached_tokens, h.first_token_id) == (0, first)
+
+
 # --- the gRPC surface --------------------------------------------------------------------------
 
 
@@ -170,6 +198,14 @@ def request(prompt: common_pb2.Prompt | None = None, **sampling: object) -> pref
 def chat(*roles: str) -> common_pb2.Prompt:
     msgs = [common_pb2.ChatMessage(role=r, content="hi") for r in roles]
     return common_pb2.Prompt(messages=common_pb2.ChatMessages(messages=msgs))
+
+
+def test_a_count_of_stored_blocks_past_the_prompt_is_cut(stub: prefill_pb2_grpc.PrefillStub) -> None:
+    ids = tokens(2 * BLOCK_SIZE + 3, seed=12)
+    req = request(common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=ids)))
+    req.num_stored_blocks = 2**32 - 1
+    r = stub.Prefill(req, timeout=30)
+    assert (r.num_cached_tokens, r.first_token_id) == (0, oracle(ARCH, ids, 1)[0][0])
 
 
 def test_text_and_chat_prompts(stub: prefill_pb2_grpc.PrefillStub) -> None:

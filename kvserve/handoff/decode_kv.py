@@ -33,15 +33,15 @@ from protos.block_hash import BlockHash
 class DecodeKV:
     """``prompt_keys`` key the prompt's full blocks in the store when they are not prefix hashes (the
     prefix cache off); ``tail`` is (key, length) of its partial last block when one was stored; the
-    ``lease_id`` pins the prompt's blocks until they are loaded."""
+    ``leases`` (decode's own lookup's, prefill's) pin the prompt's blocks until they are loaded."""
 
     def __init__(self, store: StoreSession, namespace: Namespace, num_prompt_tokens: int, cacheable: bool, *,
                  prompt_keys: abc.Sequence[BlockHash] = (), tail: tuple[BlockHash, int] | None = None,
-                 lease_id: str = "") -> None:
+                 leases: abc.Iterable[str] = ()) -> None:
         self.store = store
         self.namespace = namespace
         self.cacheable = cacheable
-        self.lease_id = lease_id
+        self.leases: list[str] = []
         self.num_prompt_tokens = num_prompt_tokens
         self.prompt_keys = list(prompt_keys)
         self.tail = tail
@@ -49,17 +49,19 @@ class DecodeKV:
         self._lock = threading.Lock()
         self.num_stored = 0
         self.error: BlockError | None = None
+        for lease in leases:
+            self.hold(lease)
 
     @classmethod
-    def from_handle(cls, store: StoreSession, namespace: Namespace, handle: PrefillHandle, cacheable: bool
-                    ) -> DecodeKV:
-        """The KV prefill left in the store under the handle's keys."""
+    def from_handle(cls, store: StoreSession, namespace: Namespace, handle: PrefillHandle, cacheable: bool,
+                    leases: abc.Iterable[str] = ()) -> DecodeKV:
+        """The KV prefill left in the store under the handle's keys, pinned by the handle's lease and ``leases``."""
         num_full, tail_len = divmod(len(handle.prompt_token_ids), namespace.block_size)
         # A malformed handle (keys for another number of blocks): trust none of its keys.
         valid = len(handle.block_hashes) == num_full
         tail = (handle.tail_key, tail_len) if valid and tail_len and handle.tail_key is not None else None
         return cls(store, namespace, len(handle.prompt_token_ids), cacheable,
-                   prompt_keys=handle.block_hashes if valid else (), tail=tail, lease_id=handle.lease_id)
+                   prompt_keys=handle.block_hashes if valid else (), tail=tail, leases=[*leases, handle.lease_id])
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Store keys of the sequence's first ``num_blocks`` full blocks."""
@@ -71,11 +73,22 @@ class DecodeKV:
             keys += prefix_hashes(seq.token_ids[have * bs : num_blocks * bs], bs, keys[-1] if keys else self._private_root)
         return keys
 
-    def release_lease(self) -> None:
-        """Let go of the prompt's lease (once): decode has its blocks, or will not fetch them."""
+    def hold(self, lease_id: str) -> None:
+        """Keep ``lease_id`` (none if empty) until `release_leases`."""
         with self._lock:
-            lease, self.lease_id = self.lease_id, ""
-        self.store.release(lease)
+            if lease_id and lease_id not in self.leases:
+                self.leases.append(lease_id)
+
+    def take_leases(self) -> list[str]:
+        """The leases held, now the caller's to release."""
+        with self._lock:
+            leases, self.leases = self.leases, []
+        return leases
+
+    def release_leases(self) -> None:
+        """Let go of the prompt's leases (once each): decode has its blocks, or will not fetch them."""
+        for lease in self.take_leases():
+            self.store.release(lease)
 
     def load(self, seq: Sequence, first_block: int, blocks: list[int], cache: KVCache) -> int:
         bs = self.namespace.block_size
@@ -83,7 +96,7 @@ class DecodeKV:
         first_admission = len(seq.token_ids) == self.num_prompt_tokens + 1
         tail = self.tail if first_admission and num_full == self.num_prompt_tokens // bs else None
         loaded = load_blocks(self.store, self.keys(seq, num_full)[first_block:], self.namespace, cache, blocks, tail)
-        self.release_lease()
+        self.release_leases()
         self.error = loaded.error or self.error
         return loaded.num_tokens
 

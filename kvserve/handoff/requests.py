@@ -19,6 +19,7 @@ from protos.kvserve.v1 import common_pb2, prefill_pb2
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
+MAX_LEASE_ID_CHARS = 64  # a store's lease ids are 32 hex digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,8 @@ class PrefillHandle:
     """`block_hashes[i]` keys full block i of the prompt; `tail_key` the partial last block (None if none).
 
     With the prefix cache off, the keys are request-scoped (and ephemeral) rather than prefix hashes.
-    `lease_id` pins the blocks until decode has fetched them; decode releases it.
+    `lease_id` pins the blocks until decode has fetched them (those past the caller's `num_stored_blocks`, when
+    it sent them: its own lease pins the others; empty when there are none); decode releases it.
     `model_fingerprint` names the model that tokenized the prompt and sampled the first token.
     `kv_pending`: an early handle, sent with the first token before the KV is stored (no keys yet).
     """
@@ -191,6 +193,20 @@ def options_to_proto(options: RequestOptions) -> tuple[common_pb2.SamplingParams
     return sampling, cache
 
 
+def stored_blocks_from_proto(request: prefill_pb2.PrefillRequest) -> int | None:
+    """What the caller's own lookup found (PrefillRequest.num_stored_blocks): how many of the prompt's leading
+    full blocks the store holds; None when it sent nothing (prefill then looks them up). Another process's
+    word, so only a count of blocks to read (each verified as it is read), cut by `bounded_stored_blocks`."""
+    return int(request.num_stored_blocks) if request.HasField("num_stored_blocks") else None
+
+
+def bounded_stored_blocks(num_stored_blocks: int, num_reusable: int) -> int:
+    """The caller's count within the prompt: never past its `num_reusable` blocks (those before the block of
+    its last token). A decode of another block size counts other blocks: a count past them is cut, not refused,
+    so that decode can name the mismatch (FAILED_PRECONDITION) when the handle comes back."""
+    return max(0, min(num_stored_blocks, num_reusable))
+
+
 def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResponse:
     t = h.timings
     return prefill_pb2.PrefillResponse(
@@ -226,6 +242,7 @@ def handle_from_proto(r: prefill_pb2.PrefillResponse) -> PrefillHandle:
         if len(r.block_hashes) > len(r.prompt_token_ids) // r.block_size
         else "a block hash that is not 32 bytes" if any(len(h) != HASH_BYTES for h in r.block_hashes)
         else "a tail key that is not 32 bytes" if r.tail_key and len(r.tail_key) != HASH_BYTES
+        else f"a lease id of {len(r.lease_id)} characters" if len(r.lease_id) > MAX_LEASE_ID_CHARS
         else f"{r.num_cached_tokens} cached tokens of {len(r.prompt_token_ids)}"
         if r.num_cached_tokens > len(r.prompt_token_ids) else ""
     )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvserve.v1 import common_pb2 as protos_dot_kvserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/kvserve/v1/prefill.proto\x12\nkvserve.v1\x1a\x1eprotos/kvserve/v1/common.proto\"\x9f\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.kvserve.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\'\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.CacheOptions\"f\n\x0ePrefillTimings\x12\x10\n\x08lookup_s\x18\x01 \x01(\x01\x12\x0f\n\x07\x66\x65tch_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\r\n\x05put_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\xb9\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x10\n\x08tail_key\x18\x05 \x01(\x0c\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x08 \x01(\r\x12+\n\x07timings\x18\t \x01(\x0b\x32\x1a.kvserve.v1.PrefillTimings\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x12\n\nkv_pending\x18\x0c \x01(\x08\x32\x99\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvserve.v1.PrefillRequest\x1a\x1b.kvserve.v1.PrefillResponse\x12J\n\rPrefillStream\x12\x1a.kvserve.v1.PrefillRequest\x1a\x1b.kvserve.v1.PrefillResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/kvserve/v1/prefill.proto\x12\nkvserve.v1\x1a\x1eprotos/kvserve/v1/common.proto\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06prompt\x18\x02 \x01(\x0b\x32\x12.kvserve.v1.Prompt\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\'\n\x05\x63\x61\x63he\x18\x04 \x01(\x0b\x32\x18.kvserve.v1.CacheOptions\x12\x1e\n\x11num_stored_blocks\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_num_stored_blocks\"f\n\x0ePrefillTimings\x12\x10\n\x08lookup_s\x18\x01 \x01(\x01\x12\x0f\n\x07\x66\x65tch_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\r\n\x05put_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\xb9\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x10\n\x08tail_key\x18\x05 \x01(\x0c\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x08 \x01(\r\x12+\n\x07timings\x18\t \x01(\x0b\x32\x1a.kvserve.v1.PrefillTimings\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x19\n\x11model_fingerprint\x18\x0b \x01(\t\x12\x12\n\nkv_pending\x18\x0c \x01(\x08\x32\x99\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvserve.v1.PrefillRequest\x1a\x1b.kvserve.v1.PrefillResponse\x12J\n\rPrefillStream\x12\x1a.kvserve.v1.PrefillRequest\x1a\x1b.kvserve.v1.PrefillResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvserve.v1.prefill_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=80
-  _globals['_PREFILLREQUEST']._serialized_end=239
-  _globals['_PREFILLTIMINGS']._serialized_start=241
-  _globals['_PREFILLTIMINGS']._serialized_end=343
-  _globals['_PREFILLRESPONSE']._serialized_start=346
-  _globals['_PREFILLRESPONSE']._serialized_end=659
-  _globals['_PREFILL']._serialized_start=662
-  _globals['_PREFILL']._serialized_end=815
+  _globals['_PREFILLREQUEST']._serialized_end=293
+  _globals['_PREFILLTIMINGS']._serialized_start=295
+  _globals['_PREFILLTIMINGS']._serialized_end=397
+  _globals['_PREFILLRESPONSE']._serialized_start=400
+  _globals['_PREFILLRESPONSE']._serialized_end=713
+  _globals['_PREFILL']._serialized_start=716
+  _globals['_PREFILL']._serialized_end=869
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "cache")
+    __slots__ = ("request_id", "prompt", "sampling", "cache", "num_stored_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _common_pb2.Prompt
     sampling: _common_pb2.SamplingParams
     cache: _common_pb2.CacheOptions
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.CacheOptions, _Mapping]] = ...) -> None: ...
+    num_stored_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache: _Optional[_Union[_common_pb2.CacheOptions, _Mapping]] = ..., num_stored_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("lookup_s", "fetch_s", "compute_s", "put_s", "total_s")
