@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 
@@ -122,43 +122,9 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
         pool, and learns of the store's blocks again once the store takes the stream (those stored or removed
         in between it does not hear of)."""
         stream = self.pool_events.subscribe()
-        calls = [self.store.watch_events()]  # the store's stream now (one at a time)
-        store_error: list[Lie] = []
-
-        def relay() -> None:  # the store's events into the same queue, waiting for room: they must not be lost
-            backoff = Backoff(initial_s=0.5, max_s=5.0, stable_s=5.0)
-            while context.is_active():
-                call, opened = calls[0], time.monotonic()
-                try:
-                    for batch in call:
-                        check_event(batch, STORE_TIERS, most=None)  # as long as the store's message allows
-                        for event in pieces(batch.hashes):
-                            while context.is_active():
-                                try:
-                                    stream.put(Event(kind=batch.kind, hashes=event, tier=batch.tier), timeout=_POLL_S)
-                                    break
-                                except queue.Full:
-                                    pass
-                except Lie as lie:
-                    call.cancel()
-                    store_error.append(lie)
-                    break
-                except grpc.RpcError as exc:
-                    log.debug("the events of this replica's store (%s) ended (%s): asking again", self.store.addr,
-                              exc.code().name if isinstance(exc, grpc.Call) else exc)
-                end = time.monotonic() + backoff.delay(time.monotonic() - opened)
-                while context.is_active() and time.monotonic() < end:
-                    time.sleep(min(_POLL_S, max(0.0, end - time.monotonic())))
-                if context.is_active():
-                    calls[0] = self.store.watch_events()
-                    if not context.is_active():
-                        calls[0].cancel()
-            if store_error:
-                with contextlib.suppress(queue.Full):
-                    stream.put(None, timeout=_POLL_S)
-
-        context.add_callback(lambda: calls[0].cancel())
-        threading.Thread(target=relay, name="store-events", daemon=True).start()
+        relay = StoreRelay(self.store, stream, context.is_active)
+        context.add_callback(relay.cancel)
+        threading.Thread(target=relay.run, name="store-events", daemon=True).start()
         try:
             while context.is_active():
                 try:
@@ -170,12 +136,67 @@ class DecodeReplicaServicer(decode_pb2_grpc.DecodeReplicaServicer):
                 yield event
         finally:
             self.pool_events.unsubscribe(stream)
-            calls[0].cancel()
-        if store_error and context.is_active():
-            lie = store_error[0]
+            relay.cancel()
+        if relay.lie is not None and context.is_active():
             log.warning("the events of this replica's store (%s) are out of bounds (%s): ending the "
-                        "stream that relayed them", self.store.addr, lie)
-            raise Unavailable(f"the events of this replica's store ({self.store.addr}) are out of bounds: {lie}")
+                        "stream that relayed them", self.store.addr, relay.lie)
+            raise Unavailable(f"the events of this replica's store ({self.store.addr}) are out of bounds: {relay.lie}")
+
+
+class StoreRelay:
+    """The store's events into an Events stream's queue, waiting for room: they must not be lost. A store stream
+    that ends or is refused is asked again, 0.5 s doubling to 5 s, while ``active()``; one with an event out of
+    bounds ends the relay: ``lie`` says why, and the queue gets None."""
+
+    def __init__(self, store: KVStoreClient, stream: queue.Queue[Event | None], active: Callable[[], bool]) -> None:
+        self.store = store
+        self.stream = stream
+        self.active = active
+        self.call = store.watch_events()  # the store's stream now (one at a time)
+        self.lie: Lie | None = None
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    def run(self) -> None:
+        backoff = Backoff(initial_s=0.5, max_s=5.0, stable_s=5.0)
+        while self.active():
+            call, opened = self.call, time.monotonic()
+            try:
+                self._relay(call)
+            except Lie as lie:
+                call.cancel()
+                self.lie = lie
+                with contextlib.suppress(queue.Full):
+                    self.stream.put(None, timeout=_POLL_S)
+                return
+            except grpc.RpcError as exc:
+                log.debug("the events of this replica's store (%s) ended (%s): asking again", self.store.addr,
+                          exc.code().name if isinstance(exc, grpc.Call) else exc)
+            self._sleep(backoff.delay(time.monotonic() - opened))
+            if self.active():
+                self.call = self.store.watch_events()
+                if not self.active():
+                    self.call.cancel()
+
+    def _relay(self, call: Iterable[Event]) -> None:
+        for batch in call:
+            check_event(batch, STORE_TIERS, most=None)  # as long as the store's message allows
+            for hashes in pieces(batch.hashes):
+                self._put(Event(kind=batch.kind, hashes=hashes, tier=batch.tier))
+
+    def _put(self, event: Event) -> None:
+        while self.active():
+            try:
+                self.stream.put(event, timeout=_POLL_S)
+                return
+            except queue.Full:
+                pass
+
+    def _sleep(self, delay_s: float) -> None:
+        end = time.monotonic() + delay_s
+        while self.active() and time.monotonic() < end:
+            time.sleep(min(_POLL_S, max(0.0, end - time.monotonic())))
 
 
 def _events(kind: Event.Kind, hashes: Sequence[bytes]) -> list[Event]:
