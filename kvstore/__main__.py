@@ -7,12 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
+from kvserve.host.memory import memory_cap
+from kvserve.host.process import exit_with_parent
 from kvserve.rpc.cli import (
     add_server_flags,
     configure_logging,
     env_epilog,
-    exit_with_parent,
-    memory_cap,
     parse_args,
     parse_size,
     serve,

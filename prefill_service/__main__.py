@@ -6,29 +6,26 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvserve.engine.cores import service_share
 from kvserve.engine.engine import Engine
 from kvserve.engine.model import load_model
 from kvserve.engine.scheduler import SchedulerConfig
+from kvserve.host.cores import service_share
+from kvserve.host.memory import memory_cap
+from kvserve.host.priority import EnginePriority
+from kvserve.host.process import engine_threads, exit_with_parent, prepare_engine_process, trim_heap
 from kvserve.rpc.admission import Admission
 from kvserve.rpc.cli import (
-    EnginePriority,
     add_admission_flags,
     add_engine_flags,
     add_model_flags,
     add_server_flags,
     configure_logging,
-    engine_threads,
     engine_token_budget,
     env_epilog,
-    exit_with_parent,
-    memory_cap,
     parse_args,
-    prepare_engine_process,
     progress,
     serve,
     tls_from_args,
-    trim_heap,
     warm_up,
 )
 from kvserve.rpc.server import Server

@@ -1,4 +1,4 @@
-"""kvserve.engine.cores: compute services of one host lend each other their idle cores, never more than the budgets."""
+"""kvserve.host.cores: compute services of one host lend each other their idle cores, never more than the budgets."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.engine import cores
-from kvserve.engine.cores import CoreShare, service_share
+from kvserve.host.cores import TAKE_BACK_WAIT_S, CoreShare, service_share
 
 
-def share(folder: Path, name: str, threads: int, calls: list[int] | None = None, cores: int = 64) -> CoreShare:
+def share(folder: Path, name: str, threads: int, calls: list[int] | None = None, cores: int = 64,
+          take_back_wait_s: float = TAKE_BACK_WAIT_S) -> CoreShare:
     """A service that has started and has nothing to compute yet (it holds its cores until then), on a host of
     `cores` cores."""
-    s = CoreShare(folder, name, threads, (calls if calls is not None else []).append, cores)
+    s = CoreShare(folder, name, threads, (calls if calls is not None else []).append, cores,
+                  take_back_wait_s=take_back_wait_s)
     s.idle()
     return s
 
@@ -76,7 +77,7 @@ def test_an_owner_waits_for_the_borrowers_step_and_is_not_starved(tmp_path: Path
 
 
 def test_a_killed_peers_files_are_removed_and_a_restarted_one_lends_its_cores_again(tmp_path: Path) -> None:
-    code = ("import sys, time; from kvserve.engine.cores import CoreShare; "
+    code = ("import sys, time; from kvserve.host.cores import CoreShare; "
             f"s = CoreShare({str(tmp_path)!r}, 'prefill-2', 2, lambda n: None); s.busy(); "
             "print('busy', flush=True); time.sleep(60)")
     peer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -138,10 +139,8 @@ def test_a_starting_service_holds_its_cores_until_it_is_first_idle(tmp_path: Pat
     assert decode.current == 2
 
 
-def test_cores_not_given_back_in_time_stay_wanted_and_are_taken_without_waiting_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cores, "TAKE_BACK_WAIT_S", 0.05)
-    decode = share(tmp_path, "decode-1", 1)
+def test_cores_not_given_back_in_time_stay_wanted_and_are_taken_without_waiting_again(tmp_path: Path) -> None:
+    decode = share(tmp_path, "decode-1", 1, take_back_wait_s=0.05)
     prefill = share(tmp_path, "prefill-2", 1)
     prefill.busy()  # a long step on decode's core
     assert prefill.current == 2
@@ -153,8 +152,9 @@ def test_cores_not_given_back_in_time_stay_wanted_and_are_taken_without_waiting_
     prefill.step_done()
     prefill.busy()  # decode's file says it wants its core: prefill does not take it again
     assert prefill.current == 1
+    assert not decode.holding
     decode.busy()
-    assert decode._holding
+    assert decode.holding
     decode.idle()
     prefill.step_done()
     prefill.busy()

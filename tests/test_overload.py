@@ -380,7 +380,7 @@ def as_remote_client() -> None:
     """Raises this process to the priority of the services' threads that take calls (rpc.cli.EnginePriority) where
     it may: a client on another host does not wait for these cores behind the engines, which compute at the
     priority of the host's other work. Without privilege, what the storm measures includes its own wait for them."""
-    from kvserve.rpc.cli import FRONT_RAISE
+    from kvserve.host.priority import FRONT_RAISE
 
     with contextlib.suppress(PermissionError):
         os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - FRONT_RAISE)

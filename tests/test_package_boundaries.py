@@ -21,20 +21,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The design card's packages at the top of the repo, and what else there is under `kvserve`; a unit is a
 # top-level package or a package (or module) directly under kvserve/.
-LAYERS = ("protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service", "decode_service",
-          "kvserve.router", "client", "kvserve.http", "kvserve.stack", "kvserve.bench", "kvserve.pytest_plugin",
-          "kvserve.cli")
+LAYERS = ("protos", "kvserve.host", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service",
+          "decode_service", "kvserve.router", "client", "kvserve.http", "kvserve.stack", "kvserve.bench",
+          "kvserve.pytest_plugin", "kvserve.cli")
 MAY_IMPORT: dict[str, set[str]] = {
     "protos": set(),
-    "kvserve.rpc": {"protos"},
-    "kvserve.engine": {"protos"},
-    "kvstore": {"protos", "kvserve.rpc"},
+    "kvserve.host": set(),  # the process's set-up and the host's shared cores; no grpc
+    "kvserve.rpc": {"protos", "kvserve.host"},
+    "kvserve.engine": {"protos", "kvserve.host"},
+    "kvstore": {"protos", "kvserve.host", "kvserve.rpc"},
     "kvserve.handoff": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore"},
-    "prefill_service": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff"},
-    "decode_service": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service"},
-    "kvserve.router": {"protos", "kvserve.rpc"},  # it holds no model
+    "prefill_service": {"protos", "kvserve.host", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff"},
+    "decode_service": {"protos", "kvserve.host", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff",
+                       "prefill_service"},
+    "kvserve.router": {"protos", "kvserve.host", "kvserve.rpc"},  # it holds no model
     "client": {"protos"},  # the client library: Client, its credentials, the metrics page reader
-    "kvserve.http": {"protos", "kvserve.rpc", "client"},  # OpenAI's HTTP API in front of the gRPC one: no model either
+    "kvserve.http": {"protos", "kvserve.host", "kvserve.rpc", "client"},  # OpenAI's HTTP API in front of the gRPC one: no model either
     # It starts the services as `python -m` processes, with credentials it makes; the engine's model helpers
     # (fetch, check) are stdlib only.
     "kvserve.stack": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "client"},
@@ -49,7 +51,7 @@ PUBLIC = {"kvstore": {"kvstore", "kvstore.__main__"},
 STARTERS = {"kvserve.stack", "kvserve.bench"}  # they start the store, so they may reach into it
 NEVER = ({package: {"torch", "transformers"} for package in ("kvserve.rpc", "kvserve.router", "client", "kvserve.http",
                                                            "kvserve.stack", "kvserve.cli")}
-         | {"kvserve.engine": {"grpc"}})
+         | {"kvserve.engine": {"grpc"}, "kvserve.host": {"grpc"}})
 TORCH_IN_KVSTORE = {"kvstore.device_tier"}
 
 

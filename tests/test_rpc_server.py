@@ -287,7 +287,7 @@ def test_bytes_that_are_not_the_request_message_get_invalid_argument(tmp_path: P
 
 COLLECTIONS = """
 import gc, json, time
-from kvserve.rpc.cli import collect_when_quiet
+from kvserve.host.collector import collect_when_quiet
 
 gc.set_threshold(100, 10)  # generation-1 collections come fast; Python's full one after ten of them
 gc.collect()  # none pending from the imports
@@ -324,9 +324,9 @@ print(json.dumps(full))
 
 
 def test_full_collections_wait_for_a_moment_without_calls() -> None:
-    """kvserve.rpc.cli.collect_when_quiet (in a process of its own: it sets the collector's thresholds). While calls
-    keep coming, a full collection runs only once `at_most` generation-1 collections have passed; when none
-    comes, once Python would have run one (ten of them)."""
+    """kvserve.host.collector.collect_when_quiet (in a process of its own: it sets the collector's thresholds).
+    While calls keep coming, a full collection runs only once `at_most` generation-1 collections have passed;
+    when none comes, once Python would have run one (ten of them)."""
     done = subprocess.run([sys.executable, "-c", COLLECTIONS], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=60, check=True)
     full = json.loads(done.stdout)  # (phase, generation-1 collections since the last full one) at each

@@ -19,14 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvserve.rpc.cli import (
-    CUDA_THREADS,
-    FRONT_SLICE_NS,
-    EnginePriority,
-    default_threads,
-    engine_threads,
-    env_args,
-)
+from kvserve.host.priority import FRONT_SLICE_NS, EnginePriority
+from kvserve.host.process import CUDA_THREADS, default_threads, engine_threads
+from kvserve.rpc.cli import env_args
 from kvserve.stack.stack import Stack, StackConfig, flag_value, thread_budgets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +111,8 @@ PREPARE = """
 import sys
 import torch
 from {module}.__main__ import parser
-from kvserve.rpc.cli import configure_logging, prepare_engine_process
+from kvserve.host.process import prepare_engine_process
+from kvserve.rpc.cli import configure_logging
 args = parser().parse_args(["--model", "m", *sys.argv[1:]])
 configure_logging("test", "INFO")
 prepare_engine_process(args)
@@ -163,7 +159,7 @@ import ctypes
 import os
 import torch
 import decode_service.__main__  # what the service imports before it prepares the process: no oneDNN kernel yet
-from kvserve.rpc.cli import prepare_engine_process
+from kvserve.host.process import prepare_engine_process
 prepare_engine_process(0)
 
 class MallInfo(ctypes.Structure):  # glibc's mallinfo2: bytes handed out from the heaps, and in mmapped chunks
@@ -254,7 +250,7 @@ def test_kubernetes_pods_take_their_cpu_request_as_their_budget() -> None:
 
 
 def test_ups_compute_services_share_one_folder_of_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Services given budgets by the split lend each other their idle cores (engine.cores); one given its own
+    """Services given budgets by the split lend each other their idle cores (host.cores); one given its own
     budget, or on CUDA, does not take part."""
     s = stack(tmp_path, 2)
     shares = {flag_value(s.prefill_spec("a:1").args, "--share-cores"),

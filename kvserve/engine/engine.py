@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.cores import CoreShare
 from kvserve.engine.hashing import Namespace
 from kvserve.engine.kv_cache import KVCache, kv_cache_blocks
 from kvserve.engine.kv_connector import KVConnector
@@ -41,6 +40,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sampling import Sampler, SamplingParams
 from kvserve.engine.scheduler import Schedule, Scheduler, SchedulerConfig
 from kvserve.engine.sequence import Finished, Sequence, Status, TokenEvent
+from kvserve.host.cores import CoreShare
 from protos.block_hash import BlockHash
 
 log = logging.getLogger(__name__)

@@ -18,13 +18,13 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvserve.host.collector import collect_when_quiet
+from kvserve.host.process import exit_with_parent
 from kvserve.http.app import Front
 from kvserve.rpc.cli import (
     STOP_MARGIN_S,
-    collect_when_quiet,
     configure_logging,
     env_epilog,
-    exit_with_parent,
     parse_args,
     parse_size,
     positive_int,

@@ -1,22 +1,16 @@
-"""Cores shared by the compute services of one host: each computes on its own budget of threads, and on
-the budgets of the others while they have nothing to compute (docs/OPERATIONS.md, "CPU threads").
-
-A fixed split (prefill 1, decode 1 on two cores) keeps the two OpenMP teams from stalling at each other's
-barriers, but leaves a core idle whenever one of them computes alone: in a chat, decode computes each
-turn's new tokens itself while prefill waits for the next cold prompt. So the services of a host share a
-folder with one lock file each, named for the service and holding its budget:
+"""Cores shared by the compute services of one host: each computes on its own budget of threads, and on the
+budgets of the others while they have nothing to compute (docs/OPERATIONS.md, "CPU threads"). A fixed split
+keeps two OpenMP teams from stalling at each other's barriers, but leaves a core idle whenever one service
+computes alone (in a chat, decode computes each turn's new tokens while prefill waits). So the services of a
+host share a folder with one lock file each, named for the service and holding its budget:
 
 - a service holds its own file's lock (``flock``, exclusive) while its engine has work;
-- before each step it takes, without waiting, the lock of every other file, and computes on its own
-  budget plus those it got; after the step it lets them go;
-- so a service that gets work waits at most for one step of a peer that borrowed its cores, and the
-  threads computing at any moment never add up to more than the budgets, which add up to the cores.
+- before each step it takes, without waiting, every other file's lock, computes on its budget plus theirs,
+  and lets them go after the step: an owner waits at most one step, and the threads never exceed the budgets;
+- it holds a shared lock on ``name.alive`` while it runs: a peer that finds that free removes both files, so
+  a dead service's budget is never counted beside its successor's.
 
-A lock dies with its process (the kernel drops it). Each service also holds a shared lock on a second
-file, ``name.alive``, for as long as it runs: a peer that finds it free knows the service is gone and
-removes both files, so a dead service's budget is never counted beside its successor's (a replaced
-container comes back under another name), and a restarted one lends its cores again.
-Torch is not imported here: the engine passes its thread setter.
+Locks die with their process. Torch is not imported here: the engine passes its thread setter.
 """
 
 from __future__ import annotations
@@ -60,7 +54,7 @@ class CoreShare:
     """One compute service's place in a host's shared folder of budgets (``folder``/``name``.lock)."""
 
     def __init__(self, folder: str | Path, name: str, threads: int, set_threads: Callable[[int], None],
-                 cores: int | None = None) -> None:
+                 cores: int | None = None, *, take_back_wait_s: float = TAKE_BACK_WAIT_S) -> None:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.folder = Path(folder)
@@ -68,6 +62,7 @@ class CoreShare:
         self.name = name
         self.threads = threads
         self._set_threads = set_threads
+        self._take_back_wait_s = take_back_wait_s
         # never more threads than this process's cores (default: its affinity), whatever a file in the folder says
         if cores is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -89,9 +84,14 @@ class CoreShare:
         """The threads the service computes on now."""
         return self._current
 
+    @property
+    def holding(self) -> bool:
+        """Whether the service holds its own cores: no peer computes on them until it is idle."""
+        return self._holding
+
     def busy(self) -> None:
         """Before a step: hold our own lock (taking our cores back from a peer, waiting at most one of its
-        steps, TAKE_BACK_WAIT_S at worst) and every idle peer's; compute on our budget plus theirs."""
+        steps, `take_back_wait_s` at worst) and every idle peer's; compute on our budget plus theirs."""
         if not self._holding:
             self._holding = self._take_back()
         self._apply(self.threads + self._borrow_idle_peers())
@@ -118,7 +118,7 @@ class CoreShare:
 
     def _take_back(self) -> bool:
         """Our own lock, waiting for the peer that borrowed it to end its step; while we wait our file says
-        so, and a peer that reads it does not borrow again. Past TAKE_BACK_WAIT_S we compute anyway (a peer
+        so, and a peer that reads it does not borrow again. Past `take_back_wait_s` we compute anyway (a peer
         stuck in a step must not stop this service); the file keeps saying so, and each later step only
         tries the lock once, until we hold it or go idle."""
         if _try_lock(self._own):
@@ -127,11 +127,11 @@ class CoreShare:
         if self._owed:
             return False
         os.pwrite(self._own, b"1", _WANT_AT)
-        deadline = time.monotonic() + TAKE_BACK_WAIT_S
+        deadline = time.monotonic() + self._take_back_wait_s
         while not _try_lock(self._own):
             if time.monotonic() > deadline:
                 log.warning("a peer in %s held this service's cores for over %.0f s; computing anyway until it "
-                            "gives them back", self.folder, TAKE_BACK_WAIT_S)
+                            "gives them back", self.folder, self._take_back_wait_s)
                 self._owed = True
                 return False
             time.sleep(_POLL_S)
