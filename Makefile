@@ -16,12 +16,14 @@ APT_REDIS := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --
 
 # torch==2.13.0 is the CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
 # pip shows its progress: a first set-up takes about 1.5 minutes on 2 cores, more where it downloads.
+# Then the engine's C kernels, for x86-64-v4 and -v3, into .venv/share/kvserve/kernels (`kvserve build-kernels`).
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV): torch (CPU) and the dependencies, about 1.5 minutes (more on a slow link)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar on torch==2.13.0
 	$(PY) -m pip install --progress-bar on -e '.[dev,bench,models]'
+	$(PY) -m kvserve.engine.native || echo "no C kernels prebuilt: engines build them on first use where a compiler is"
 	touch $@
 
 redis-server:

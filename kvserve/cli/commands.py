@@ -93,6 +93,8 @@ def forwarded(argv: Sequence[str]) -> tuple[Main, list[str]] | None:
             from kvserve.stack.credentials import main as command_main
         case ["health", *rest]:
             from kvserve.cli.health import main as command_main
+        case ["build-kernels", *rest]:
+            from kvserve.engine.native import main as command_main
         case _:
             return None
     return command_main, rest
@@ -189,6 +191,8 @@ def _add_forwarded_commands(add: AddParser) -> None:
     add("credentials", help="make a secure node's CA, certificates, tokens and secrets (`kvserve up` does it by "
                             "itself; see `kvserve credentials --help`)")
     add("token", help="make a tenant's bearer token for the front door (see `kvserve token --help`)")
+    add("build-kernels", help="build the engine's C kernels ahead of time for portable CPU targets (see "
+                              "`kvserve build-kernels --help`)")
     bench = add(
         "bench", help="benchmarks: multi-turn, scaling, shared-prefix, decode, handoff, store, serve, http; hash, "
                       "prefill, step (see `kvserve bench NAME --help`)",
@@ -672,6 +676,26 @@ def shown_metric(sample: str) -> bool:
     return name.startswith("kvserve_") and not name.endswith(("_bucket", "_created"))
 
 
+def attention_lines(samples: dict[str, float]) -> list[str]:
+    """What `kvserve stats` says of the decode attention each engine on a metrics page runs, and why the
+    fallback where it runs that (the engine's attention_kernel gauge)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lines = []
+    for key, value in samples.items():
+        name = key.split("{", 1)[0]
+        if not (name.endswith("_engine_attention_kernel") and value == 1):
+            continue
+        service = name.removeprefix("kvserve_").removesuffix("_engine_attention_kernel")
+        for family in text_string_to_metric_families(f"{key} {value:g}\n"):
+            for sample in family.samples:
+                kernel, reason = sample.labels.get("kernel", "?"), sample.labels.get("reason", "")
+                lines.append(f"{service} attention: {kernel}" + (
+                    f", the slower fallback (decode rows gathered for SDPA): {reason or 'no reason given'}"
+                    if kernel == "sdpa" else ", the C kernel"))
+    return lines
+
+
 def stats_dict(reply: Any) -> dict[str, Any]:
     """The Stats reply as JSON, with 64-bit counters as numbers (protobuf's JSON makes them strings)."""
     from google.protobuf.json_format import MessageToDict
@@ -757,6 +781,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
               f"{1000 * r['read_seconds'] / max(1, r['read_calls']):.2f} ms")
     for url, samples in report["services"].items():
         print(f"\n{url}")
+        for line in attention_lines(samples):
+            print(f"  {line}")
         for name, value in samples.items():
             if shown_metric(name):
                 print(f"  {name} {value:g}")

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import StepStats
+    from kvserve.engine.native import AttentionKernel
 
 # Seconds: rpc.metrics.LATENCY_BUCKETS, the services' own (the engine imports no rpc module, which would bring grpc).
 QUEUE_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -17,10 +18,18 @@ BATCH_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 class EngineMetrics:
     """Per forward: sequences and tokens; sequences running and waiting; the pool's blocks; preemptions,
-    prompt tokens computed, pool prefix hits (coalesced ones among them), queue wait."""
+    prompt tokens computed, pool prefix hits (coalesced ones among them), queue wait. Once: the decode attention
+    the engine runs (`attention`: its runner's; default, that of an engine of this process with a float32 KV
+    cache on the CPU)."""
 
-    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str, attention: AttentionKernel | None = None) -> None:
         p = prefix + "engine_"
+        self.attention = Gauge(
+            p + "attention_kernel", "The decode attention this engine runs, at 1: native-<march> (the C kernel, "
+            "prebuilt for a portable target), native-march-native (built here for this CPU) or sdpa (the slower "
+            "fallback, reason says why)", ["kernel", "reason"], registry=registry,
+        )
+        self.show_attention(attention)
         self.batch_seqs = Histogram(p + "batch_sequences", "Sequences per forward", buckets=BATCH_SEQ_BUCKETS,
                                     registry=registry)
         self.batch_tokens = Histogram(p + "batch_tokens", "Tokens per forward (decode tokens and prompt chunks)",
@@ -45,6 +54,14 @@ class EngineMetrics:
                              "cores an idle peer lent, engine.cores)", ["threads"], registry=registry)
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Time from a sequence's arrival to its admission",
                                     buckets=QUEUE_WAIT_BUCKETS, registry=registry)
+
+    def show_attention(self, kernel: AttentionKernel | None) -> None:
+        if kernel is None:
+            from kvserve.engine import native  # torch: only where an engine runs
+
+            kernel = native.attention_kernel()
+        self.attention.clear()
+        self.attention.labels(kernel=kernel.name, reason=kernel.reason).set(1)
 
     def observe(self, stats: StepStats) -> None:
         self.running.set(stats.num_running)

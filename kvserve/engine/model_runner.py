@@ -127,8 +127,8 @@ class ModelRunner:
         # A ready 4D mask makes the model skip building one; paged_attention does its own masking.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=model.device)
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
-        self.in_place_decode = (cache.kv.device.type == "cpu" and cache.kv.dtype == torch.float32
-                                and native.decode_kernel() is not None)
+        self.attention = native.attention_kernel(cache.kv.device.type, cache.kv.dtype)  # what decode rows run
+        self.in_place_decode = self.attention.name != native.SDPA
         self.last_layer_rows = LastLayerRows.of(model.hf_model) if self.forward is None else None
         self.last_layer = model.num_layers - 1 if self.last_layer_rows is None else self.last_layer_rows.layer
 
@@ -204,26 +204,7 @@ class ModelRunner:
                 logit_rows.append(row + n - 1)
                 sampled.append(seq)
         pos = torch.tensor(positions, device=device)
-        decode = None
-        shared = None
-        n = shared_blocks(decode_tables, decode_lens, bs) if decode_rows and device.type == "cpu" else 0
-        if not self.in_place_decode:  # (engine.native's kernel reads the shared blocks where they lie)
-            self.shared_kv.use(self.shared_key(decode_seqs[0], n) if n else None)  # None: what was kept goes
-        if decode_rows:
-            if n:
-                shared = torch.tensor(decode_tables[0][:n], device=device)
-                decode_tables = [t[n:] for t in decode_tables]
-                decode_lens = [length - n * bs for length in decode_lens]
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=device)
-            lens = torch.tensor(decode_lens, device=device)
-            mask = None
-            if not self.in_place_decode:
-                mask = (torch.arange(width * bs, device=device)[None, :] < lens[:, None])[:, None, None, :]
-                if n:  # the CPU flash kernel's additive mask, in the query's dtype
-                    mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype,
-                                       device=device).masked_fill(~mask, -torch.inf)
-            decode = (torch.tensor(decode_rows, device=device), tables, mask, lens)
+        decode, shared = self._decode_inputs(decode_rows, decode_tables, decode_lens, decode_seqs)
         batch = StepBatch(
             cache=self.cache,
             slot_blocks=torch.tensor(slot_blocks, device=device),
@@ -238,3 +219,30 @@ class ModelRunner:
             last_layer=self.last_layer if len(logit_rows) < len(ids) else -1,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)
+
+    def _decode_inputs(
+        self, rows: list[int], tables: list[list[int]], lens: list[int], seqs: list[Sequence],
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None, torch.Tensor | None]:
+        """The decode rows' (rows, padded block tables, mask, lengths), None without decode rows; and the blocks
+        they share when read apart (shared_blocks), else None."""
+        bs, device = self.block_size, self.model.device
+        n = shared_blocks(tables, lens, bs) if rows and device.type == "cpu" else 0
+        if not self.in_place_decode:  # (engine.native's kernel reads the shared blocks where they lie)
+            self.shared_kv.use(self.shared_key(seqs[0], n) if n else None)  # None: what was kept goes
+        if not rows:
+            return None, None
+        shared = None
+        if n:
+            shared = torch.tensor(tables[0][:n], device=device)
+            tables = [t[n:] for t in tables]
+            lens = [length - n * bs for length in lens]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        lengths = torch.tensor(lens, device=device)
+        mask = None
+        if not self.in_place_decode:
+            mask = (torch.arange(width * bs, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+            if n:  # the CPU flash kernel's additive mask, in the query's dtype
+                mask = torch.zeros(mask.shape, dtype=self.cache.kv.dtype,
+                                   device=device).masked_fill(~mask, -torch.inf)
+        return (torch.tensor(rows, device=device), padded, mask, lengths), shared

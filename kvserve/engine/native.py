@@ -1,15 +1,22 @@
 """The engine's C kernels (kvserve/engine/native.c): decode attention that reads the paged KV cache in place, and a copy
-that checks the values it moves for NaN and infinities. Built with the host's C compiler when an engine first
-needs them and kept, by a hash of everything that went into the build, in a folder of this user's:
-``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
+that checks the values it moves for NaN and infinities. Loaded from the first place that has them:
 
-Without a compiler (a slim container image) both are None: the engine gathers each decode row's blocks for
+1. prebuilt by ``kvserve build-kernels`` (``make setup``; the image's build stage, which has the compiler its final
+   stage lacks) into kernel_dir(): ``$KVSERVE_KERNEL_DIR``, else ``<sys.prefix>/share/kvserve/kernels``. One build
+   per portable target (x86-64-v4, x86-64-v3), named by a hash of the source; the best one this CPU runs loads;
+2. built with the host's C compiler (``$CC``, else ``cc``) for this CPU (-march=native) when an engine first needs
+   them, and kept, by a hash of everything that went into the build, in a folder of this user's alone:
+   ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
+
+Neither (none prebuilt for this CPU, no compiler): both are None: the engine gathers each decode row's blocks for
 SDPA, and checks a fetched block's values in a pass of their own: the same tokens, a slower step and fetch.
-``KVSERVE_NATIVE_ATTENTION=0`` turns off the attention alone.
+``KVSERVE_NATIVE_ATTENTION=0`` turns off the attention alone. attention_kernel() says which runs and why; the
+engines' metrics show it, and `kvserve stats` prints it.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
@@ -19,8 +26,10 @@ import platform
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +38,40 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
-# -march=native: the build is for this host's CPU (its flags are part of the hash); OpenMP: torch's own runtime,
-# already loaded (libgomp.so.1), runs the kernel's loop on the threads torch computes on.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
+# OpenMP: torch's own runtime, already loaded (libgomp.so.1), runs the kernel's loop on the threads torch computes on.
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
+SDPA = "sdpa"
+MARCH_NATIVE = "native-march-native"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A portable -march a kernel is prebuilt for, and the /proc/cpuinfo flags a CPU needs to run it."""
+
+    march: str
+    needs: frozenset[str]
+
+
+# x86-64-v3 (with v2's), as /proc/cpuinfo names them; abm is LZCNT
+_V3 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma",
+                 "abm", "movbe", "xsave"})
+# Best first, for each machine: the first one whose flags a CPU has is loaded.
+TARGETS = {
+    "x86_64": (Target("x86-64-v4", _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+               Target("x86-64-v3", _V3)),
+    "aarch64": (Target("armv8-a", frozenset()),),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionKernel:
+    """The decode attention an engine runs: ``native-<march>`` (the C kernel prebuilt for a portable target),
+    native-march-native (built here for this CPU) or sdpa (the slower fallback; ``reason`` says why)."""
+
+    name: str
+    reason: str = ""
+
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],
                         tuple[torch.Tensor, torch.Tensor]]
@@ -48,6 +87,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvserve"
 
 
+def kernel_dir() -> Path:
+    """Where this install looks for prebuilt kernels (and `kvserve build-kernels` puts them)."""
+    return Path(os.environ.get("KVSERVE_KERNEL_DIR") or Path(sys.prefix) / "share" / "kvserve" / "kernels")
+
+
 def _cpu_flags() -> str:
     try:
         return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -61,6 +105,24 @@ def _private(folder: Path) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
+def _trusted(path: Path) -> bool:
+    """Whether only root or this user can change ``path`` (a prebuilt kernel, or its folder)."""
+    st = path.stat()
+    return st.st_uid in (0, os.geteuid()) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _compile(compiler: str, flags: Sequence[str], lib: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=BUILD_TIMEOUT_S)
+        os.chmod(tmp, 0o755)  # readable by the services' user where root built it (the image)
+        os.replace(tmp, lib)  # whole or not at all, whoever builds it at the same time
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def build(compiler: str) -> Path:
     """The kernel built for this host by `compiler`, in cache_dir(): found there when built before."""
     path = shutil.which(compiler)
@@ -68,7 +130,8 @@ def build(compiler: str) -> Path:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     binary = os.stat(os.path.realpath(path))  # the compiler itself, without running it at every start
     compiler_id = f"{os.path.realpath(path)} {binary.st_size} {binary.st_mtime_ns}"
-    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler_id.encode(),
+    flags = (*FLAGS, "-march=native")  # for this host's CPU: its flags are part of the hash
+    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler_id.encode(),
                                         _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     folder = cache_dir()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -76,34 +139,108 @@ def build(compiler: str) -> Path:
         raise RuntimeError(f"{folder} is not private to this user (owner or permissions); set KVSERVE_CACHE_DIR")
     lib = folder / f"native-{digest}.so"
     if not lib.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
-                           text=True, timeout=BUILD_TIMEOUT_S)
-            os.replace(tmp, lib)  # whole or not at all, whoever builds it at the same time
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        _compile(compiler, flags, lib)
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The kernels, or None where they cannot be built here (said once, in the log)."""
+def _target_flags(target: Target) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={target.march}")
+
+
+def prebuilt_name(target: Target) -> str:
+    """The file a kernel prebuilt for `target` from this source has: another source's is never loaded."""
+    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(_target_flags(target)).encode()]))
+    return f"native-{target.march}-{digest.hexdigest()[:16]}.so"
+
+
+def build_targets(folder: Path, compiler: str = "cc") -> list[Path]:
+    """The kernels built by `compiler` into `folder` for every portable target of this machine's architecture,
+    best first; older builds of those targets there are removed."""
+    targets = TARGETS.get(platform.machine())
+    if not targets:
+        raise RuntimeError(f"no portable target for {platform.machine()}: engines build for their CPU on first use")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if not _trusted(folder):
+        raise RuntimeError(f"{folder} can be written by others than root and this user: engines would not load it")
+    libs = []
+    for target in targets:
+        lib = folder / prebuilt_name(target)
+        _compile(compiler, _target_flags(target), lib)
+        for old in folder.glob(f"native-{target.march}-*.so"):
+            if old != lib:
+                old.unlink()
+        libs.append(lib)
+    return libs
+
+
+def prebuilt(folder: Path, cpu: frozenset[str] | None = None) -> Path | str:
+    """The best kernel prebuilt in `folder` that a CPU with the `cpu` flags (default: this one's) runs, or why
+    there is none."""
+    targets = [t for t in TARGETS.get(platform.machine(), ()) if (folder / prebuilt_name(t)).is_file()]
+    if not targets:
+        return f"none prebuilt for this source in {folder} (`kvserve build-kernels` builds them)"
+    cpu = frozenset(_cpu_flags().partition(":")[2].split()) if cpu is None else cpu
+    fits = [t for t in targets if t.needs <= cpu]
+    if not fits:
+        least = targets[-1]
+        return f"this CPU lacks {' '.join(sorted(least.needs - cpu))}, which {least.march}, the least prebuilt, needs"
+    lib = folder / prebuilt_name(fits[0])
+    if not (_trusted(folder) and _trusted(lib)):
+        return f"{lib} or its folder can be written by others than root and this user"
+    return lib
+
+
+def load(folder: Path, compiler: str | None, cpu: frozenset[str] | None = None,
+         ) -> tuple[ctypes.CDLL | None, AttentionKernel]:
+    """The kernels prebuilt in `folder` for this CPU, else built by `compiler` for it (None: not built), and
+    which they are; else None and why."""
+    found = prebuilt(folder, cpu)
+    if isinstance(found, Path):
+        try:
+            return ctypes.CDLL(str(found)), AttentionKernel(_kernel_name(found))
+        except OSError as e:
+            found = f"{found} does not load: {e}"
+    if compiler is None:
+        return None, AttentionKernel(SDPA, found)
     try:
-        return ctypes.CDLL(str(build(os.environ.get("CC") or "cc")))
+        return ctypes.CDLL(str(build(compiler))), AttentionKernel(MARCH_NATIVE)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("could not build the engine's C kernels (%s): decode gathers each row's KV for SDPA, and a "
-                    "fetched block's values are checked in a pass of their own", detail)
-        return None
+        detail = (getattr(e, "stderr", "") or str(e)).strip()
+        return None, AttentionKernel(SDPA, f"{found}; and none built here: {detail}")
+
+
+def _kernel_name(lib: Path) -> str:
+    return lib.name.rsplit("-", 1)[0]  # native-<march>, without the source's hash
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, AttentionKernel]:
+    """This process's kernels (None where there are none: said once, in the log) and which they are."""
+    lib, kernel = load(kernel_dir(), os.environ.get("CC") or "cc")
+    if lib is None:
+        log.warning("no C kernels for the engine (%s): decode gathers each row's KV for SDPA, and a fetched block's "
+                    "values are checked in a pass of their own", kernel.reason)
+    return lib, kernel
+
+
+def attention_kernel(device: str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionKernel:
+    """The decode attention of an engine whose KV cache is on `device` (a torch device type) in `dtype`."""
+    if device != "cpu":
+        return AttentionKernel(SDPA, f"the KV cache is on {device}: the C kernel reads host memory")
+    if dtype != torch.float32:
+        return AttentionKernel(SDPA, f"the KV cache is {str(dtype).removeprefix('torch.')}: the C kernel reads float32")
+    if os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
+        return AttentionKernel(SDPA, "turned off (KVSERVE_NATIVE_ATTENTION=0)")
+    return _library()[1]
 
 
 @functools.cache
 def copy_finite(dtype: torch.dtype) -> CopyFinite | None:
     """A copy of bytes holding ``dtype`` values, ``copy(dest, src)`` (``dest`` writable, at least as long), that
     says whether every value it moved is finite; None for another dtype, or where the kernels cannot be built."""
-    lib = _library()
+    lib = _library()[0]
     exponent = _EXPONENTS.get(dtype)
     if lib is None or exponent is None:
         return None
@@ -130,10 +267,15 @@ def _address(buffer: memoryview) -> int:
 
 @functools.cache
 def decode_kernel() -> DecodeKernel | None:
-    """The in-place decode attention, or None where it cannot be built here or is turned off."""
-    lib = _library()
+    """The in-place decode attention, or None where there is none here or it is turned off."""
+    lib = _library()[0]
     if lib is None or os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
         return None
+    return decode_attention(lib)
+
+
+def decode_attention(lib: ctypes.CDLL) -> DecodeKernel:
+    """The decode attention of the kernels `lib` (load's)."""
     fn = lib.kvserve_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
@@ -161,3 +303,30 @@ def decode_kernel() -> DecodeKernel | None:
         return out, lse
 
     return attend
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvserve build-kernels",
+        description="Build the engine's C kernels ahead of time for every portable target of this architecture "
+                    "(x86-64-v4 and x86-64-v3 on x86-64) into DIR; an engine loads the best one its CPU runs, and "
+                    "needs no compiler (`make setup` and the image's build stage run this).")
+    ap.add_argument("dir", nargs="?", type=Path, default=None,
+                    help=f"where to put them (default: where this install looks, {kernel_dir()}; elsewhere, "
+                         "engines find them by $KVSERVE_KERNEL_DIR)")
+    ap.add_argument("--cc", default=os.environ.get("CC") or "cc", help="the C compiler (default: $CC, else cc)")
+    args = ap.parse_args(argv)
+    folder = args.dir or kernel_dir()
+    try:
+        libs = build_targets(folder, args.cc)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"kvserve build-kernels: {(getattr(e, 'stderr', '') or str(e)).strip()}", file=sys.stderr)
+        return 1
+    print("\n".join(str(lib) for lib in libs))
+    found = prebuilt(folder)
+    print(f"this CPU runs {_kernel_name(found)}" if isinstance(found, Path) else f"this CPU runs none of them: {found}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
