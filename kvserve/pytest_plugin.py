@@ -24,6 +24,8 @@ uses the stack fails, what each service logged during that test is added to its 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -33,6 +35,7 @@ import warnings
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -48,6 +51,7 @@ SERVICES = ("kvstore", "prefill", "decode", "http")
 TINY_MODEL_ARGS = ("--arch", "llama", "--layers", "2", "--hidden", "64", "--seed", "0")
 HOST_CAPACITY, DISK_CAPACITY = "256MiB", "1GiB"
 LOG_SECTION_BYTES = 16 * 1024  # per service and failed test: the end of what it logged
+OUR_CLIENT = Path(__file__).resolve().parents[1] / "client"  # kvserve's client package, beside this one
 
 _LOGS = pytest.StashKey[dict[str, Path]]()  # the session's service logs, known before they start
 _LOG_OFFSETS = pytest.StashKey[dict[str, int]]()  # per test: log sizes when it started
@@ -71,17 +75,13 @@ class KVServeStack:
     @property
     def client_kwargs(self) -> ClientCredentials:
         """`Client(stack.addr, **stack.client_kwargs)`: the admin's token and the CA of the front door."""
-        from client.local import Layout
-
-        return Layout(self.credentials).client_kwargs()
+        return _ours("client.local").Layout(self.credentials).client_kwargs()
 
     @property
     def openai_kwargs(self) -> dict[str, str]:
         """What an OpenAI client of `http_url` needs: "api_key" (the admin's token) and "ca" (the CA file its
         HTTPS certificate is checked against)."""
-        from client.local import Layout
-
-        layout = Layout(self.credentials)
+        layout = _ours("client.local").Layout(self.credentials)
         return {"api_key": layout.admin_token.read_text(encoding="utf-8").strip(), "ca": str(layout.ca)}
 
     @property
@@ -91,10 +91,9 @@ class KVServeStack:
 
 
 def _admin_tls(credentials: Path) -> Any:
-    from client.local import Layout
     from kvserve.rpc.tls import TLSConfig
 
-    layout = Layout(credentials)
+    layout = _ours("client.local").Layout(credentials)
     return TLSConfig.load(*layout.admin_cert, layout.ca)
 
     def log(self, name: str) -> str:
@@ -115,10 +114,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServeStack]:
     """The KV store, prefill and decode services as processes on free loopback ports."""
-    from kvserve.stack.stack import Stack, StackConfig  # grpc: only once a test asks for a stack
+    stack_module = _ours("kvserve.stack.stack")  # grpc: only once a test asks for a stack
+    Stack, StackConfig = stack_module.Stack, stack_module.StackConfig
 
     root = tmp_path_factory.mktemp("kvserve")
     say = _terminal(request.config)
+    if theirs := _shadowing_client():
+        say(f"{theirs} shadows kvserve's client package; the kvserve fixtures load kvserve's own")
     model_dir = _configured_model(request.config)
     if model_dir is None:
         say(f"building a tiny model for this session in {root / 'model'} ...")
@@ -157,9 +159,7 @@ def kvserve_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 @pytest.fixture()
 def kvserve_client(kvserve_stack: KVServeStack) -> Iterator[Client]:
     """A `Client` of the stack's front door, closed after the test."""
-    from client.client import Client
-
-    with Client(kvserve_stack.addr, **kvserve_stack.client_kwargs) as client:
+    with _ours("client.client").Client(kvserve_stack.addr, **kvserve_stack.client_kwargs) as client:
         yield client
 
 
@@ -215,6 +215,44 @@ def _terminal(config: pytest.Config) -> Callable[[str], None]:
     return say
 
 
+def _shadowing_client() -> str | None:
+    """Where the `client` that `import client` finds comes from, when it is not kvserve's."""
+    module = sys.modules.get("client")
+    try:
+        spec = module.__spec__ if module is not None else importlib.util.find_spec("client")
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    if origin is None or Path(origin).resolve() == OUR_CLIENT / "__init__.py":
+        return None
+    return origin
+
+
+_OUR_CLIENT_MODULES: dict[str, ModuleType] = {}  # kvserve's client modules, once loaded in a project's place
+
+
+def _ours(name: str) -> Any:
+    """Imports module `name` of kvserve. Where the project under test shadows the `client` package (a
+    client.py of its own on its path), kvserve's is put in its place while the import runs, and the
+    project's is put back after: kvserve's modules keep what they imported, the project keeps its own."""
+    if _shadowing_client() is None:
+        return importlib.import_module(name)
+    theirs = {key: sys.modules.pop(key) for key in list(sys.modules) if key.partition(".")[0] == "client"}
+    try:
+        sys.modules.update(_OUR_CLIENT_MODULES)
+        if "client" not in sys.modules:
+            spec = importlib.util.spec_from_file_location("client", OUR_CLIENT / "__init__.py",
+                                                          submodule_search_locations=[str(OUR_CLIENT)])
+            assert spec is not None and spec.loader is not None
+            sys.modules["client"] = package = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(package)
+        return importlib.import_module(name)
+    finally:
+        for key in [key for key in sys.modules if key.partition(".")[0] == "client"]:
+            _OUR_CLIENT_MODULES[key] = sys.modules.pop(key)
+        sys.modules.update(theirs)
+
+
 def _configured_model(config: pytest.Config) -> Path | None:
     option = config.getoption("kvserve_model")
     if option:
@@ -229,7 +267,7 @@ def _configured_model(config: pytest.Config) -> Path | None:
 
 def _build_tiny_model(path: Path) -> Path:
     """`kvserve model init`, in a subprocess: the test process loads no torch."""
-    done = subprocess.run([sys.executable, "-m", "kvserve.engine.tiny", str(path), *TINY_MODEL_ARGS],
+    done = subprocess.run([sys.executable, "-P", "-m", "kvserve.engine.tiny", str(path), *TINY_MODEL_ARGS],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"building the tiny model in {path} failed (exit {done.returncode}):\n{done.stderr}")

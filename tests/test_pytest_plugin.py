@@ -135,3 +135,36 @@ def test_a_session_gets_a_real_stack_and_leaves_nothing_behind(
     assert [name for name, pid in started["pids"].items() if alive(pid)] == []
     assert not os.path.exists(started["shm_dir"])
     assert not list(Path(started["shm_dir"]).parent.glob(f"kvserve-{started['pids']['kvstore']}-*"))
+
+
+SHADOWED_TESTS = '''
+import client
+import engine
+import router
+
+
+def test_the_fixtures_serve_beside_modules_named_as_kvserves(kvserve_stack, kvserve_client):
+    assert (client.NAME, engine.NAME, router.NAME) == ("theirs", "theirs", "theirs")
+    assert len(kvserve_client.generate(token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
+    import client as again
+
+    assert again.NAME == "theirs"
+'''
+
+
+@pytest.mark.slow
+def test_a_project_with_its_own_client_engine_and_router_modules_runs_the_fixtures(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:  # pytester: its folder, its files
+    """`python -m pytest` puts the project's folder first on the path: its client.py shadows kvserve's client
+    package there (and, before the services ran with -P, in every service the stack started)."""
+    monkeypatch.delenv(MODEL_ENV, raising=False)
+    pytester.makepyfile(client="NAME = 'theirs'\n", engine="NAME = 'theirs'\n", router="NAME = 'theirs'\n",
+                        test_project=SHADOWED_TESTS)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # as the project's own run
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=pytester.path,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:]
+    shadows = [line for line in done.stdout.splitlines() if "shadows kvserve's client package" in line]
+    assert shadows == [f"kvserve: {pytester.path / 'client.py'} shadows kvserve's client package; "
+                       "the kvserve fixtures load kvserve's own"]

@@ -210,7 +210,8 @@ def spawn_service(name: str, module: str, args: Sequence[str], log_path: Path | 
     offset = log.seek(0, os.SEEK_END) if log is not None else 0
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            # -P: the caller's folder is not on the service's path (a project's client.py would shadow kvserve's).
+            [sys.executable, "-P", "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=log if log is not None else None,
             text=True,
