@@ -37,7 +37,7 @@ from prefill_service.client import PrefillCall, PrefillCancelled, PrefillReplica
 log = logging.getLogger(__name__)
 
 LOCAL, DISAGGREGATED = "local", "disaggregated"  # where a request's prompt was computed
-DEFAULT_LOCAL_PREFILL_TOKENS = 512  # see --local-prefill-tokens and BENCHMARKS.md, "Local prefill"
+DEFAULT_LOCAL_PREFILL_TOKENS = 512  # see --local-prefill-tokens and docs/DESIGN.md, "Local prefill"
 LEASE_TTL_S = 30.0  # pins the store's blocks of a prompt computed here until the engine has loaded them
 # Requests waiting for their first token, and their prompt tokens (--max-waiting-seqs, --max-waiting-tokens).
 DEFAULT_MAX_WAITING_SEQS = 128
@@ -138,6 +138,7 @@ class DecodeService:
         self.admission = admission or Admission("decode", DEFAULT_MAX_WAITING_SEQS, DEFAULT_MAX_WAITING_TOKENS)
         self._stopping = False
         engine.on_step = metrics.engine.observe
+        metrics.engine.show_attention(engine.runner.attention)  # what this engine runs (its device, its dtype)
 
     def start(self) -> None:
         self.engine.start()

@@ -87,6 +87,7 @@ class PrefillService:
         self.lease_ttl_s = lease_ttl_s
         self.admission = admission or Admission("prefill", DEFAULT_MAX_WAITING_SEQS, DEFAULT_MAX_WAITING_TOKENS)
         engine.on_step = metrics.engine.observe
+        metrics.engine.show_attention(engine.runner.attention)  # what this engine runs (its device, its dtype)
 
     def start(self) -> None:
         self.engine.start()
