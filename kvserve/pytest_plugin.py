@@ -89,16 +89,17 @@ class KVServeStack:
         """An `kvserve.rpc.tls.TLSConfig` with the admin's certificate, for a `KVStoreClient` of the store."""
         return _admin_tls(self.credentials)
 
+    def log(self, name: str) -> str:
+        """Everything service `name` has logged so far."""
+        return self.logs[name].read_text(errors="replace")
+
 
 def _admin_tls(credentials: Path) -> Any:
     from kvserve.rpc.tls import TLSConfig
 
     layout = _ours("client.local").Layout(credentials)
-    return TLSConfig.load(*layout.admin_cert, layout.ca)
-
-    def log(self, name: str) -> str:
-        """Everything service `name` has logged so far."""
-        return self.logs[name].read_text(errors="replace")
+    cert, key = layout.admin_cert
+    return TLSConfig.load(cert, key, layout.ca)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -124,6 +124,7 @@ def test_a_session_gets_a_real_stack_and_leaves_nothing_behind(
         f"kvserve: {what}" for name in SERVICES for what in (f"starting {name} ...", f"{name} ready")]
     assert started[9].startswith("kvserve: stack ready in ")
     failure = out.split("test_fails_after_prefill_stopped", 1)[1]
+    assert "AssertionError: fails on purpose" in failure  # not on the way there
     for name in ("kvstore", "prefill", "decode", "http"):
         assert out.count(f" kvserve {name} log ") == 1, name  # in the failed test's report only
     prefill = failure.split(" kvserve prefill log ", 1)[1].split(" kvserve decode log ", 1)[0]
