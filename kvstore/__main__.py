@@ -27,7 +27,7 @@ log = logging.getLogger("kvstore")
 
 
 def default_host_capacity() -> int:
-    """--host-capacity's default: rpc.cli.memory_cap, a share of the memory available at start (1 GiB where it
+    """--host-capacity's default: kvserve.host.memory.memory_cap, a share of the memory available at start (1 GiB where it
     cannot be read)."""
     return memory_cap() or 1 << 30
 

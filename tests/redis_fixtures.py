@@ -63,7 +63,7 @@ class RedisServer:
         for attempt in range(3):  # a free port can be taken between the pick and the bind
             server = cls(directory, free_ports(1)[0], tls, list(extra or []))
             try:
-                server._run()
+                server.start_process()
                 return server
             except RuntimeError:
                 server.kill()
@@ -119,7 +119,7 @@ class RedisServer:
     def restart(self) -> None:
         """Stops it if running, then starts it again on the same port, empty."""
         self.stop()
-        self._run()
+        self.start_process()
 
     def __enter__(self) -> RedisServer:
         return self
@@ -136,7 +136,7 @@ class RedisServer:
         return [*ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir),
                 "--logfile", str(self.dir / "redis.log"), *self.extra]
 
-    def _run(self) -> None:
+    def start_process(self) -> None:
         assert REDIS_SERVER is not None
         self.process = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_PARENT, REDIS_SERVER, *self._args()],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -48,7 +48,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from kvserve.rpc.cli import env_args, env_prefix, parse_size
+from kvserve.rpc.cli import env_args, env_prefix, flag_actions, flag_var, long_flag, parse_size
 from tests.polling import wait_until
 
 if TYPE_CHECKING:
@@ -123,18 +123,9 @@ def skip_without_parser(service: str, what: str) -> None:
         pytest.skip(f"{what} not checked: {why}")
 
 
-def flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in p._actions
-            if any(s.startswith("--") for s in a.option_strings) and not isinstance(a, argparse._HelpAction)]
-
-
-def flag_var(service: str, action: argparse.Action) -> str:
-    flag = next(s for s in action.option_strings if s.startswith("--"))
-    return env_prefix(service) + flag[2:].upper().replace("-", "_")
-
-
 def _sample(action: argparse.Action) -> tuple[str, Any]:
-    """A variable's value for the flag and what the parsed namespace must then hold: never the default."""
+    """A variable's value for the flag and what the parsed namespace must then hold (None: what the same value
+    on the command line gives): never the default."""
     if action.nargs == 0:
         if isinstance(action, argparse.BooleanOptionalAction):
             return ("false", False) if action.default else ("true", True)
@@ -149,7 +140,7 @@ def _sample(action: argparse.Action) -> tuple[str, Any]:
         except (ValueError, TypeError, argparse.ArgumentTypeError):
             continue
         if value != action.default:
-            return text, [value] if isinstance(action, argparse._AppendAction) else value
+            return text, None
     raise AssertionError(f"no sample value for {action.option_strings}")
 
 
@@ -167,6 +158,10 @@ def test_every_flag_is_readable_from_its_variable(service: str) -> None:
         text, expected = _sample(action)
         var = flag_var(service, action)
         args = p.parse_args(env_args(p, service, {**required, var: text}))
+        if expected is None:  # as given on the command line, and not the default
+            given = p.parse_args([*env_args(p, service, required), f"{long_flag(action)}={text}"])
+            expected = getattr(given, action.dest)
+            assert expected != action.default, var
         if getattr(args, action.dest) != expected:
             wrong.append(f"{var}={text!r}: {action.dest} is {getattr(args, action.dest)!r}, not {expected!r}")
     assert wrong == []

@@ -70,7 +70,7 @@ def test_a_sequence_outside_the_prefix_cache_is_saved_when_it_leaves() -> None:
 def test_a_saved_sequence_is_freed_as_soon_as_it_is_let_go(prefix_cache: bool) -> None:
     """Nothing the engine keeps of a sequence it saved refers back to it (a future's done-callback did, through
     the sequence's `last_save`): it is freed when its caller lets go, not at the next full collection, which
-    the services hold off while calls come (rpc.cli.collect_when_quiet)."""
+    the services hold off while calls come (kvserve.host.collector.collect_when_quiet)."""
     engine, source = _setup()
     seq = make_seq(engine.model, random_tokens(2 * BLOCK + 3, seed=65), 3 * BLOCK, source=source,
                    hash_root=engine.namespace().root() if prefix_cache else None)

@@ -237,7 +237,7 @@ def test_a_storm_of_streams_is_served_or_refused_at_once_and_health_answers(depl
     else:
         decode, socket = deployment.decode_b, deployment.decode_b_health
     # Warm-up, the same storm: pools, allocator arenas, thread stacks, and oneDNN's kernels for the batches'
-    # row counts (bounded, rpc.cli.prepare_engine_process): what is left to grow would grow with every storm.
+    # row counts (bounded, kvserve.host.process.prepare_engine_process): what is left to grow would grow with every storm.
     storm(decode.addr, STREAMS, 150, ramp_s=1.0)
     before = rss_anon(decode.process.pid)
     with HealthProbe(decode.addr, timeout_s=PROBE_TIMEOUT_S) as probe, \
@@ -377,7 +377,7 @@ def test_prefill_killed_under_load_fails_no_request(deployment: Deployment) -> N
 
 
 def as_remote_client() -> None:
-    """Raises this process to the priority of the services' threads that take calls (rpc.cli.EnginePriority) where
+    """Raises this process to the priority of the services' threads that take calls (kvserve.host.priority.EnginePriority) where
     it may: a client on another host does not wait for these cores behind the engines, which compute at the
     priority of the host's other work. Without privilege, what the storm measures includes its own wait for them."""
     from kvserve.host.priority import FRONT_RAISE

@@ -39,7 +39,7 @@ SYSTEM = tokens(4 * BLOCK_SIZE, seed=4242)
 DURATION_S = float(os.environ.get("KVSERVE_LOAD_S", "0"))  # 0: one round
 # A resident-memory rise beyond this is growth, not noise (allocator pools, caches). Under KVSERVE_LOAD_S it is
 # measured over the second half of the run: the caches that are bounded but slow to fill (oneDNN's kernels, one
-# per batch row count, up to about 106 MiB: rpc.cli.prepare_engine_process) grew decode by 89-93 MiB over 120 s
+# per batch row count, up to about 106 MiB: kvserve.host.process.prepare_engine_process) grew decode by 89-93 MiB over 120 s
 # after the warm-up round alone.
 RSS_SLACK_BYTES = 96 << 20
 

@@ -77,7 +77,7 @@ class StepStats:
     pool_used: int
     pool_free: int
     pool_cached: int
-    num_threads: int = 0  # the threads the forward computed on (engine.cores: its own and those lent); 0: none
+    num_threads: int = 0  # the threads the forward computed on (kvserve.host.cores: its own and those lent); 0: none
 
     @property
     def idle(self) -> bool:
@@ -115,7 +115,7 @@ class Engine:
         self.model = model
         self.block_size = block_size
         self.on_step = on_step
-        self.cores = cores  # the host's cores this engine shares with other services' (engine.cores)
+        self.cores = cores  # the host's cores this engine shares with other services' (kvserve.host.cores)
         self._cond = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         config = config or SchedulerConfig()
@@ -253,7 +253,7 @@ class Engine:
         """What an idle engine gives back (`release_after_idle_s`). The pool's pages and the heap are high-water
         marks: after a burst of 200 prompts, an idle prefill on the tiny llama held 312 MiB of pool pages for
         the peak of its blocks in use, and glibc kept 226 MiB of freed buffers in its heap (under its trim
-        threshold, rpc.cli.prepare_engine_process), round after round."""
+        threshold, kvserve.host.process.prepare_engine_process), round after round."""
         self._worked_at = None
         began = time.perf_counter()
         touched = self.pool.release() if self.kv_cache.releasable else 0

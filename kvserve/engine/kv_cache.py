@@ -91,13 +91,13 @@ class KVCache:
             dst[:, :, :num_tokens].copy_(src.view(layers, 2, num_tokens, heads, dim))
 
 
-DEFAULT_CPU_KV_CACHE_CAP = 1 << 30  # where the service gives no cap (rpc.cli.memory_cap)
+DEFAULT_CPU_KV_CACHE_CAP = 1 << 30  # where the service gives no cap (kvserve.host.memory.memory_cap)
 
 
 def default_kv_cache_memory(per_block: int, block_size: int, max_model_len: int | None, max_num_seqs: int,
                             cap: int | None) -> int:
     """--kv-cache-memory's default on CPU: the blocks of `max_num_seqs` sequences of `max_model_len` tokens, at
-    most `cap` bytes (a service's share of the memory available, rpc.cli.memory_cap), and at least one such
+    most `cap` bytes (a service's share of the memory available, kvserve.host.memory.memory_cap), and at least one such
     sequence (a request the model takes must fit). Its memory is touched only as blocks are used (KVCache)."""
     share = DEFAULT_CPU_KV_CACHE_CAP if cap is None else cap
     if max_model_len is None:

@@ -51,7 +51,7 @@ class EngineMetrics:
         self.waiting = Gauge(p + "waiting_sequences", "Sequences waiting for admission (KV blocks or a slot)",
                              registry=registry)
         self.steps = Counter(p + "steps", "Forwards, by the threads they computed on (more than the service's own: "
-                             "cores an idle peer lent, engine.cores)", ["threads"], registry=registry)
+                             "cores an idle peer lent, kvserve.host.cores)", ["threads"], registry=registry)
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Time from a sequence's arrival to its admission",
                                     buckets=QUEUE_WAIT_BUCKETS, registry=registry)
 

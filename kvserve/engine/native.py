@@ -92,7 +92,12 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("KVSERVE_KERNEL_DIR") or Path(sys.prefix) / "share" / "kvserve" / "kernels")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, as /proc/cpuinfo names them (avx2, avx512f, ...)."""
+    return frozenset(_cpuinfo_flags().partition(":")[2].split())
+
+
+def _cpuinfo_flags() -> str:
     try:
         return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
@@ -132,7 +137,7 @@ def build(compiler: str) -> Path:
     compiler_id = f"{os.path.realpath(path)} {binary.st_size} {binary.st_mtime_ns}"
     flags = (*FLAGS, "-march=native")  # for this host's CPU: its flags are part of the hash
     digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler_id.encode(),
-                                        _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+                                        _cpuinfo_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     folder = cache_dir()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not _private(folder):
@@ -181,7 +186,7 @@ def prebuilt(folder: Path, cpu: frozenset[str] | None = None) -> Path | str:
     targets = [t for t in TARGETS.get(platform.machine(), ()) if (folder / prebuilt_name(t)).is_file()]
     if not targets:
         return f"none prebuilt for this source in {folder} (`kvserve build-kernels` builds them)"
-    cpu = frozenset(_cpu_flags().partition(":")[2].split()) if cpu is None else cpu
+    cpu = cpu_flags() if cpu is None else cpu
     fits = [t for t in targets if t.needs <= cpu]
     if not fits:
         least = targets[-1]

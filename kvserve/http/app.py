@@ -149,7 +149,7 @@ class Front:
         self.metrics = Metrics(self.registry)
         self.created = int(time.time())
         self.active = 0
-        self.arrived = 0  # generation requests, refused ones included (rpc.cli.collect_when_quiet)
+        self.arrived = 0  # generation requests, refused ones included (kvserve.host.collector.collect_when_quiet)
         self._channel: grpc.aio.Channel | None = None
 
     @asynccontextmanager

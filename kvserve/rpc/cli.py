@@ -51,16 +51,27 @@ def env_epilog(service: str) -> str:
             f"a switch takes true or false). A flag on the command line wins over its variable.")
 
 
+def flag_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's `--flag` options but --help: those a variable can set."""
+    return [a for a in p._actions
+            if any(s.startswith("--") for s in a.option_strings) and not isinstance(a, argparse._HelpAction)]
+
+
+def long_flag(action: argparse.Action) -> str:
+    return next(s for s in action.option_strings if s.startswith("--"))
+
+
+def flag_var(service: str, action: argparse.Action) -> str:
+    """`KVSERVE_<SERVICE>_<FLAG>`: the variable that sets the flag of `action`."""
+    return env_prefix(service) + long_flag(action)[2:].upper().replace("-", "_")
+
+
 def env_args(p: argparse.ArgumentParser, service: str, environ: dict[str, str] | None = None) -> list[str]:
     """The command-line arguments the `KVSERVE_<SERVICE>_<FLAG>` variables of `environ` stand for."""
     environ = dict(os.environ) if environ is None else environ
     args: list[str] = []
-    for action in p._actions:
-        flags = [s for s in action.option_strings if s.startswith("--")]
-        if not flags or isinstance(action, argparse._HelpAction):
-            continue
-        flag = flags[0]
-        var = env_prefix(service) + flag[2:].upper().replace("-", "_")
+    for action in flag_actions(p):
+        flag, var = long_flag(action), flag_var(service, action)
         value = environ.get(var, "")
         if not value:
             continue

@@ -138,7 +138,7 @@ def remove_shm_leftovers(pid: int, root: Path = Path("/dev/shm")) -> list[Path]:
     return removed
 
 
-PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by rpc.cli.exit_with_parent in each service
+PARENT_PID_ENV = "KVSERVE_PARENT_PID"  # read by kvserve.host.process.exit_with_parent in each service
 
 
 def _child_env(share_port: bool = False) -> dict[str, str]:
@@ -547,7 +547,7 @@ class Stack:
 
     def _threads(self, name: str) -> list[str]:
         """--threads from the split, and --share-cores: services the split gave budgets lend each other the
-        cores of theirs while idle (engine.cores), through a folder of the data dir that `start` empties."""
+        cores of theirs while idle (kvserve.host.cores), through a folder of the data dir that `start` empties."""
         budgets = self.thread_budgets()
         if name not in budgets:
             return []
