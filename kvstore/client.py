@@ -37,6 +37,7 @@ from kvstore.types import (
     LookupResult,
     Part,
     Payload,
+    PutResult,
     RemoteStats,
     StoreStats,
     Tier,
@@ -122,16 +123,24 @@ class KVStoreClient:
         come in parts (a tuple of buffers, e.g. a header and a view of a KV pool slot): on the same
         host they are copied once, straight into the store's arena. A hash already stored keeps
         its payload (blocks are immutable: the first write wins)."""
+        return self.put_leased(blocks, None, ephemeral=ephemeral).num_new
+
+    def put_leased(self, blocks: Iterable[tuple[BlockHash, Payload]], lease_ttl_s: float | None, *,
+                   lease_id: str | None = None, ephemeral: bool = False) -> PutResult:
+        """`put`, and with `lease_ttl_s` a lease on every block put, new or stored before (a new lease, or
+        `lease_id`'s, renewed), so that nothing evicts them before a reader has them. The lease is capped as a
+        Lookup's is; past a cap, or where `lease_id` has ended, the blocks are stored and the result has no lease."""
         items = [(key, payload if isinstance(payload, tuple) else (payload,)) for key, payload in blocks]
+        lease = pb.PutRequest(lease_ttl_s=lease_ttl_s or 0.0, lease_id=lease_id or "")
         arena = self.arena_channel()
         if arena is not None and items:
             try:
-                return self._put_arena(arena, items, ephemeral)
+                return self._put_arena(arena, items, ephemeral, lease)
             except LocalCallError:
                 pass  # refused (no room for a reservation, a bad block): the bytes go by gRPC, which says why
             except OSError:
                 self._drop_arena(arena)
-        return self._put_rpc(items, ephemeral)
+        return self._put_rpc(items, ephemeral, lease)
 
     def lookup(self, hashes: Sequence[BlockHash], lease_ttl_s: float | None = None) -> LookupResult:
         """How many leading hashes are present (and in which tier); pins them if lease_ttl_s (for at most the
@@ -238,16 +247,24 @@ class KVStoreClient:
         """Stores blocks given in parts (bytes, or tensors viewed as bytes: e.g. a header and a KV pool slot);
         returns how many were new. Into the store's device arena they are copied on the device, a batch
         per size; anywhere else they go as `put`'s bytes (tensors copied to the host first)."""
+        return self.put_tensors_leased(blocks, None, ephemeral=ephemeral).num_new
+
+    def put_tensors_leased(self, blocks: Iterable[tuple[BlockHash, Sequence[Tensor | Buffer]]],
+                           lease_ttl_s: float | None, *, lease_id: str | None = None, ephemeral: bool = False
+                           ) -> PutResult:
+        """`put_tensors`, leasing the blocks as `put_leased` does."""
         items = [(key, tuple(parts)) for key, parts in blocks]
         opened = self._device_arena()
         if opened is not None and items:
+            lease = pb.PutRequest(lease_ttl_s=lease_ttl_s or 0.0, lease_id=lease_id or "")
             try:
-                return self._put_arena(opened[0], items, ephemeral)  # type: ignore[arg-type]
+                return self._put_arena(opened[0], items, ephemeral, lease)  # type: ignore[arg-type]
             except LocalCallError:
                 pass
             except (OSError, RuntimeError):  # dropping the channel ends its reservations in the store
                 self._drop_arena(opened[0])
-        return self.put([(key, tuple(_host_bytes(p) for p in parts)) for key, parts in items], ephemeral)
+        return self.put_leased([(key, tuple(_host_bytes(p) for p in parts)) for key, parts in items], lease_ttl_s,
+                               lease_id=lease_id, ephemeral=ephemeral)
 
     def release(self, lease_id: str) -> None:
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout_s)
@@ -388,30 +405,42 @@ class KVStoreClient:
         if todo:
             self._get_rpc(keys, todo, arena, take, take_shm)
 
-    def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
+    def _put_arena(self, arena: ArenaMap, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool,
+                   lease: pb.PutRequest) -> PutResult:
+        """`lease`: a PutRequest with only the lease's fields set (lease_ttl_s 0: none)."""
         sizes = [sum(_nbytes(part) for part in parts) for _, parts in items]
         request = pb.ReserveRequest(sizes=sizes, hashes=[key for key, _ in items])
         reply = pb.ReserveResponse.FromString(self._arena_call(arena, LOCAL_RESERVE, request.SerializeToString()))
         if not len(reply.offsets) == len(reply.stored) == len(items):
             raise ValueError(f"store reserved {len(reply.offsets)} slots for {len(items)} blocks")
-        if all(reply.stored):
-            return 0  # every block is stored already: nothing to copy
-        new = [i for i, stored in enumerate(reply.stored) if not stored]
+        stored = [items[i][0] for i, s in enumerate(reply.stored) if s]
+        if all(reply.stored) and not lease.lease_ttl_s:
+            return PutResult(0)  # every block is stored already: nothing to copy
+        new = [i for i, s in enumerate(reply.stored) if not s]
         offsets = [reply.offsets[i] for i in new]
         checksums = arena.segment.write_many(offsets, [items[i][1] for i in new])
         staged = [pb.BlockChunk(hash=items[i][0], total_size=sizes[i], checksum=csum, shm_offset=offset)
                   for i, offset, csum in zip(new, offsets, checksums, strict=True)]
         put = pb.PutRequest(staged=staged, ephemeral=ephemeral, reservation_id=reply.reservation_id)
-        return int(pb.PutResponse.FromString(self._arena_call(arena, LOCAL_PUT, put.SerializeToString())).num_new)
+        if lease.lease_ttl_s:  # the stored blocks are leased with the staged ones (alone, if there are none)
+            put.MergeFrom(lease)
+            put.stored.extend(stored)
+        return _put_result(pb.PutResponse.FromString(self._arena_call(arena, LOCAL_PUT, put.SerializeToString())))
 
-    def _put_rpc(self, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool) -> int:
+    def _put_rpc(self, items: list[tuple[BlockHash, tuple[Buffer, ...]]], ephemeral: bool, lease: pb.PutRequest
+                 ) -> PutResult:
         def requests() -> Iterator[pb.PutRequest]:
+            first = True
             for key, parts in items:
                 payload = parts[0] if len(parts) == 1 else b"".join(parts)
                 for chunk in split_block(key, payload, checksum(payload)):
-                    yield pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+                    request = pb.PutRequest(chunk=chunk, ephemeral=ephemeral)
+                    if first:  # the lease is asked for once, on the first request
+                        request.MergeFrom(lease)
+                        first = False
+                    yield request
 
-        return int(self._stub.Put(requests(), timeout=self.timeout_s).num_new)
+        return _put_result(self._stub.Put(requests(), timeout=self.timeout_s))
 
     def _get_rpc(self, keys: list[BlockHash], todo: list[int], arena: ArenaMap | None,
                  take: Callable[[int, Buffer], None], take_shm: Callable[[int, ArenaMap, int, int, int], bool]) -> None:
@@ -465,6 +494,11 @@ class LocalRpcError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+def _put_result(response: pb.PutResponse) -> PutResult:
+    return PutResult(int(response.num_new), response.lease_id or None,
+                     float(response.lease_ttl_s) if response.lease_id else None)
 
 
 def _nbytes(part: Any) -> int:

@@ -53,6 +53,20 @@ class LeaseTable:
             self._pinned_by[caller] = self._pinned_by.get(caller, 0) + size
         return lease
 
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def grow(self, lease: Lease, entries: list[tuple[BlockHash, Entry]], ttl_s: float, size: int) -> None:
+        """Adds `entries` (`size` bytes) to a live lease, which then ends `ttl_s` from now if that is later."""
+        lease.entries.extend(entries)
+        lease.size += size
+        if lease.caller is not None:
+            self._pinned_by[lease.caller] = self._pinned_by.get(lease.caller, 0) + size
+        expires_at = self._clock() + ttl_s
+        if expires_at > lease.expires_at:
+            lease.expires_at = expires_at
+            heapq.heappush(self._expiry, (expires_at, lease.lease_id))
+
     def pop(self, lease_id: str) -> Lease | None:
         return self._ended(self._leases.pop(lease_id, None))
 
@@ -78,9 +92,12 @@ class LeaseTable:
         out: list[Lease] = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
-            lease = self._ended(self._leases.pop(lease_id, None))
-            if lease is not None:
-                out.append(lease)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.expires_at > now:  # ended already, or renewed (a later row stands for it)
+                continue
+            del self._leases[lease_id]
+            self._ended(lease)
+            out.append(lease)
         if not self._leases:
             self._expiry.clear()
         return out
@@ -116,6 +133,19 @@ class Leases:
         for key, entry in hits:
             self.placement.pin(key, entry)
         return self.table.add(hits, ttl_s, caller, size).lease_id
+
+    def extend(self, lease_id: str, hits: list[tuple[BlockHash, Entry]], ttl_s: float) -> bool:
+        """Pins `hits` under the live lease `lease_id` too (counted against its caller's cap), renewed for `ttl_s`;
+        False where it has ended. StoreFull past its caller's cap."""
+        lease = self.table.get(lease_id)
+        if lease is None:
+            return False
+        size = sum(e.size for _, e in hits)
+        self._check_cap(lease.caller, size)
+        for key, entry in hits:
+            self.placement.pin(key, entry)
+        self.table.grow(lease, hits, ttl_s, size)
+        return True
 
     def release(self, lease_id: str) -> None:
         lease = self.table.pop(lease_id)

@@ -60,9 +60,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.RemoveResponse(num_removed=self.store.remove(list(request.hashes)))
 
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
-        return self._put(request_iterator, staged=False)
+        return self._put(request_iterator, staged=False, caller=caller_of(context))
 
-    def _put(self, request_iterator: Iterable[pb.PutRequest], *, staged: bool) -> pb.PutResponse:
+    def _put(self, request_iterator: Iterable[pb.PutRequest], *, staged: bool, caller: str | None) -> pb.PutResponse:
         # Staged blocks (arena slots) come only over the arena socket, from the store's user on its host:
         # over the network they would let anyone store what a freed slot still holds under any hash.
         assembler = BlockAssembler(self.store.max_block_bytes, self.store.block_limit)
@@ -70,8 +70,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         num_new = 0
         ephemeral = False
         reservations: set[str] = set()
+        stored: list[BlockHash] = []  # left out as stored already: leased with the put
+        lease_ttl_s, lease_id = 0.0, ""
         try:
             for request in request_iterator:
+                if request.lease_ttl_s and not lease_ttl_s:  # checked before any block of the put is stored
+                    lease_ttl_s, lease_id = self.store.lease_ttl(request.lease_ttl_s) or 0.0, request.lease_id
+                stored.extend(request.stored)
                 for chunk in _chunks_of(request):
                     if not assembler.in_block:
                         ephemeral = request.ephemeral
@@ -93,10 +98,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             for rid in reservations:  # slots reserved and not put go back at once
                 self.store.end_reservation(rid)
-        if not keys:
+        if not keys and not stored:
             raise InvalidRequest("empty put: the stream carried no blocks")
         self.store.touch(keys)
-        return pb.PutResponse(num_new=num_new, num_existing=len(keys) - num_new)
+        leased, ttl = self.store.lease_stored([*stored, *keys], lease_ttl_s, caller=caller, lease_id=lease_id or None)
+        return pb.PutResponse(num_new=num_new, num_existing=len(keys) - num_new, lease_id=leased or "",
+                              lease_ttl_s=ttl or 0.0)
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
         keys = list(request.hashes)
@@ -191,7 +198,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if method == arena.PUT:
             request = pb.PutRequest.FromString(body)
             reservations.discard(request.reservation_id)  # the put ends it
-            return self._put([request], staged=True).SerializeToString()
+            return self._put([request], staged=True, caller=peer.caller).SerializeToString()
         if method == arena.END_RESERVATIONS:  # the connection closed
             for rid in reservations:
                 self.store.end_reservation(rid)
@@ -221,7 +228,7 @@ def caller_of(context: grpc.ServicerContext) -> str | None:
 
 def _chunks_of(request: pb.PutRequest) -> list[pb.BlockChunk]:
     if not request.staged:
-        return [request.chunk]
+        return [] if request.stored and not request.HasField("chunk") else [request.chunk]
     if request.HasField("chunk") or any(not c.HasField("shm_offset") for c in request.staged):
         raise InvalidRequest("a put request carries either one chunk or staged blocks (each with shm_offset)")
     return list(request.staged)

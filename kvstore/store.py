@@ -232,6 +232,36 @@ class BlockStore:
             tiers = [self.tiers[e.level].tier.label for _, e in hits]
         return LookupResult(len(hits), tiers, lease_id, lease_ttl_s if lease_id else None)
 
+    def lease_ttl(self, requested: float | None) -> float | None:
+        """The TTL a lease asked for gets (None or 0: no lease; at most `max_lease_ttl_s`); InvalidRequest for a
+        negative or NaN one."""
+        return self._leases.ttl(requested)
+
+    def lease_stored(self, keys: Sequence[BlockHash], lease_ttl_s: float | None, *, caller: str | None = None,
+                     lease_id: str | None = None) -> tuple[str | None, float | None]:
+        """A lease on those of `keys` stored now (a put's blocks, new or not): a new one of `caller`'s, or with
+        `lease_id` that live lease, renewed. (lease id, TTL it got), or (None, None) where none was taken: no TTL,
+        no block, `lease_id` ended, or past a cap (the caller's pinned bytes, the leases held), which is no error:
+        the blocks are stored all the same."""
+        lease_ttl_s = self._leases.ttl(lease_ttl_s)
+        if not lease_ttl_s:
+            return None, None
+        with self._lock:
+            self._expire()
+            entries = self._placement.entries
+            hits = [(key, entries[key]) for key in dict.fromkeys(keys) if key in entries]
+            if not hits and not lease_id:
+                return None, None
+            try:
+                if lease_id:
+                    taken = lease_id if self._leases.extend(lease_id, hits, lease_ttl_s) else None
+                else:
+                    taken = self._leases.take(hits, lease_ttl_s, caller)
+            except StoreFull as exc:
+                log.info("no lease on a put's %d blocks: %s", len(hits), exc)
+                return None, None
+        return (taken, lease_ttl_s) if taken else (None, None)
+
     def remove(self, keys: Sequence[BlockHash]) -> int:
         """Drops blocks from whichever tier holds them, announced on Events (a reader found them bad: a
         later put of the same hash is stored again); returns how many were stored. A lease that pinned

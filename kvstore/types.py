@@ -53,6 +53,13 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PutResult:
+    num_new: int  # blocks the put stored (the others were stored already)
+    lease_id: str | None = None  # a lease on every block of the put; None when none was asked for or taken
+    lease_ttl_s: float | None = None  # the TTL the lease got
+
+
+@dataclass(frozen=True, slots=True)
 class TierStats:
     tier: str
     blocks: int

@@ -139,19 +139,21 @@ class PrefillService:
                 num_hits, lookup_lease = bounded_stored_blocks(job.num_stored_blocks, len(keys.reusable)), ""
         finally:
             self.metrics.waiting.dec()
+        # For decode, a lease on what it will fetch, kept from eviction until decode has read it
+        # (tests/test_e2e_store_faults.py, the flood between prefill and decode): each put leases its blocks, new
+        # or stored before, under this request's lookup's lease (which pins its hits) or, after a caller's lookup
+        # (whose lease pins those), under the lease the first put takes.
+        store.lease_puts(self.lease_ttl_s, lookup_lease)
         kv = PrefillKV(store, keys.namespace, keys.blocks, keys.tail, ephemeral=not opts.prefix_cache)
         try:
             t_lookup = time.perf_counter()
             handle, t_first = yield from self._compute(job, token_ids, kv, num_hits, ticket)
-            # For decode, a lease on what it will fetch. Put hands back no lease (the store answers a Put with
-            # counts only), so this is a Lookup of its own, after the put: of every block without a caller's
-            # lookup, else of those past its hits (its lease pins the others), and none when it found them all.
-            # It keeps blocks stored here from eviction until decode has read them (tests/test_e2e_store_faults.py,
-            # the flood between prefill and decode).
-            leased = keys.blocks if job.num_stored_blocks is None else keys.blocks[num_hits:]
-            _, lease = store.lookup(leased, self.lease_ttl_s)
+            if job.num_stored_blocks is None:  # the puts' lease pins the hits too if this request's lookup leased them
+                lease = self._decode_lease(store, keys.blocks, hits_leased=bool(lookup_lease) or not num_hits)
+            else:
+                lease = self._decode_lease(store, keys.blocks[num_hits:], hits_leased=True)
         finally:
-            store.release(lookup_lease)
+            store.release(store.take_put_lease()[0])  # "" once handed on
         done = time.perf_counter()
         compute_s = max(0.0, t_first - t_lookup - kv.fetch_s)
         self._count(kv, handle, t_first - start, compute_s)
@@ -161,6 +163,17 @@ class PrefillService:
                                    put_s=kv.put_s, total_s=done - start),
             kv_pending=False,
         )
+
+    def _decode_lease(self, store: StoreSession, leased: list[BlockHash], hits_leased: bool) -> str:
+        """The puts' lease, now decode's. Where the store left some put without a lease (past its caps), or the
+        hits went unleased, a Lookup of ``leased`` instead: every block without a caller's lookup, else those past
+        its hits."""
+        lease, whole = store.take_put_lease()
+        if whole and hits_leased:
+            return lease
+        _, looked_up = store.lookup(leased, self.lease_ttl_s)
+        store.release(lease)
+        return looked_up
 
     def _keys(self, job: PrefillJob, token_ids: list[int]) -> PromptKeys:
         engine, opts, bs = self.engine, job.options, self.engine.block_size

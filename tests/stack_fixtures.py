@@ -27,7 +27,7 @@ from kvserve.engine.model import Model, load_model
 from kvserve.engine.scheduler import SchedulerConfig
 from kvserve.engine.tiny import init_tiny_model
 from kvserve.handoff.transfer import EncodedBlock, encoded_bytes
-from kvstore import KVStoreClient, Part
+from kvstore import KVStoreClient, Part, PutResult
 from kvstore.client import scatter
 from kvstore.device_tier import as_uint8
 from tests.engine_fixtures import assert_greedy_matches
@@ -137,6 +137,7 @@ class FakeStore:
     checksum_failures: int = 0
     down: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _leases_taken: int = 0
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -161,11 +162,36 @@ class FakeStore:
             hits = 0
             while hits < len(hashes) and hashes[hits] in self.blocks:
                 hits += 1
-            lease = ""
-            if lease_ttl_s and hits:
-                lease = f"lease-{len(self.leases)}"
-                self.leases[lease] = list(hashes[:hits])
+            lease = self._lease(list(hashes[:hits])) if lease_ttl_s and hits else ""
         return FakeLookup(hits, [2] * hits, lease)
+
+    def _lease(self, keys: list[bytes], lease_id: str | None = None) -> str:
+        """A new lease on ``keys``, or ``lease_id``'s extended ("" if it has ended); under the lock."""
+        if lease_id:
+            if lease_id not in self.leases:
+                return ""
+            self.leases[lease_id] += keys
+            return lease_id
+        lease = f"lease-{self._leases_taken}"
+        self._leases_taken += 1
+        self.leases[lease] = keys
+        return lease
+
+    def put_leased(self, blocks: Iterable[tuple[bytes, EncodedBlock]], lease_ttl_s: float | None, *,
+                   lease_id: str | None = None, ephemeral: bool = False) -> PutResult:
+        items = list(blocks)
+        new = self.put(items, ephemeral)
+        if not lease_ttl_s:
+            return PutResult(new)
+        with self._lock:
+            lease = self._lease([key for key, _ in items], lease_id)
+        return PutResult(new, lease or None, lease_ttl_s if lease else None)
+
+    def put_tensors_leased(self, blocks: Iterable[tuple[bytes, Sequence[torch.Tensor | bytes]]],
+                           lease_ttl_s: float | None, *, lease_id: str | None = None, ephemeral: bool = False
+                           ) -> PutResult:
+        return self.put_leased([(key, b"".join(as_uint8(p).cpu().numpy().tobytes() for p in parts))
+                                for key, parts in blocks], lease_ttl_s, lease_id=lease_id, ephemeral=ephemeral)
 
     def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
         # As the real client: a block whose bytes no longer match what was put is a miss.

@@ -575,3 +575,24 @@ def test_a_caller_pinning_junk_up_to_its_cap_cannot_stop_another_callers_puts(tm
             server.store.check_integrity()
     finally:
         server.stop(0.5)
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_a_put_hands_back_a_lease_on_its_blocks_stored_before_too(tmp_path: Path, use_shm: bool) -> None:
+    """By gRPC and on the arena's channel: the put's lease pins every block it names, those a first write stored
+    included (the arena path leaves them out of the put and names them to lease), and another put extends it."""
+    with running_server(tmp_path) as server, KVStoreClient(server.address, use_shm=use_shm) as c:
+        assert (c.arena_channel() is not None) == use_shm
+        assert c.put([(key(0), payload(0))]) == 1
+        first = c.put_leased([(key(i), payload(i)) for i in range(3)], 600)
+        assert (first.num_new, first.lease_ttl_s) == (2, server.store.max_lease_ttl_s) and first.lease_id
+        assert c.stats().pinned_blocks == 3
+        again = c.put_leased([(key(i), payload(i)) for i in range(2)], 5, lease_id=first.lease_id)
+        assert (again.num_new, again.lease_id) == (0, first.lease_id)
+        more = c.put_leased([(key(3), payload(3))], 5, lease_id=first.lease_id)
+        assert (more.num_new, more.lease_id, c.stats().pinned_blocks) == (1, first.lease_id, 4)
+        assert c.put_leased([(key(4), payload(4))], None).lease_id is None
+        c.release(first.lease_id)
+        assert (c.stats().leases, c.stats().pinned_blocks) == (0, 0)
+        assert c.put_leased([(key(5), payload(5))], 5, lease_id=first.lease_id).lease_id is None  # it ended
+        server.store.check_integrity()

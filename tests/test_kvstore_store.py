@@ -481,3 +481,29 @@ def test_max_block_bytes_bounds_blocks_below_the_largest_tier(tmp_path: Path) ->
     assert put(store, 1, size=150)
     assert make_store(host=100, max_block_bytes=150).max_block_bytes == 100  # never above the largest tier
     store.close()
+
+
+def test_a_puts_lease_pins_blocks_new_or_stored_before_and_past_the_cap_is_none() -> None:
+    """A put's lease (kvstore/server.py takes it after the put): every block named that is stored, the first write's
+    included; extending a live lease renews it; past the caller's cap or on an ended lease, no lease and no error."""
+    clock = FakeClock()
+    store = make_store(host=1000, clock=clock, max_pinned_bytes_per_caller=300)
+    for i in range(4):
+        put(store, i)
+    assert store.lease_stored(keys(0, 1, "missing"), None, caller="c") == (None, None)
+    lease, ttl = store.lease_stored(keys(0, 1, "missing"), 30, caller="c")
+    assert lease is not None and ttl == 30 and store.stats().pinned_blocks == 2
+    clock.advance(20)
+    assert store.lease_stored(keys(2), 30, caller="c", lease_id=lease) == (lease, 30)  # renewed: 30 s from now
+    assert store.lease_stored(keys(3), 30, caller="c", lease_id=lease) == (None, None)  # 400 bytes > the cap of 300
+    assert store.lease_stored(keys(3), 30, caller="c") == (None, None)
+    store.check_integrity()
+    assert store.pinned_bytes_by_caller() == {"c": 300}
+    clock.advance(20)  # past the first TTL, within the renewed one
+    store.sweep()
+    assert (store.stats().leases, store.stats().pinned_blocks) == (1, 3)
+    clock.advance(11)
+    store.sweep()
+    assert (store.stats().leases, store.stats().pinned_blocks) == (0, 0)
+    assert store.lease_stored(keys(3), 30, caller="c", lease_id=lease) == (None, None)  # ended
+    store.check_integrity()

@@ -64,7 +64,7 @@ def test_cold_then_warm_prefill(service: PrefillService, replica: PrefillService
     assert (cold.num_cached_tokens, cold.num_computed_tokens) == (0, len(ids))
     assert store.persistent_keys() == set(cold.block_hashes)
     assert cold.tail_key in store.ephemeral and len(cold.tail_key) == 32
-    assert cold.lease_id and store.leases[cold.lease_id] == list(cold.block_hashes)
+    assert cold.lease_id and store.leases[cold.lease_id] == [*cold.block_hashes, cold.tail_key]  # its puts' lease
     assert cold.first_token_id == oracle(ARCH, ids, 1)[0][0]
 
     store.calls.clear()
@@ -147,17 +147,18 @@ def test_cache_salt_separates_tenants(service: PrefillService) -> None:
 
 def test_the_callers_lookup_is_taken_as_prefills_own(service: PrefillService, replica: PrefillService,
                                                      store: FakeStore) -> None:
-    """Told what the caller's lookup found (decode's), prefill looks nothing up before computing, and after its
-    put leases for decode only the blocks past that count: the caller's own lease pins those."""
+    """Told what the caller's lookup found (decode's), prefill looks nothing up, and its puts lease for decode
+    only the blocks past that count (and the tail): the caller's own lease pins those."""
     ids = tokens(4 * BLOCK_SIZE + 3, seed=10)
     service.prefill(job(ids[: 2 * BLOCK_SIZE + 1]))  # the store holds the first two blocks
     store.calls.clear()
     h = replica.prefill(job(ids, num_stored_blocks=2))
-    assert store.calls[0] == "get" and store.calls.count("lookup") == 1  # only the lease after its put
+    assert store.calls[0] == "get" and "lookup" not in store.calls  # its puts hand back the lease
     assert (h.num_cached_tokens, h.first_token_id) == (2 * BLOCK_SIZE, oracle(ARCH, ids, 1)[0][0])
-    assert store.leases[h.lease_id] == list(h.block_hashes[2:])
+    assert store.leases[h.lease_id] == [*h.block_hashes[2:], h.tail_key]
     store.calls.clear()
-    assert replica.prefill(job(ids[: 2 * BLOCK_SIZE + 5], num_stored_blocks=2)).lease_id == ""  # nothing new to lease
+    tail_only = replica.prefill(job(ids[: 2 * BLOCK_SIZE + 5], num_stored_blocks=2))
+    assert store.leases[tail_only.lease_id] == [tail_only.tail_key]  # no new full block: only its tail
     assert "lookup" not in store.calls
 
 

@@ -92,3 +92,30 @@ def test_remove_passes_through_and_its_failure_is_a_failure() -> None:
     assert s.remove([A, b"c" * 32]) == 1 and set(store.blocks) == {B} and s.remove([]) == 0
     store.down = True
     assert s.remove([B]) == 0 and failures == ["remove"] and s.failed
+
+
+def test_puts_extend_the_lookups_lease_until_it_is_taken() -> None:
+    """`lease_puts`: each put leases its blocks under the lookup's lease; a store that leases none (past its caps)
+    leaves the lease not whole; a put that lands after `take_put_lease` lets go of the lease it took."""
+    store = FakeStore()
+    s, failures = session(store)
+    s.put([(A, b"1")])
+    _, lease = s.lookup([A], lease_ttl_s=5.0)
+    s.lease_puts(5.0, lease)
+    assert s.put([(A, b"1"), (B, b"2")]) == 1
+    assert s.take_put_lease() == (lease, True) and store.leases == {lease: [A, A, B]}
+    assert s.take_put_lease() == ("", True)
+    s.put([(b"c" * 32, b"3")])  # not leasing now
+    assert list(store.leases) == [lease]
+    s.release(lease)
+
+    s.lease_puts(5.0)
+    put_leased = store.put_leased
+    store.put_leased = lambda blocks, ttl, **kw: put_leased(blocks, None, **kw)  # type: ignore[method-assign,assignment]
+    s.put([(A, b"1")])  # the store took no lease
+    store.put_leased = put_leased  # type: ignore[method-assign]
+    s.put([(B, b"2")])
+    leased, whole = s.take_put_lease()
+    assert leased and not whole and store.leases == {leased: [B]}
+    s.release(leased)
+    assert store.leases == {} and failures == [] and not s.failed

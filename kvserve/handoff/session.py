@@ -8,12 +8,13 @@ failure is reported to `on_failure(op)` for the metrics.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from kvstore import KVStoreClient, Part, Payload
+from kvstore import KVStoreClient, Part, Payload, PutResult
 from protos.block_hash import BlockHash
 
 if TYPE_CHECKING:
@@ -35,6 +36,10 @@ class StoreSession:
         self._client = client
         self._on_failure = on_failure
         self.failed = False
+        self._lease_lock = threading.Lock()
+        self._lease_ttl_s: float | None = None  # puts lease their blocks (lease_puts) until take_put_lease
+        self._put_lease = ""
+        self._put_lease_whole = True
 
     def _fail(self, op: str, exc: Exception) -> None:
         self.failed = True
@@ -82,9 +87,46 @@ class StoreSession:
         misses: list[int | None] = [None] * len(hashes)
         return self._call("get", lambda: self._client.get_into(hashes, buffers), misses) if hashes else misses
 
+    def lease_puts(self, lease_ttl_s: float, lease_id: str = "") -> None:
+        """From now on each put also leases its blocks, new or stored before: under ``lease_id`` (a lookup's, which
+        the puts extend) or else under the lease the first put takes, until `take_put_lease`."""
+        with self._lease_lock:
+            self._lease_ttl_s, self._put_lease, self._put_lease_whole = lease_ttl_s, lease_id, True
+
+    def take_put_lease(self) -> tuple[str, bool]:
+        """Stops leasing puts; returns their lease ("" if none) and whether it pins every block put since
+        `lease_puts` (False where the store took no lease on some: past its caps, or the lease had ended). The
+        lease is the caller's to hand on or release; one a put in flight takes from now on is released here."""
+        with self._lease_lock:
+            lease, whole = self._put_lease, self._put_lease_whole
+            self._lease_ttl_s, self._put_lease, self._put_lease_whole = None, "", True
+        return lease, whole
+
+    def _leased(self, put: Callable[[float, str | None], PutResult], unleased: Callable[[], int]) -> int:
+        with self._lease_lock:
+            ttl, asked = self._lease_ttl_s, self._put_lease
+        if not ttl:
+            return unleased()
+        result = put(ttl, asked or None)
+        got = result.lease_id or ""
+        with self._lease_lock:
+            orphan = ""
+            if self._lease_ttl_s is None:  # taken meanwhile: nobody hands on a lease this put took
+                orphan = got if got != asked else ""
+            elif got:
+                self._put_lease = got
+            else:
+                self._put_lease_whole = False
+        self.release(orphan)
+        return result.num_new
+
     def put(self, blocks: Iterable[tuple[BlockHash, Payload]], ephemeral: bool = False) -> int:
         items = list(blocks)
-        return self._call("put", lambda: self._client.put(items, ephemeral=ephemeral), 0) if items else 0
+        if not items:
+            return 0
+        return self._call("put", lambda: self._leased(
+            lambda ttl, lease: self._client.put_leased(items, ttl, lease_id=lease, ephemeral=ephemeral),
+            lambda: self._client.put(items, ephemeral=ephemeral)), 0)
 
     def tensor_device(self) -> Device | None:
         return self._call("get", self._client.tensor_device, None, TENSOR_ERRORS)
@@ -98,7 +140,9 @@ class StoreSession:
         items = list(blocks)
         if not items:
             return 0
-        return self._call("put", lambda: self._client.put_tensors(items, ephemeral=ephemeral), 0, TENSOR_ERRORS)
+        return self._call("put", lambda: self._leased(
+            lambda ttl, lease: self._client.put_tensors_leased(items, ttl, lease_id=lease, ephemeral=ephemeral),
+            lambda: self._client.put_tensors(items, ephemeral=ephemeral)), 0, TENSOR_ERRORS)
 
     def remove(self, hashes: Sequence[BlockHash]) -> int:
         """Drops blocks the engine found bad, so that what it recomputes is stored in their place."""

@@ -57,24 +57,34 @@ class BlockChunk(_message.Message):
     def __init__(self, hash: _Optional[bytes] = ..., total_size: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("chunk", "ephemeral", "staged", "reservation_id")
+    __slots__ = ("chunk", "ephemeral", "staged", "reservation_id", "lease_ttl_s", "lease_id", "stored")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
     chunk: BlockChunk
     ephemeral: bool
     staged: _containers.RepeatedCompositeFieldContainer[BlockChunk]
     reservation_id: str
-    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ..., staged: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ..., reservation_id: _Optional[str] = ...) -> None: ...
+    lease_ttl_s: float
+    lease_id: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, chunk: _Optional[_Union[BlockChunk, _Mapping]] = ..., ephemeral: _Optional[bool] = ..., staged: _Optional[_Iterable[_Union[BlockChunk, _Mapping]]] = ..., reservation_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("num_new", "num_existing")
+    __slots__ = ("num_new", "num_existing", "lease_id", "lease_ttl_s")
     NUM_NEW_FIELD_NUMBER: _ClassVar[int]
     NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     num_new: int
     num_existing: int
-    def __init__(self, num_new: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    lease_ttl_s: float
+    def __init__(self, num_new: _Optional[int] = ..., num_existing: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("hashes", "via_shm")
