@@ -134,11 +134,12 @@ class Leases:
             self.placement.pin(key, entry)
         return self.table.add(hits, ttl_s, caller, size).lease_id
 
-    def extend(self, lease_id: str, hits: list[tuple[BlockHash, Entry]], ttl_s: float) -> bool:
+    def extend(self, lease_id: str, hits: list[tuple[BlockHash, Entry]], ttl_s: float, caller: str | None = None
+               ) -> bool:
         """Pins `hits` under the live lease `lease_id` too (counted against its caller's cap), renewed for `ttl_s`;
-        False where it has ended. StoreFull past its caller's cap."""
+        False where it has ended or another caller took it. StoreFull past its caller's cap."""
         lease = self.table.get(lease_id)
-        if lease is None:
+        if lease is None or lease.caller != caller:
             return False
         size = sum(e.size for _, e in hits)
         self._check_cap(lease.caller, size)

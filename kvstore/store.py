@@ -254,7 +254,7 @@ class BlockStore:
                 return None, None
             try:
                 if lease_id:
-                    taken = lease_id if self._leases.extend(lease_id, hits, lease_ttl_s) else None
+                    taken = lease_id if self._leases.extend(lease_id, hits, lease_ttl_s, caller) else None
                 else:
                     taken = self._leases.take(hits, lease_ttl_s, caller)
             except StoreFull as exc:

@@ -494,6 +494,7 @@ def test_a_puts_lease_pins_blocks_new_or_stored_before_and_past_the_cap_is_none(
     lease, ttl = store.lease_stored(keys(0, 1, "missing"), 30, caller="c")
     assert lease is not None and ttl == 30 and store.stats().pinned_blocks == 2
     clock.advance(20)
+    assert store.lease_stored(keys(2), 30, caller="other", lease_id=lease) == (None, None)  # not theirs to extend
     assert store.lease_stored(keys(2), 30, caller="c", lease_id=lease) == (lease, 30)  # renewed: 30 s from now
     assert store.lease_stored(keys(3), 30, caller="c", lease_id=lease) == (None, None)  # 400 bytes > the cap of 300
     assert store.lease_stored(keys(3), 30, caller="c") == (None, None)
