@@ -76,6 +76,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             for request in request_iterator:
                 if request.lease_ttl_s and not lease_ttl_s:  # checked before any block of the put is stored
                     lease_ttl_s, lease_id = self.store.lease_ttl(request.lease_ttl_s) or 0.0, request.lease_id
+                if request.stored and not staged:  # one arena message is bounded; a gRPC stream is not
+                    raise InvalidRequest("stored hashes come with staged puts over the arena socket, not gRPC")
                 stored.extend(request.stored)
                 for chunk in _chunks_of(request):
                     if not assembler.in_block:

@@ -596,3 +596,13 @@ def test_a_put_hands_back_a_lease_on_its_blocks_stored_before_too(tmp_path: Path
         assert (c.stats().leases, c.stats().pinned_blocks) == (0, 0)
         assert c.put_leased([(key(5), payload(5))], 5, lease_id=first.lease_id).lease_id is None  # it ended
         server.store.check_integrity()
+
+
+def test_stored_hashes_come_only_over_the_arena_socket(tmp_path: Path) -> None:
+    """A gRPC stream of puts naming blocks stored before would grow without bound: INVALID_ARGUMENT."""
+    with running_server(tmp_path) as server, grpc.insecure_channel(server.address) as channel:
+        requests = iter([pb.PutRequest(stored=[key(0)], lease_ttl_s=5)] * 3)
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.KVStoreStub(channel).Put(requests, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "arena socket" in refused.value.details()
