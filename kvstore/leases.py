@@ -22,6 +22,8 @@ from protos.block_hash import BlockHash
 MAX_TTL_S = 60.0  # the default longest lease; a longer request is given this much
 
 
+RENEW_STEP_S = 1.0  # a renewal that moves a lease's end by less is left out
+
 @dataclass(slots=True)
 class Lease:
     lease_id: str
@@ -57,13 +59,14 @@ class LeaseTable:
         return self._leases.get(lease_id)
 
     def grow(self, lease: Lease, entries: list[tuple[BlockHash, Entry]], ttl_s: float, size: int) -> None:
-        """Adds `entries` (`size` bytes) to a live lease, which then ends `ttl_s` from now if that is later."""
+        """Adds `entries` (`size` bytes) to a live lease, which then ends `ttl_s` from now if that is a second later
+        or more."""
         lease.entries.extend(entries)
         lease.size += size
         if lease.caller is not None:
             self._pinned_by[lease.caller] = self._pinned_by.get(lease.caller, 0) + size
         expires_at = self._clock() + ttl_s
-        if expires_at > lease.expires_at:
+        if expires_at >= lease.expires_at + RENEW_STEP_S:  # a heap row per renewal: at most one a second
             lease.expires_at = expires_at
             heapq.heappush(self._expiry, (expires_at, lease.lease_id))
 
