@@ -1,5 +1,6 @@
-"""kvserve.engine.packed_linear: an engine's linear layers run on weights oneDNN packed once, with nn.Linear's results
-to the last bits, siblings that read the same input as one product, and leave a tied output embedding alone."""
+"""kvserve.engine.packed_linear: an engine's linear layers run on weights packed once (for the C kernel, or oneDNN's
+layout), with nn.Linear's results to the last bits, siblings that read the same input as one product, and leave a
+tied output embedding alone."""
 
 from __future__ import annotations
 
@@ -9,9 +10,51 @@ import weakref
 import pytest
 import torch
 
-from kvserve.engine.packed_linear import FusedPart, PackedLinear, can_pack, pack_linear_layers
+from kvserve.engine import native
+from kvserve.engine.packed_linear import (
+    FusedPart,
+    PackedLinear,
+    can_pack,
+    has_onednn,
+    pack,
+    pack_linear_layers,
+)
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="no kernel, no oneDNN")
+
+
+@pytest.fixture(params=["native", "onednn"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test below on the C kernel's product and on oneDNN's (KVSERVE_NATIVE_LINEAR=0)."""
+    if request.param == "native" and native.linear_kernel() is None:
+        pytest.skip("no C kernel here")
+    if request.param == "onednn":
+        if not has_onednn(torch.device("cpu"), torch.float32):
+            pytest.skip("no oneDNN in this torch")
+        monkeypatch.setenv("KVSERVE_NATIVE_LINEAR", "0")
+    return str(request.param)
+
+
+@pytest.mark.skipif(native.linear_kernel() is None, reason="no C kernel here")
+@pytest.mark.parametrize(("n", "k"), [(32, 16), (33, 7), (100, 576), (576, 1536), (5, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernels_product_is_the_linear_layers_at_every_row_count(n: int, k: int, bias: bool) -> None:
+    torch.manual_seed(n * k)
+    weight, b = torch.randn(n, k), torch.randn(n) if bias else None
+    product = pack(weight, b)
+    for x in [*(torch.randn(rows, k) for rows in [0, 1, 2, 7, 8, 9, 16, 17, 40]),
+              torch.randn(3, 5, k)[:, ::2]]:  # leading dims, and rows that are not contiguous
+        exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        got, mkl = product(x), torch.nn.functional.linear(x, weight, b)
+        assert got.shape == mkl.shape and got.dtype == torch.float32
+        # float32 sums in another order, one after the other over k (as oneDNN's packed product sums them): off
+        # the exact result by a few times what MKL's blocked sums are
+        if x.numel():
+            assert (got - exact).abs().max() <= 8 * max((mkl - exact).abs().max(), 1e-6)
+    weight.zero_()  # the packed copy is the kernel's own
+    assert product(torch.ones(1, k)).abs().sum() > 0
+    with pytest.raises(TypeError, match="float32"):
+        product(torch.ones(1, k, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("dtype", [
@@ -20,7 +63,7 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32)
                                                           reason="oneDNN's bf16 needs AVX-512 or AVX-NE-CONVERT")),
 ])
 @pytest.mark.parametrize("bias", [True, False])
-def test_a_packed_layer_computes_what_the_linear_layer_does(dtype: torch.dtype, bias: bool) -> None:
+def test_a_packed_layer_computes_what_the_linear_layer_does(dtype: torch.dtype, bias: bool, backend: str) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384, bias=bias).to(dtype)
     packed = PackedLinear(linear)
@@ -58,7 +101,7 @@ def test_every_linear_layer_is_packed_once_but_a_tied_output_embedding() -> None
     assert pack_linear_layers(untied) == 2
 
 
-def test_nothing_is_packed_where_onednn_has_no_kernel() -> None:
+def test_nothing_is_packed_where_no_kernel_computes_the_dtype() -> None:
     assert not can_pack(torch.device("cpu"), torch.float16)
     assert not can_pack(torch.device("meta"), torch.float32)
     assert pack_linear_layers(Tiny(tied=False).to(torch.float16)) == 0
@@ -87,7 +130,7 @@ class Attention(torch.nn.Module):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_siblings_that_read_one_input_compute_what_each_linear_layer_does(bias: bool) -> None:
+def test_siblings_that_read_one_input_compute_what_each_linear_layer_does(bias: bool, backend: str) -> None:
     torch.manual_seed(0)
     model = Attention(bias)
     linears = {name: getattr(model, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}

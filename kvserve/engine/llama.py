@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvserve.engine.packed_linear import FusedPart, PackedLinear, can_pack
+from kvserve.engine.packed_linear import FusedPart, PackedLinear, can_pack, pack
 from kvserve.engine.paged_attention import StepBatch, attend, write_kv
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -30,10 +30,6 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _plain(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -44,7 +40,7 @@ def _fused(parts: list[Any]) -> Linear | None:
     """One product for sibling projections: packed_linear's fused weight, or on a device it does not pack, one
     weight whose rows the siblings' parameters become views of (no memory twice). None where they differ."""
     if all(isinstance(p, FusedPart) for p in parts) and len({id(p.fused) for p in parts}) == 1:
-        return _packed(parts[0].fused.weight, parts[0].fused.bias)
+        return parts[0].fused.product
     if not all(type(p) is torch.nn.Linear for p in parts) or len({p.bias is None for p in parts}) > 1:
         return None
     with torch.no_grad():
@@ -62,7 +58,7 @@ def _fused(parts: list[Any]) -> Linear | None:
 
 def _linear(module: Any) -> Linear | None:
     if isinstance(module, PackedLinear):
-        return _packed(module.weight, module.bias)
+        return module.product
     if type(module) is torch.nn.Linear:
         return _plain(module.weight, module.bias)
     return None
@@ -204,6 +200,5 @@ def _lm_head(hf_model: Any, copy: bool) -> Linear | None:
     if copy and type(out) is torch.nn.Linear and isinstance(out.weight, torch.Tensor):
         w = out.weight
         if can_pack(w.device, w.dtype):
-            with torch.no_grad():
-                return _packed(torch.ops.mkldnn._reorder_linear_weight(w.detach()), out.bias)
+            return pack(w, out.bias)
     return _linear(out)

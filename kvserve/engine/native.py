@@ -1,5 +1,6 @@
-"""The engine's C kernels (kvserve/engine/native.c): decode attention that reads the paged KV cache in place, and a copy
-that checks the values it moves for NaN and infinities. Loaded from the first place that has them:
+"""The engine's C kernels (kvserve/engine/native.c): decode attention that reads the paged KV cache in place, the
+linear layers' product over weights packed in panels, and a copy that checks the values it moves for NaN and
+infinities. Loaded from the first place that has them:
 
 1. prebuilt by ``kvserve build-kernels`` (``make setup``; the image's build stage, which has the compiler its final
    stage lacks) into kernel_dir(): ``$KVSERVE_KERNEL_DIR``, else ``<sys.prefix>/share/kvserve/kernels``. One build
@@ -8,9 +9,10 @@ that checks the values it moves for NaN and infinities. Loaded from the first pl
    them, and kept, by a hash of everything that went into the build, in a folder of this user's alone:
    ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
 
-Neither (none prebuilt for this CPU, no compiler): both are None: the engine gathers each decode row's blocks for
-SDPA, and checks a fetched block's values in a pass of their own: the same tokens, a slower step and fetch.
-``KVSERVE_NATIVE_ATTENTION=0`` turns off the attention alone. attention_kernel() says which runs and why; the
+Neither (none prebuilt for this CPU, no compiler): all are None: the engine gathers each decode row's blocks for
+SDPA, runs its linear layers through oneDNN, and checks a fetched block's values in a pass of their own: the same
+tokens, a slower step and fetch. ``KVSERVE_NATIVE_ATTENTION=0`` turns off the attention alone,
+``KVSERVE_NATIVE_LINEAR=0`` the product alone. attention_kernel() says which runs and why; the
 engines' metrics show it, and `kvserve stats` prints it.
 """
 
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,8 @@ class AttentionKernel:
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],
                         tuple[torch.Tensor, torch.Tensor]]
 CopyFinite = Callable[[memoryview, memoryview], bool]
+Product = Callable[[torch.Tensor], torch.Tensor]
+PANEL = 32  # output features per panel of a packed weight (native.c's PANEL)
 # The exponent bits of each float type: a value with all of them set is a NaN or an infinity.
 _EXPONENTS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
               torch.float64: 0x7FF0000000000000}
@@ -277,6 +282,49 @@ def decode_kernel() -> DecodeKernel | None:
     if lib is None or os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
         return None
     return decode_attention(lib)
+
+
+@functools.cache
+def _linear_fn() -> Callable[..., int] | None:
+    lib = _library()[0]
+    if lib is None:
+        return None
+    fn = lib.kvserve_linear
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], Product] | None:
+    """``pack(weight, bias)``: x -> x @ weight.T + bias over a float32 CPU weight packed once into panels for the
+    C kernel (a copy; ``weight`` is not kept); None where there is no kernel or it is turned off."""
+    fn = _linear_fn()
+    if fn is None or os.environ.get("KVSERVE_NATIVE_LINEAR", "1") == "0":
+        return None
+
+    def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
+        n, k = weight.shape
+        panels = -(-n // PANEL)
+        with torch.no_grad():
+            packed = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n)).view(panels, PANEL, k).transpose(1, 2)
+            packed = packed.contiguous()
+            padded = None if bias is None else F.pad(bias.detach(), (0, panels * PANEL - n)).contiguous()
+        assert packed.dtype == torch.float32 and packed.device.type == "cpu"
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, k).contiguous()
+            if rows.dtype != torch.float32:
+                raise TypeError(f"the packed linear layer takes float32, got {rows.dtype}")
+            y = rows.new_empty(rows.shape[0], n)
+            if rows.shape[0]:
+                fn(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
+                   None if padded is None else padded.data_ptr(), y.data_ptr())
+            return y.view(*x.shape[:-1], n)
+
+        return product
+
+    return pack
 
 
 def decode_attention(lib: ctypes.CDLL) -> DecodeKernel:

@@ -1,11 +1,14 @@
-"""Linear layers whose weights oneDNN has reordered once, at start, into its blocked layout for this CPU.
+"""Linear layers whose weights are reordered once, at start, into a layout made for this CPU's product: panels
+for kvserve's C kernel (float32, engine.native), else oneDNN's blocked layout (bfloat16, or no kernel here).
 
 torch's ``nn.Linear`` on a CPU calls MKL's GEMM with the weight as stored, and a decode step's few rows
 against a weight matrix are bound by how fast that matrix streams in: measured here (one core, the tiny
 model's 24 weight matrices of 2048 x 512), 11.0 ms for 4 rows as stored, 3.6 ms prepacked; 43.6 against
-16.7 ms for 64 rows, 157 against 56 ms for 256. vLLM's CPU build runs its linear layers the same way. The
-results differ from MKL's in the last bits (a different order of the same fp32 sums), as any other kernel's
-would: greedy tokens match Hugging Face's but where its top two logits all but tie.
+16.7 ms for 64 rows, 157 against 56 ms for 256. vLLM's CPU build runs its linear layers through oneDNN. On
+SmolLM2-135M's weights (2 cores) the C kernel's product takes 19.2 ms for one row where oneDNN's takes 28.5
+(25.4 against 32.4 ms for 16 rows; about even from 512). The results differ from MKL's in the last bits (a
+different order of the same fp32 sums), as any other kernel's would: greedy tokens match Hugging Face's but
+where its top two logits all but tie.
 
 The engine packs the model it runs (engine.model_runner); a Hugging Face forward of the same model object
 then runs through these layers too, so an oracle must load the model on its own.
@@ -14,16 +17,20 @@ then runs through these layers too, so an oracle must load the model on its own.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from kvserve.engine import native
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch has oneDNN's linear kernels for ``device`` and ``dtype`` on this CPU (fp32, or bf16
-    where the CPU has its instructions)."""
+def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has oneDNN's linear kernels for ``device`` and ``dtype`` on this CPU (fp32, or bf16 where
+    the CPU has its instructions)."""
     if not (device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
@@ -31,19 +38,41 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``pack`` has a product for weights on ``device`` in ``dtype``: the C kernel's (float32 on a CPU),
+    or oneDNN's (fp32, or bf16 where the CPU has its instructions)."""
+    native_ok = device.type == "cpu" and dtype == torch.float32 and native.linear_kernel() is not None
+    return native_ok or has_onednn(device, dtype)
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
+    """x -> x @ weight.T + bias, over a copy of ``weight`` packed for this CPU (see ``can_pack``)."""
+    kernel = native.linear_kernel() if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel(weight, bias)
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _stand_in(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``weight``'s shape, dtype and device and no data of its own (the packed copy holds it)."""
+    return torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear``'s forward over a weight in oneDNN's layout (``weight`` is that tensor: its shape, dtype and
-    device are the layer's, its data readable only by oneDNN)."""
+    """``nn.Linear``'s forward over a packed weight (``product``); ``weight`` stands for the layer's in shape,
+    dtype and device, with no data of its own."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.product = pack(linear.weight, linear.bias)
+        self.weight = _stand_in(linear.weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self.product(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -64,9 +93,9 @@ class _Fused:
 
     def __init__(self, parent: torch.nn.Module, linears: list[torch.nn.Linear]) -> None:
         with torch.no_grad():
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in linears]))
             biases = [m.bias for m in linears]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+            self.product = pack(torch.cat([m.weight.detach() for m in linears]), self.bias)
         self._last = threading.local()
         parent.register_forward_hook(self._forget)  # holds no tensor past the parent's call
 
@@ -76,7 +105,7 @@ class _Fused:
     def output(self, x: torch.Tensor) -> torch.Tensor:
         last = self._last
         if getattr(last, "x", None) is not x:
-            last.x, last.y = x, torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            last.x, last.y = x, self.product(x)
         return last.y
 
 
@@ -89,8 +118,7 @@ class FusedPart(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fused, self.lo, self.hi = fused, lo, lo + linear.out_features
-        w = linear.weight
-        self.weight = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+        self.weight = _stand_in(linear.weight)
         self.bias = None if fused.bias is None else fused.bias[self.lo : self.hi]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvserve.engine import native
 from kvserve.engine.kv_cache import KVCache
-from kvserve.engine.packed_linear import can_pack
+from kvserve.engine.packed_linear import has_onednn
 
 ATTN_IMPLEMENTATION = "kvserve_paged"
 
@@ -235,7 +235,7 @@ def onednn_chunk(num_tokens: int, context_len: int, dtype: torch.dtype, device: 
     least ONEDNN_CHUNK_MIN_TOKENS over earlier context (a chunk that is its whole context stays with SDPA,
     which skips the masked half), fp32 on a CPU with oneDNN's kernels."""
     return (ONEDNN_ATTENTION and num_tokens >= ONEDNN_CHUNK_MIN_TOKENS and context_len > num_tokens
-            and dtype == torch.float32 and can_pack(device, dtype))
+            and dtype == torch.float32 and has_onednn(device, dtype))
 
 
 def context_rows(cache: KVCache, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
