@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine import native
 from kvserve.engine.packed_linear import FusedPart, PackedLinear, can_pack, pack
 from kvserve.engine.paged_attention import StepBatch, attend, write_kv
 
@@ -132,6 +133,18 @@ class LlamaForward:
         self.cos = (emb.cos() * rope.attention_scaling).to(self.embed.dtype)
         sin = emb.sin() * rope.attention_scaling
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.embed.dtype)
+        on_cpu = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+        self.norm_kernel = native.rms_norm_kernel() if on_cpu else None
+        self.rope_store = native.rope_store_kernel() if on_cpu else None
+
+    def _norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """residual += x (in place, where x is given), then the RMSNorm of the residual: in one C call where
+        the kernels load (torch's rms_norm is half a dozen kernels on a CPU)."""
+        if self.norm_kernel is not None:
+            return self.norm_kernel(residual if x is None else x, None if x is None else residual, *norm)
+        if x is not None:
+            residual += x
+        return rms_norm(residual, norm)
 
     @classmethod
     def of(cls, hf_model: Any, head_copy: bool = True) -> LlamaForward | None:
@@ -155,25 +168,36 @@ class LlamaForward:
             made[head_copy] = cls(hf_model, layers, lm_head)  # type: ignore[arg-type]
         return made[head_copy]
 
+    def _rotary(self, qkv: torch.Tensor, layer: _Layer, positions: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (rotary applied; Qwen3's norms first) and values of ``qkv`` [tokens, heads, head_dim]."""
+        h_, kv_, d = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [tokens, 1, head_dim]
+        if layer.q_norm is not None and layer.k_norm is not None:
+            qk = torch.cat((rms_norm(qkv[:, :h_], layer.q_norm), rms_norm(qkv[:, h_ : h_ + kv_], layer.k_norm)), 1)
+        else:
+            qk = qkv[:, : h_ + kv_]
+        qk = qk * cos + qk.roll(d // 2, -1) * sin  # rotary, queries and keys at once
+        return qk[:, :h_], qk[:, h_:], qkv[:, h_ + kv_ :]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch,
                  logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [tokens] -> logits [len(logit_rows), vocab] of the rows ``logit_rows``."""
         tokens = input_ids.shape[0]
         h_, kv_, d = self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [tokens, 1, head_dim]
         residual = F.embedding(input_ids, self.embed)
-        h = rms_norm(residual, self.layers[0].input_norm)
+        h = self._norm(None, residual, self.layers[0].input_norm)
         last = len(self.layers) - 1
         narrow = logit_rows.numel() < tokens
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h).view(tokens, h_ + 2 * kv_, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qk = torch.cat((rms_norm(qkv[:, :h_], layer.q_norm), rms_norm(qkv[:, h_ : h_ + kv_], layer.k_norm)), 1)
+            if self.rope_store is not None and layer.q_norm is None and batch.cache.kv.device.type == "cpu":
+                self.rope_store(qkv, self.cos, self.sin, positions, batch.cache.kv, i, batch.slot_blocks,
+                                batch.slot_offsets)  # rotary in place, keys and values into the cache
+                q, k, v = qkv[:, :h_], qkv[:, h_ : h_ + kv_], qkv[:, h_ + kv_ :]
             else:
-                qk = qkv[:, : h_ + kv_]
-            qk = qk * cos + qk.roll(d // 2, -1) * sin  # rotary, queries and keys at once
-            q, k, v = qk[:, :h_], qk[:, h_:], qkv[:, h_ + kv_ :]
-            write_kv(batch, i, k, v)
+                q, k, v = self._rotary(qkv, layer, positions)
+                write_kv(batch, i, k, v)
             if i == last and narrow:
                 if not logit_rows.numel():
                     return residual.new_empty(0, self.embed.shape[0])
@@ -182,14 +206,15 @@ class LlamaForward:
                        self.scaling)
             if i == last and narrow:
                 o = o[logit_rows]  # attend computed these rows alone in the last layer (StepBatch.last_layer)
-            residual = residual + layer.o_proj(o.reshape(o.shape[0], h_ * d))
-            gate_up = layer.gate_up(rms_norm(residual, layer.post_norm))
-            residual = residual + layer.down(layer.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+            gate_up = layer.gate_up(self._norm(layer.o_proj(o.reshape(o.shape[0], h_ * d)), residual, layer.post_norm))
+            mlp = layer.down(layer.act(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
             if i < last:
-                h = rms_norm(residual, self.layers[i + 1].input_norm)
+                h = self._norm(mlp, residual, self.layers[i + 1].input_norm)
+            else:
+                residual += mlp
         if not narrow:
             residual = residual[logit_rows]
-        return self.lm_head(rms_norm(residual, self.norm))
+        return self.lm_head(self._norm(None, residual, self.norm))
 
 
 def _lm_head(hf_model: Any, copy: bool) -> Linear | None:

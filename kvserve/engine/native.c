@@ -77,6 +77,13 @@ static inline v16 exp16_nonpositive(v16 x) {
     return (v16)((i16v)(p * (v16)((ni + 127) << 23)) & ~under);
 }
 
+/* Asks for the `n` floats at `p` (a block's keys and values, in one layer) a line at a time: blocks lie anywhere
+ * in the cache, so the hardware's prefetchers learn each one's addresses only after its first misses. */
+static inline void prefetch_block(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        __builtin_prefetch(p + i, 0, 2);
+}
+
 /* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
  * each of its queries (kv_heads * group of them, KV head major). A block's keys are read once, KV head by KV head,
  * against the group's queries; then its values likewise, each query's output summed in registers over the
@@ -95,11 +102,8 @@ static inline __attribute__((always_inline)) void attend_blocks(
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
         const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
-        if (b + 1 < last) { /* the next block lies elsewhere: ask for its first keys and values now */
-            const float *next = kv + table[b + 1] * block_stride + layer_offset;
-            __builtin_prefetch(next);
-            __builtin_prefetch(next + half);
-        }
+        if (b + 1 < last) /* the next block lies elsewhere: ask for its keys and values now */
+            prefetch_block(kv + table[b + 1] * block_stride + layer_offset, 2 * half);
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t t = 0; t < n; t++) {
@@ -197,11 +201,8 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
         const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
-        if (b + 1 < last) {
-            const float *next = kv + table[b + 1] * block_stride + layer_offset;
-            for (int64_t i = 0; i < 2 * half; i += 16)
-                __builtin_prefetch(next + i, 0, 2);
-        }
+        if (b + 1 < last)
+            prefetch_block(kv + table[b + 1] * block_stride + layer_offset, 2 * half);
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t c = 0; c < chunks; c++) {
@@ -460,6 +461,70 @@ int kvserve_linear(const float *x, int64_t m, int64_t k, const float *p, int64_t
             PRODUCTS[rows](x + r * k, k, p + j * k * PANEL, bias ? bias + j * PANEL : NULL, cols, y + r * n + j * PANEL,
                            n);
         }
+    }
+    return 0;
+}
+
+/* Hugging Face's RMSNorm of float32 rows, after adding x into the residual stream where `residual` is given:
+ * residual += x (in place), out = weight * (residual / sqrt(mean(residual^2) + eps)). torch's rms_norm on a CPU
+ * runs as half a dozen kernels (pow, mean, add, rsqrt, mul, mul): 31 us a call for one row of 576 here, twice
+ * a layer. x [rows][dim] (read, or the residual itself where `residual` is NULL); out [rows][dim]. */
+void kvserve_rms_norm(const float *x, float *residual, const float *weight, int64_t rows, int64_t dim, float eps,
+                      float *out) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *h = residual ? residual + r * dim : (float *)xr, *o = out + r * dim;
+        float sum = 0.0f;
+        if (residual) {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; i++) {
+                h[i] += xr[i];
+                sum += h[i] * h[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < dim; i++)
+                sum += h[i] * h[i];
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++)
+            o[i] = weight[i] * (h[i] * scale);
+    }
+}
+
+/* Rotary embeddings on a step's queries and keys, in place, and its keys and values written into their cache
+ * slots: qkv [tokens][heads + 2 * kv_heads][head_dim] (queries, keys, values); cos and sin [positions][head_dim],
+ * sin with its first half negated, so that x * cos + (x turned by head_dim / 2) * sin is Hugging Face's
+ * x * cos + rotate_half(x) * sin; a token's slot is block `blocks[t]`, offset `offsets[t]` in it. In torch this
+ * was a roll (itself a cat), two products, a sum and two indexed writes a layer. Returns 0, or -2 (nothing
+ * written) where a position, block or offset is out of bounds. */
+int kvserve_rope_store(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       const float *cos, const float *sin, int64_t table_len, const int64_t *positions,
+                       float *kv, int64_t blocks, int64_t layers, int64_t layer, int64_t block_size,
+                       const int64_t *slot_blocks, const int64_t *offsets) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= table_len || slot_blocks[t] < 0 || slot_blocks[t] >= blocks ||
+            offsets[t] < 0 || offsets[t] >= block_size)
+            return -2;
+    if (layer < 0 || layer >= layers || head_dim % 2)
+        return -2;
+    const int64_t row = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, slot = kv_heads * head_dim;
+    const int64_t kv_half = block_size * slot, block_stride = layers * 2 * kv_half;
+#pragma omp parallel for schedule(static) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *x = qkv + t * row + h * head_dim, turned[head_dim];
+            for (int64_t i = 0; i < head_dim; i++)
+                turned[i] = x[(i + half) % head_dim];
+            for (int64_t i = 0; i < head_dim; i++)
+                x[i] = x[i] * c[i] + turned[i] * s[i];
+        }
+        float *k = kv + slot_blocks[t] * block_stride + layer * 2 * kv_half + offsets[t] * slot;
+        memcpy(k, qkv + t * row + heads * head_dim, sizeof(float) * slot);
+        memcpy(k + kv_half, qkv + t * row + (heads + kv_heads) * head_dim, sizeof(float) * slot);
     }
     return 0;
 }

@@ -327,6 +327,68 @@ def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], Product] | 
     return pack
 
 
+@functools.cache
+def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor] | None:
+    """``norm(x, residual, weight, eps)``: Hugging Face's RMSNorm of float32 CPU rows x [rows, dim], or where
+    ``residual`` is given, of residual += x (in place); None where there is no kernel."""
+    lib = _library()[0]
+    if lib is None:
+        return None
+    fn = lib.kvserve_rms_norm
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    fn.restype = None
+
+    def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows, dim = x.shape
+        x = x.contiguous()
+        assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() == dim
+        assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                    and residual.is_contiguous())
+        out = torch.empty_like(x)
+        if rows:
+            fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), rows, dim, eps,
+               out.data_ptr())
+        return out
+
+    return norm
+
+
+RopeStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor,
+                      torch.Tensor], None]
+
+
+@functools.cache
+def rope_store_kernel() -> RopeStore | None:
+    """``rope_store(qkv, cos, sin, positions, kv, layer, slot_blocks, slot_offsets)``: rotary embeddings on a step's
+    queries and keys in ``qkv`` [tokens, heads + 2 * kv_heads, head_dim] (in place), and its keys and values
+    written into the cache ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim] (float32, CPU); cos and sin
+    [positions, head_dim] as engine.llama builds them. None where there is no kernel."""
+    lib = _library()[0]
+    if lib is None:
+        return None
+    fn = lib.kvserve_rope_store
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
+    fn.restype = ctypes.c_int
+
+    def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   kv: torch.Tensor, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+        tokens, width, head_dim = qkv.shape
+        blocks, layers, _, block_size, kv_heads, _ = kv.shape
+        assert qkv.is_contiguous() and kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        assert qkv.dtype == kv.dtype == cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+        assert positions.dtype == slot_blocks.dtype == slot_offsets.dtype == torch.long
+        positions, slot_blocks, slot_offsets = (t.contiguous() for t in (positions, slot_blocks, slot_offsets))
+        assert positions.numel() == slot_blocks.numel() == slot_offsets.numel() == tokens
+        if fn(qkv.data_ptr(), tokens, width - 2 * kv_heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+              cos.shape[0], positions.data_ptr(), kv.data_ptr(), blocks, layers, layer, block_size,
+              slot_blocks.data_ptr(), slot_offsets.data_ptr()):
+            raise ValueError("rope_store: a position, block or offset is outside its table or the cache")
+
+    return rope_store
+
+
 def decode_attention(lib: ctypes.CDLL) -> DecodeKernel:
     """The decode attention of the kernels `lib` (load's)."""
     fn = lib.kvserve_decode_attention
