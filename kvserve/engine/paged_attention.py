@@ -322,7 +322,10 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         # One query per sequence: the query heads that share a KV head are that head's query rows, so
         # SDPA reads each KV head once instead of repeating it per query head (enable_gqa copies it).
         n, heads, kv_heads, d = batch.decode_rows.numel(), query.shape[1], key.shape[1], query.shape[3]
-        q = query[0, :, batch.decode_rows].transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
+        # With no prompt chunk every row is a decode row, in order: no indexed gather and scatter (torch runs
+        # those on every thread, which stalls a step whenever another process holds a core)
+        rows = query[0] if not batch.chunks else query[0, :, batch.decode_rows]
+        q = rows.transpose(0, 1).reshape(n, kv_heads, heads // kv_heads, d)
         if batch.decode_shared is not None:
             o = _shared_prefix_attention(layer, q, k_cache, v_cache, batch, scaling)
         elif batch.decode_lens is not None:
@@ -332,6 +335,8 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                 q, _gather(k_cache, batch.decode_tables), _gather(v_cache, batch.decode_tables),
                 attn_mask=batch.decode_mask, scale=scaling,
             )  # [decodes, kv_heads, heads per kv head, head_dim]
+        if not batch.chunks:
+            return o.reshape(n, heads, d)
         out[batch.decode_rows] = o.reshape(n, heads, d)
     for c in batch.chunks:
         start, end = c.start, c.start + c.num_tokens
