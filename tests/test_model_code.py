@@ -86,14 +86,19 @@ def test_the_seven_architectures_are_those_the_engine_serves() -> None:
     assert sorted(SUPPORTED_MODEL_TYPES) == sorted(("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi", "gpt_neox"))
 
 
-@pytest.mark.parametrize(("arch", "code"), [*((a, "own") for a in OWN_CODE), *((a, "hf") for a in SUPPORTED_MODEL_TYPES)])
+@pytest.mark.parametrize(("arch", "code"), [*((a, "own") for a in OWN_CODE), *((a, "hf") for a in SUPPORTED_MODEL_TYPES),
+                                           ("llama", "own-onednn"), ("qwen2", "own-onednn")])
 def test_both_forwards_equal_hf_generate_in_every_cache_state(arch: str, code: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``own-onednn``: the own forward with its products through oneDNN (KVSERVE_NATIVE_LINEAR=0), not the
+    C kernel's."""
     if code == "hf":
         monkeypatch.setenv("KVSERVE_MODEL_CODE", "hf")
+    if code == "own-onednn":
+        monkeypatch.setenv("KVSERVE_NATIVE_LINEAR", "0")
     model = load_model(model_path(arch))
     engine = make_engine(model, BLOCK, 64, max_num_batched_tokens=16, max_num_seqs=4)  # prompts in chunks
-    assert isinstance(engine.runner.forward, LlamaForward) == (code == "own")
+    assert isinstance(engine.runner.forward, LlamaForward) == code.startswith("own")
     root = engine.namespace().root()
     prompt = random_tokens(5 * BLOCK + 3, seed=11)
 
