@@ -13,6 +13,7 @@ import torch
 from kvserve.engine import native
 from kvserve.engine.packed_linear import (
     FusedPart,
+    PackedEmbedding,
     PackedLinear,
     can_pack,
     has_onednn,
@@ -92,13 +93,26 @@ class Tiny(torch.nn.Module):
         return self.head
 
 
-def test_every_linear_layer_is_packed_once_but_a_tied_output_embedding() -> None:
+def test_every_linear_layer_is_packed_once_and_a_tied_table_is_held_once(backend: str) -> None:
+    torch.manual_seed(0)
     tied = Tiny(tied=True)
-    assert pack_linear_layers(tied) == 1
-    assert isinstance(tied.proj, PackedLinear) and type(tied.head) is torch.nn.Linear
+    table, ids = tied.embed.weight.detach().clone(), torch.tensor([[0, 9, 3], [3, 3, 1]])
+    x = torch.randn(2, 8)
+    want = x @ table.T
+    if backend == "native":  # the head packed for the C kernel, the embedding reading its panels
+        assert pack_linear_layers(tied) == 2
+        assert isinstance(tied.head, PackedLinear) and isinstance(tied.embed, PackedEmbedding)
+        assert torch.equal(tied.embed(ids), table[ids])
+        with pytest.raises(IndexError):
+            tied.embed(torch.tensor([10]))
+    else:  # oneDNN's layout is readable only by oneDNN: the tied head stays as it was
+        assert pack_linear_layers(tied) == 1
+        assert type(tied.head) is torch.nn.Linear and type(tied.embed) is torch.nn.Embedding
+    assert isinstance(tied.proj, PackedLinear)
+    torch.testing.assert_close(tied.head(x), want, rtol=1e-5, atol=1e-5)
     assert pack_linear_layers(tied) == 0  # a second engine on the same model finds it packed
     untied = Tiny(tied=False)
-    assert pack_linear_layers(untied) == 2
+    assert pack_linear_layers(untied) == 2 and type(untied.embed) is torch.nn.Embedding
 
 
 def test_nothing_is_packed_where_no_kernel_computes_the_dtype() -> None:

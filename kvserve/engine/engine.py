@@ -105,8 +105,10 @@ class Engine:
         """`keep_cached`: the pool's engine.block_pool policy (None: it fills before it evicts; N: it grows past
         what its sequences use for at most N cached blocks, so its memory follows their peak). `kv_cache_cap`:
         most bytes the default pool takes on CPU (engine.kv_cache.default_kv_cache_memory). `head_copy`: an output
-        embedding tied to the input one is packed as a copy of its own (engine.llama; a step of a few rows reads
-        it in half the time, for the table's bytes once more): for an engine that samples every step (decode).
+        embedding tied to the input one is packed as a copy of its own where packing leaves the table unreadable
+        to the embedding (oneDNN's layout; engine.llama: a step of a few rows reads it in half the time, for the
+        table's bytes once more): for an engine that samples every step (decode). The C kernel's panels hold the
+        table once for both (engine.packed_linear).
         `release_after_idle_s`: once nothing has run for that long after some work, a pool in host memory forgets
         its cached blocks and gives their pages back (BlockPool.release, KVCache.release), then `on_release` runs
         on the step thread (a service trims its heap); None: never."""

@@ -112,7 +112,8 @@ class LlamaForward:
 
     def __init__(self, hf_model: Any, layers: list[_Layer], lm_head: Linear) -> None:
         config = hf_model.config
-        self.embed = hf_model.get_input_embeddings().weight
+        self.embedding = hf_model.get_input_embeddings()  # nn.Embedding, or packed_linear's PackedEmbedding
+        self.embed = self.embedding.weight  # (its shape, dtype and device)
         self.layers = layers
         norm = _norm(hf_model.model.norm)
         assert norm is not None  # (checked by `of`)
@@ -185,7 +186,7 @@ class LlamaForward:
         """input_ids, positions [tokens] -> logits [len(logit_rows), vocab] of the rows ``logit_rows``."""
         tokens = input_ids.shape[0]
         h_, kv_, d = self.heads, self.kv_heads, self.head_dim
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embedding(input_ids)
         h = self._norm(None, residual, self.layers[0].input_norm)
         last = len(self.layers) - 1
         narrow = logit_rows.numel() < tokens
@@ -218,9 +219,10 @@ class LlamaForward:
 
 
 def _lm_head(hf_model: Any, copy: bool) -> Linear | None:
-    """The output projection; one tied to the input embedding, with ``copy``, packed on its own where packing is
-    possible (that table's bytes once more: 113 MB on SmolLM2; MKL's product over the table as stored took 10 ms
-    for one row, oneDNN's over the packed copy 5 ms, 6.5 against 45 ms for 16 rows)."""
+    """The output projection: packed (for the C kernel a tied one is, its panels read by the embedding too), or
+    one tied to the input embedding and left as stored, with ``copy``, packed on its own where oneDNN packs (that
+    table's bytes once more: 113 MB on SmolLM2; MKL's product over the table as stored took 10 ms for one row,
+    oneDNN's over the packed copy 5 ms, 6.5 against 45 ms for 16 rows)."""
     out = hf_model.get_output_embeddings()
     if copy and type(out) is torch.nn.Linear and isinstance(out.weight, torch.Tensor):
         w = out.weight

@@ -296,35 +296,46 @@ def _linear_fn() -> Callable[..., int] | None:
     return fn
 
 
-def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], Product] | None:
-    """``pack(weight, bias)``: x -> x @ weight.T + bias over a float32 CPU weight packed once into panels for the
-    C kernel (a copy; ``weight`` is not kept); None where there is no kernel or it is turned off."""
+class PanelLinear:
+    """x -> x @ weight.T + bias over a float32 CPU weight packed once into panels for the C kernel (a copy;
+    ``weight`` is not kept). ``rows(ids)`` reads rows of the weight back from the panels, so that an embedding
+    table tied to an output projection is held once."""
+
+    def __init__(self, fn: Callable[..., int], weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.n, self.k = weight.shape
+        panels = -(-self.n // PANEL)
+        with torch.no_grad():
+            packed = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - self.n)).view(panels, PANEL, self.k)
+            self.panels = packed.transpose(1, 2).contiguous()  # [panels, k, PANEL]
+            self.bias = None if bias is None else F.pad(bias.detach(), (0, panels * PANEL - self.n)).contiguous()
+        assert self.panels.dtype == torch.float32 and self.panels.device.type == "cpu"
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.k).contiguous()
+        if rows.dtype != torch.float32:
+            raise TypeError(f"the packed linear layer takes float32, got {rows.dtype}")
+        y = rows.new_empty(rows.shape[0], self.n)
+        if rows.shape[0]:
+            self._fn(rows.data_ptr(), rows.shape[0], self.k, self.panels.data_ptr(), self.n,
+                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr())
+        return y.view(*x.shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ``ids`` (any shape of long) -> [*ids.shape, k]."""
+        flat = ids.reshape(-1)
+        if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.n:
+            raise IndexError(f"row ids must be in [0, {self.n})")
+        return self.panels[flat // PANEL, :, flat % PANEL].reshape(*ids.shape, self.k)
+
+
+def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], PanelLinear] | None:
+    """``pack(weight, bias)``: a PanelLinear over a float32 CPU weight; None where there is no kernel or it is
+    turned off (KVSERVE_NATIVE_LINEAR=0)."""
     fn = _linear_fn()
     if fn is None or os.environ.get("KVSERVE_NATIVE_LINEAR", "1") == "0":
         return None
-
-    def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
-        n, k = weight.shape
-        panels = -(-n // PANEL)
-        with torch.no_grad():
-            packed = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n)).view(panels, PANEL, k).transpose(1, 2)
-            packed = packed.contiguous()
-            padded = None if bias is None else F.pad(bias.detach(), (0, panels * PANEL - n)).contiguous()
-        assert packed.dtype == torch.float32 and packed.device.type == "cpu"
-
-        def product(x: torch.Tensor) -> torch.Tensor:
-            rows = x.reshape(-1, k).contiguous()
-            if rows.dtype != torch.float32:
-                raise TypeError(f"the packed linear layer takes float32, got {rows.dtype}")
-            y = rows.new_empty(rows.shape[0], n)
-            if rows.shape[0]:
-                fn(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
-                   None if padded is None else padded.data_ptr(), y.data_ptr())
-            return y.view(*x.shape[:-1], n)
-
-        return product
-
-    return pack
+    return functools.partial(PanelLinear, fn)
 
 
 @functools.cache

@@ -148,8 +148,9 @@ def _fuse(parent: torch.nn.Module) -> int:
 
 def pack_linear_layers(hf_model: Any) -> int:
     """Replace every ``nn.Linear`` of ``hf_model`` with a PackedLinear (siblings that read the same input with
-    FusedParts of one weight), but an output embedding that shares its weight with the input embedding (tied:
-    the embedding still reads it); how many were replaced. Nothing
+    FusedParts of one weight); how many were replaced. An output embedding that shares its weight with the input
+    embedding (tied) is packed only for the C kernel, whose panels the input embedding then reads too
+    (PackedEmbedding: the table held once); elsewhere it is left alone, the embedding still reading it. Nothing
     where ``can_pack`` says no."""
     params = next(hf_model.parameters(), None) if isinstance(hf_model, torch.nn.Module) else None
     if params is None or not can_pack(params.device, params.dtype):  # not a model (a test's stand-in)
@@ -157,16 +158,48 @@ def pack_linear_layers(hf_model: Any) -> int:
     out, inp = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
     tied = (type(out) is torch.nn.Linear and inp is not None
             and out.weight.data_ptr() == inp.weight.data_ptr())  # (a second engine on the model finds it packed)
+    share = tied and type(inp) is torch.nn.Embedding and _native(out.weight)
     replaced = 0
     for parent in list(hf_model.modules()):
         replaced += _fuse(parent)
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and not (tied and child is out) and child.weight.dtype in PACKED_DTYPES:
-                setattr(parent, name, PackedLinear(child))
+            if (type(child) is torch.nn.Linear and (share or not (tied and child is out))
+                    and child.weight.dtype in PACKED_DTYPES):
+                setattr(parent, name, packed := PackedLinear(child))
                 replaced += 1
+                if share and child is out:
+                    _replace(hf_model, inp, PackedEmbedding(inp, packed.product))
     if replaced:
         _own_copies(hf_model)
     return replaced
+
+
+def _native(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and native.linear_kernel() is not None
+
+
+def _replace(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    for parent in root.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+
+
+class PackedEmbedding(torch.nn.Module):
+    """An input embedding tied to the output projection, read from that projection's panels (native.PanelLinear):
+    the table is held once. ``weight`` stands for the table in shape, dtype and device, with no data of its own."""
+
+    def __init__(self, embedding: torch.nn.Embedding, panels: Any) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.panels = panels
+        self.weight = _stand_in(embedding.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.panels.rows(ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
 def _own_copies(hf_model: torch.nn.Module) -> None:
