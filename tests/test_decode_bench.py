@@ -79,7 +79,7 @@ def test_hf_baseline_is_greedy_past_eos() -> None:
 def test_bench_decode_reports_measured_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     new_tokens, long_tokens = 6, 300
     argv = ["--model", str(model_dir("llama")), "--streams", "1,2", "--prompt-tokens", "32", "--new-tokens",
-            str(new_tokens), "--itl-streams", "2", "--itl-new-tokens", "80", "--baseline-tokens", "5",
+            str(new_tokens), "--itl-streams", "2", "--itl-new-tokens", "240", "--baseline-tokens", "5",
             "--long-prompt-tokens", str(long_tokens), "--unchunked-budget", "512",
             "--json", str(tmp_path / "decode.json"), "--plot", str(tmp_path / "decode.png")]
     assert decode_bench.main(argv) == 0
