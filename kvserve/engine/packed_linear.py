@@ -158,7 +158,7 @@ def pack_linear_layers(hf_model: Any) -> int:
     out, inp = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
     tied = (type(out) is torch.nn.Linear and inp is not None
             and out.weight.data_ptr() == inp.weight.data_ptr())  # (a second engine on the model finds it packed)
-    share = tied and type(inp) is torch.nn.Embedding and _native(out.weight)
+    share = tied and type(inp) is torch.nn.Embedding and inp.max_norm is None and _native(out.weight)
     replaced = 0
     for parent in list(hf_model.modules()):
         replaced += _fuse(parent)
