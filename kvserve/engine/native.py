@@ -79,7 +79,6 @@ class AttentionKernel:
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, float],
                         tuple[torch.Tensor, torch.Tensor]]
 CopyFinite = Callable[[memoryview, memoryview], bool]
-Product = Callable[[torch.Tensor], torch.Tensor]
 PANEL = 32  # output features per panel of a packed weight (native.c's PANEL)
 # The exponent bits of each float type: a value with all of them set is a NaN or an infinity.
 _EXPONENTS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
@@ -284,16 +283,22 @@ def decode_kernel() -> DecodeKernel | None:
     return decode_attention(lib)
 
 
-@functools.cache
-def _linear_fn() -> Callable[..., int] | None:
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _function(name: str, argtypes: list[type], restype: type | None = ctypes.c_int) -> Callable[..., int] | None:
+    """This process's kernel ``name`` with its C signature, or None where there are no kernels."""
     lib = _library()[0]
     if lib is None:
         return None
-    fn = lib.kvserve_linear
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
-    fn.restype = ctypes.c_int
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+@functools.cache
+def _linear_fn() -> Callable[..., int] | None:
+    return _function("kvserve_linear", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR])
 
 
 class PanelLinear:
@@ -342,13 +347,9 @@ def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], PanelLinear
 def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor] | None:
     """``norm(x, residual, weight, eps)``: Hugging Face's RMSNorm of float32 CPU rows x [rows, dim], or where
     ``residual`` is given, of residual += x (in place); None where there is no kernel."""
-    lib = _library()[0]
-    if lib is None:
+    fn = _function("kvserve_rms_norm", [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR], None)
+    if fn is None:
         return None
-    fn = lib.kvserve_rms_norm
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr]
-    fn.restype = None
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, dim = x.shape
@@ -375,13 +376,10 @@ def rope_store_kernel() -> RopeStore | None:
     queries and keys in ``qkv`` [tokens, heads + 2 * kv_heads, head_dim] (in place), and its keys and values
     written into the cache ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim] (float32, CPU); cos and sin
     [positions, head_dim] as engine.llama builds them. None where there is no kernel."""
-    lib = _library()[0]
-    if lib is None:
+    fn = _function("kvserve_rope_store", [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                                          _I64, _I64, _PTR, _PTR])
+    if fn is None:
         return None
-    fn = lib.kvserve_rope_store
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
-    fn.restype = ctypes.c_int
 
     def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    kv: torch.Tensor, layer: int, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:

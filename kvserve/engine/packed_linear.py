@@ -38,17 +38,21 @@ def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the C kernel's product takes weights on ``device`` in ``dtype`` (float32 on a CPU, kernel loaded)."""
+    return device.type == "cpu" and dtype == torch.float32 and native.linear_kernel() is not None
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``pack`` has a product for weights on ``device`` in ``dtype``: the C kernel's (float32 on a CPU),
     or oneDNN's (fp32, or bf16 where the CPU has its instructions)."""
-    native_ok = device.type == "cpu" and dtype == torch.float32 and native.linear_kernel() is not None
-    return native_ok or has_onednn(device, dtype)
+    return _native(device, dtype) or has_onednn(device, dtype)
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
     """x -> x @ weight.T + bias, over a copy of ``weight`` packed for this CPU (see ``can_pack``)."""
-    kernel = native.linear_kernel() if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
-    if kernel is not None:
+    kernel = native.linear_kernel()
+    if kernel is not None and _native(weight.device, weight.dtype):
         return kernel(weight, bias)
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -158,7 +162,8 @@ def pack_linear_layers(hf_model: Any) -> int:
     out, inp = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
     tied = (type(out) is torch.nn.Linear and inp is not None
             and out.weight.data_ptr() == inp.weight.data_ptr())  # (a second engine on the model finds it packed)
-    share = tied and type(inp) is torch.nn.Embedding and inp.max_norm is None and _native(out.weight)
+    share = (tied and type(inp) is torch.nn.Embedding and inp.max_norm is None
+             and _native(out.weight.device, out.weight.dtype))
     replaced = 0
     for parent in list(hf_model.modules()):
         replaced += _fuse(parent)
@@ -172,10 +177,6 @@ def pack_linear_layers(hf_model: Any) -> int:
     if replaced:
         _own_copies(hf_model)
     return replaced
-
-
-def _native(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and native.linear_kernel() is not None
 
 
 def _replace(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
