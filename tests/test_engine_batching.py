@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine import paged_attention
+from kvserve.engine import native
 from kvserve.engine.engine import RequestTooLarge, StepStats
 from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.model import load_model
@@ -379,62 +379,83 @@ def test_the_last_layer_computes_only_the_sampled_rows(arch: str, monkeypatch: p
             h.remove()
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "tokens", "context", "scores"), [
-    (8, 4, 48, 130, paged_attention.SCORES_MAX_ELEMENTS),  # grouped-query heads, a KV head's queries at once
-    (4, 1, 50, 77, 7 * 4 * 77),  # in slices of 7 queries (the cap on a KV head's scores at a time), the last of 1
-    (6, 6, 60, 61, paged_attention.SCORES_MAX_ELEMENTS),  # one token of earlier context
+chunk_kernel = native.chunk_kernel()
+needs_chunk_kernel = pytest.mark.skipif(chunk_kernel is None, reason="no C kernels here")
+
+
+@needs_chunk_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "tokens", "context"), [
+    (9, 3, 64, 16, 53, 245),  # grouped-query heads over earlier context (SmolLM2's shape), a tile's lanes span tokens
+    (9, 3, 64, 16, 40, 40),  # a prompt's first chunk: its own keys alone
+    (9, 3, 64, 16, 1, 245),  # the last layer's sampled row: every key
+    (4, 4, 128, 16, 21, 37),  # no grouping; 128-wide heads
+    (8, 2, 32, 5, 33, 71),  # a block size and head size of no specialised kernel
 ])
-def test_a_chunks_attention_through_onednn_equals_sdpa(heads: int, kv_heads: int, tokens: int, context: int,
-                                                       scores: int) -> None:
-    g = torch.Generator().manual_seed(heads)
-    q = torch.randn(1, heads, tokens, 16, generator=g)
-    k, v = torch.randn(kv_heads, context, 16, generator=g), torch.randn(kv_heads, context, 16, generator=g)
+def test_the_chunk_kernel_equals_sdpa_over_the_gathered_context(heads: int, kv_heads: int, head_dim: int,
+                                                                block_size: int, tokens: int, context: int) -> None:
+    assert chunk_kernel is not None
+    g = torch.Generator().manual_seed(tokens)
+    blocks = -(-context // block_size)
+    cache = KVCache(blocks + 7, num_layers=3, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=torch.float32)
+    cache.kv.normal_(generator=g)
+    table = torch.randperm(blocks + 7, generator=g)[:blocks]
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g)  # queries as the own forward has them
+    q = qkv[:, :heads]
+    got = chunk_kernel(q, cache.kv, 1, table, context, 0.3)
+    k, v = (cache.layer(1, kind)[table].reshape(-1, kv_heads, head_dim)[:context].transpose(0, 1)[None]
+            for kind in (0, 1))
     mask = torch.arange(context)[None, :] <= torch.arange(context - tokens, context)[:, None]
-    want = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=0.3,
-                                                             enable_gqa=True)
-    got = paged_attention.context_attention(q, k, v, 0.3, max_scores=scores)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
+                                                             scale=0.3, enable_gqa=True)
     torch.testing.assert_close(got, want[0].transpose(0, 1))
 
 
-def test_context_rows_gather_a_layers_keys_and_values_head_by_head() -> None:
-    cache = KVCache(50, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    cache.kv.normal_(generator=torch.Generator().manual_seed(0))
-    table = torch.tensor([7, 3, 41, 9])
-    rows = paged_attention.context_rows(cache, table, 14)  # the last block holds 2 of the context's tokens
-    for layer in range(3):
-        for kind in (0, 1):
-            by_slot = cache.layer(layer, kind)[table].reshape(16, 2, 8)[:14]  # [tokens, kv_heads, head_dim]
-            got = cache.kv.view(-1, 8)[paged_attention.layer_rows(cache, rows, layer, kind)].view(2, 14, 8)
-            assert torch.equal(got, by_slot.transpose(0, 1))
+@needs_chunk_kernel
+def test_the_chunk_kernel_refuses_what_lies_outside_the_cache() -> None:
+    assert chunk_kernel is not None
+    cache = KVCache(4, num_layers=2, block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    q = torch.zeros(3, 2, 16)
+    for table, context, layer in [(torch.tensor([0, 4]), 8, 0),  # block 4 of 4
+                                  (torch.tensor([0, -1]), 8, 0),
+                                  (torch.tensor([0, 1]), 9, 0),  # past the table
+                                  (torch.tensor([0, 1]), 2, 0),  # 3 queries, 2 positions
+                                  (torch.tensor([0, 1]), 8, 2)]:  # layer 2 of 2
+        with pytest.raises(ValueError, match="outside the cache"):
+            chunk_kernel(q, cache.kv, layer, table, context, 1.0)
 
 
+@needs_chunk_kernel
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_chat_turn_over_its_history_runs_through_onednn_and_equals_hf_generate(
+def test_a_chat_turn_over_its_history_reads_it_in_place_and_equals_hf_generate(
         arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A turn's new tokens over the history in the pool, in chunks of the token budget beside a decoding stream:
-    each chunk of ONEDNN_CHUNK_MIN_TOKENS or more runs through oneDNN's matmuls, the shorter last one through
-    SDPA, and the tokens equal the oracle's."""
+    each chunk's attention runs through the C kernel, over the blocks where they lie, and the tokens equal the
+    oracle's."""
+    assert chunk_kernel is not None
     model = tiny_model(arch)
     shapes: list[tuple[int, int]] = []
-    context_attention = paged_attention.context_attention
 
-    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        shapes.append((q.shape[2], k.shape[1]))  # (chunk tokens, context)
-        return context_attention(q, k, v, scale)
+    def spy(q: torch.Tensor, kv: torch.Tensor, layer: int, table: torch.Tensor, context: int,
+            scale: float) -> torch.Tensor:
+        shapes.append((q.shape[0], context))  # (chunk tokens, context)
+        return chunk_kernel(q, kv, layer, table, context, scale)
 
-    monkeypatch.setattr(paged_attention, "context_attention", spy)
-    monkeypatch.setattr(paged_attention, "ONEDNN_ATTENTION", True)  # whatever this CPU would choose
+    monkeypatch.setattr(native, "chunk_kernel", lambda: spy)
     engine = make_engine(model, BLOCK, 128, max_num_batched_tokens=64)
     root = engine.namespace().root()
     first = make_seq(model, random_tokens(90, seed=60), MAX_NEW, hash_root=root)
     run(engine, [first])
-    shapes.clear()  # the first turn's second chunk (64 of 90) ran through it too
+    shapes.clear()
     turn = make_seq(model, [*first.token_ids, *random_tokens(140, seed=61)], MAX_NEW, hash_root=root)
     other = make_seq(model, random_tokens(5, seed=62), 3 * MAX_NEW)
     outcomes = run(engine, [other, turn])
     assert turn.stats.num_pool_hit_tokens == 96  # the 101 tokens with KV (90 and 11 generated): 12 full blocks
-    # 158 new tokens in steps of 64: 59 beside the other prompt's 5, 63 beside its decode row, then 36 (under 48:
-    # SDPA); each (tokens, context) in every layer but the last, which computes only a chunk's sampled row
-    assert shapes == [(59, 96 + 59)] * (model.num_layers - 1) + [(63, 96 + 59 + 63)] * (model.num_layers - 1)
+    # 146 new tokens in steps of 64: 59 beside the other prompt's 5, 63 beside its decode row, then 24; each
+    # (tokens, context) in every layer but the last, which computes a chunk's sampled row alone
+    layers = model.num_layers - 1
+    turn_chunks = [(n, ctx) for n, ctx in shapes if ctx > 5]
+    assert turn_chunks == [(59, 96 + 59)] * layers + [(63, 96 + 59 + 63)] * layers + [(24, 242)] * layers + [(1, 242)]
+    assert shapes.count((5, 5)) == layers and (1, 5) in shapes  # the other prompt, its first token sampled
     for seq, outcome in zip([other, turn], outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)

@@ -130,6 +130,9 @@ def test_blocks_whose_save_failed_go_with_the_next_save() -> None:
     seq = make_seq(engine.model, random_tokens(2 * BLOCK + 1, seed=64), 5 * BLOCK, source=source,
                    hash_root=engine.namespace().root())
     engine.add(seq)
+    while seq.num_saved_blocks < 2:  # the prompt's blocks on their way
+        engine.step()
+    wait_until(lambda: seq.last_save is not None and seq.last_save.done())  # failed, before another block fills
     finish(engine, [seq])
     assert source.saves[0].first_block == 0  # the prompt's blocks, again
     assert set(source.store.blocks) == _keys(engine, seq, seq.num_computed_tokens // BLOCK)

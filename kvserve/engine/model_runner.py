@@ -24,9 +24,7 @@ from kvserve.engine.paged_attention import (
     SharedPrefixKV,
     StepBatch,
     chunk_mask,
-    context_rows,
     install,
-    onednn_chunk,
 )
 from kvserve.engine.sampling import sample_batch
 from kvserve.engine.sequence import Sequence
@@ -129,6 +127,8 @@ class ModelRunner:
         self.shared_kv = SharedPrefixKV(max_bytes=cache.kv.nbytes // 4)
         self.attention = native.attention_kernel(cache.kv.device.type, cache.kv.dtype)  # what decode rows run
         self.in_place_decode = self.attention.name != native.SDPA
+        # prompt chunks too, where the kernel takes the head size
+        self.in_place_chunks = native.chunk_kernel() is not None and self.in_place_decode and model.head_dim % 16 == 0
         self.last_layer_rows = LastLayerRows.of(model.hf_model) if self.forward is None else None
         self.last_layer = model.num_layers - 1 if self.last_layer_rows is None else self.last_layer_rows.layer
 
@@ -195,11 +195,8 @@ class ModelRunner:
                 decode_seqs.append(seq)
             else:
                 block_table, sampled_here = torch.tensor(table, device=device), end == len(seq.token_ids)
-                if onednn_chunk(n, end, self.cache.kv.dtype, device):
-                    rows = context_rows(self.cache, block_table, end)
-                    chunks.append(PromptChunk(row, n, end, block_table, None, sampled_here, rows))
-                else:
-                    chunks.append(PromptChunk(row, n, end, block_table, chunk_mask(start, end, device), sampled_here))
+                mask = None if self.in_place_chunks else chunk_mask(start, end, device)
+                chunks.append(PromptChunk(row, n, end, block_table, mask, sampled_here))
             if end == len(seq.token_ids):
                 logit_rows.append(row + n - 1)
                 sampled.append(seq)
@@ -217,6 +214,7 @@ class ModelRunner:
             shared_kv=self.shared_kv,
             decode_lens=decode[3] if decode and self.in_place_decode else None,
             last_layer=self.last_layer if len(logit_rows) < len(ids) else -1,
+            chunks_in_place=self.in_place_chunks,
         )
         return _Forward(batch, torch.tensor([ids], device=device), pos[None], logit_rows, sampled)
 

@@ -1,6 +1,6 @@
-"""The engine's C kernels (kvserve/engine/native.c): decode attention that reads the paged KV cache in place, the
-linear layers' product over weights packed in panels, and a copy that checks the values it moves for NaN and
-infinities. Loaded from the first place that has them:
+"""The engine's C kernels (kvserve/engine/native.c): decode rows' and prompt chunks' attention that read the paged KV
+cache in place, the linear layers' product over weights packed in panels, RMSNorm, rotary with the KV write, and a
+copy that checks the values it moves for NaN and infinities. Loaded from the first place that has them:
 
 1. prebuilt by ``kvserve build-kernels`` (``make setup``; the image's build stage, which has the compiler its final
    stage lacks) into kernel_dir(): ``$KVSERVE_KERNEL_DIR``, else ``<sys.prefix>/share/kvserve/kernels``. One build
@@ -9,8 +9,8 @@ infinities. Loaded from the first place that has them:
    them, and kept, by a hash of everything that went into the build, in a folder of this user's alone:
    ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``.
 
-Neither (none prebuilt for this CPU, no compiler): all are None: the engine gathers each decode row's blocks for
-SDPA, runs its linear layers through oneDNN, and checks a fetched block's values in a pass of their own: the same
+Neither (none prebuilt for this CPU, no compiler): all are None: the engine gathers each decode row's and prompt
+chunk's blocks for SDPA, runs its linear layers through oneDNN, and checks a fetched block's values in a pass of their own: the same
 tokens, a slower step and fetch. ``KVSERVE_NATIVE_ATTENTION=0`` turns off the attention alone,
 ``KVSERVE_NATIVE_LINEAR=0`` the product alone. attention_kernel() says which runs and why; the
 engines' metrics show it, and `kvserve stats` prints it.
@@ -396,6 +396,37 @@ def rope_store_kernel() -> RopeStore | None:
             raise ValueError("rope_store: a position, block or offset is outside its table or the cache")
 
     return rope_store
+
+
+ChunkKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, int, float], torch.Tensor]
+
+
+@functools.cache
+def chunk_kernel() -> ChunkKernel | None:
+    """``attend(q, kv, layer, table, ctx, scale)``: a prompt chunk's causal attention over its context, read in
+    place from the cache. q [n, heads, head_dim] float32 (the chunk's queries, the last at position ctx - 1; rows
+    of any stride, head_dim contiguous and a multiple of 16); kv the cache's tensor [blocks, layers, 2,
+    block_size, kv_heads, head_dim]; table [blocks] long, the sequence's blocks in order. Returns [n, heads,
+    head_dim]. None where there is no kernel or attention's is turned off (KVSERVE_NATIVE_ATTENTION=0)."""
+    fn = _function("kvserve_chunk_attention", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
+                                               _I64, _I64, _I64, _I64, ctypes.c_float, _PTR])
+    if fn is None or os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
+        return None
+
+    def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, table: torch.Tensor, ctx: int,
+               scale: float) -> torch.Tensor:
+        n, heads, head_dim = q.shape
+        blocks, layers, _, block_size, kv_heads, _ = kv.shape
+        assert q.dtype == kv.dtype == torch.float32 and kv.is_contiguous()
+        q = q if q.stride(2) == 1 else q.contiguous()
+        assert table.dtype == torch.long and table.is_contiguous() and heads % kv_heads == 0
+        out = q.new_empty(n, heads, head_dim)
+        if fn(q.data_ptr(), q.stride(0), q.stride(1), kv.data_ptr(), blocks, table.data_ptr(), table.numel(), ctx, n,
+              layers, layer, block_size, kv_heads, heads // kv_heads, head_dim, scale, out.data_ptr()):
+            raise ValueError("chunk attention: its length, layer, head size or a block is outside the cache")
+        return out
+
+    return attend
 
 
 def decode_attention(lib: ctypes.CDLL) -> DecodeKernel:

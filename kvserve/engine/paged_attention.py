@@ -8,9 +8,8 @@ carry it through the unchanged model code:
   keys and values, which it writes into the sequences' cache slots;
 - ``paged_attention``, registered as the attention implementation ``kvserve_paged``: it reads
   each sequence's keys and values through its block table and runs SDPA, decode rows (one query
-  each) as one batched call and each prompt chunk on its own with its causal offset (on a CPU, decode rows
-  through engine.native's kernel, which reads their blocks in place, and a chunk over earlier context as
-  oneDNN matmuls: context_attention).
+  each) as one batched call and each prompt chunk on its own with its causal offset (on a CPU, both
+  through engine.native's kernels, which read the blocks in place).
 
 Called without a step (Hugging Face ``generate`` on the same model, the oracle), the attention
 is plain SDPA with the usual masks. Hugging Face's own ``PagedAttentionCache`` is not used: its
@@ -21,7 +20,6 @@ elsewhere (the store), which is the point of kvserve.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +31,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvserve.engine import native
 from kvserve.engine.kv_cache import KVCache
-from kvserve.engine.packed_linear import has_onednn
 
 ATTN_IMPLEMENTATION = "kvserve_paged"
 
@@ -51,9 +48,6 @@ class PromptChunk:
     # mask aligned to the lower right, applied by the kernel (see chunk_mask)
     mask: torch.Tensor | None
     sampled: bool = False  # the step samples a token from its last token's logits (the prompt's end)
-    # [kv_heads * context_len] long, where the chunk runs through context_attention (onednn_chunk; mask is
-    # then None): the rows of its context's keys and values (context_rows)
-    kv_rows: torch.Tensor | None = None
 
 
 class SharedPrefixKV:
@@ -112,6 +106,9 @@ class StepBatch:
     # the others): a chunk's attention for its sampled last token alone, none for one that samples nothing.
     # Its keys and values are written for every token all the same. -1: every row, as in every layer.
     last_layer: int = -1
+    # Prompt chunks' attention reads their context in place (engine.native's chunk kernel, on a CPU; their masks
+    # are then None)
+    chunks_in_place: bool = False
 
 
 class PagedCache:
@@ -207,90 +204,6 @@ def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return out[0], out[1]
 
 
-def _mkl_narrower_than_cpu() -> bool:
-    """Whether this CPU has AVX-512 and MKL's GEMM (under SDPA's CPU kernel) does not use it: MKL takes its
-    AVX2 code on CPUs that are not Intel's. There (a Zen 5) oneDNN's matmuls run at 2.6x MKL's and
-    context_attention beats SDPA; on a CPU with AVX2 at most (a Zen 3) both run the same vectors and SDPA,
-    fused, was 1.2-1.5x faster than context_attention at every size measured (48 to 2,048 tokens over 3k to
-    8.7k), and a chat turn's step 0.91x."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "GenuineIntel" not in cpuinfo
-
-
-# A prompt chunk over earlier context runs as two oneDNN matmuls per KV head and a softmax between
-# (context_attention) where those beat SDPA's (ONEDNN_ATTENTION), from this many tokens: over 3k tokens of
-# context, 16 took 0.90 ms a layer against SDPA's 0.68, 32 about the same as SDPA, 48 1.9 against 2.3 ms.
-ONEDNN_ATTENTION = _mkl_narrower_than_cpu()
-ONEDNN_CHUNK_MIN_TOKENS = 48
-SCORES_MAX_ELEMENTS = 1 << 22  # a KV head's scores at a time: 16 MiB in fp32, whatever the chunk and context
-
-
-def onednn_chunk(num_tokens: int, context_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a prompt chunk's attention runs through context_attention: where ONEDNN_ATTENTION, a chunk of at
-    least ONEDNN_CHUNK_MIN_TOKENS over earlier context (a chunk that is its whole context stays with SDPA,
-    which skips the masked half), fp32 on a CPU with oneDNN's kernels."""
-    return (ONEDNN_ATTENTION and num_tokens >= ONEDNN_CHUNK_MIN_TOKENS and context_len > num_tokens
-            and dtype == torch.float32 and has_onednn(device, dtype))
-
-
-def context_rows(cache: KVCache, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """[kv_heads * context_len] long: the rows of ``cache.kv`` viewed as [rows, head_dim] that hold a context's
-    keys in layer 0, KV head by KV head (``layer_rows`` moves them to another layer's keys or values): one
-    index_select gathers them head-major and contiguous."""
-    _, num_layers, _, block_size, kv_heads, _ = cache.kv.shape
-    pos = torch.arange(context_len, device=block_table.device)
-    slots = block_table[pos // block_size] * (num_layers * 2 * block_size) + pos % block_size
-    heads = torch.arange(kv_heads, device=block_table.device)
-    return (slots[None, :] * kv_heads + heads[:, None]).reshape(-1)
-
-
-def layer_rows(cache: KVCache, rows: torch.Tensor, layer: int, kind: int) -> torch.Tensor:
-    """``rows`` (context_rows) of ``layer``'s keys (kind 0) or values (kind 1)."""
-    _, _, _, block_size, kv_heads, _ = cache.kv.shape
-    return rows + (layer * 2 + kind) * block_size * kv_heads
-
-
-def context_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
-                      max_scores: int = SCORES_MAX_ELEMENTS) -> torch.Tensor:
-    """A prompt chunk's attention over its context: q [1, heads, n, head_dim] the chunk's queries, the last at
-    context position ctx - 1, each seeing the keys up to its own; keys, values [kv_heads, ctx, head_dim].
-    Returns [n, heads, head_dim].
-
-    SDPA's CPU kernel does its matmuls through MKL's GEMM, which on an AMD CPU takes its AVX2 code: 87 GFLOP/s
-    a core here (Zen 5), where oneDNN's matmul runs at 240. So the scores are computed whole, a KV head (or a
-    slice of its queries: at most ``max_scores`` scores) at a time: the queries of the heads that share
-    the KV head as the rows of one matmul against its keys, the causal mask on the chunk's own keys, a softmax,
-    and a matmul against the values. A step of a 232-token chat turn over 2.3k tokens beside 16 decoding streams:
-    131 -> 106 ms (the engine alone, 2 threads)."""
-    _, heads, n, d = q.shape
-    kv_heads, ctx = keys.shape[0], keys.shape[1]
-    group = heads // kv_heads
-    queries = (q[0] * (d**-0.5 if scale is None else scale)).view(kv_heads, group, n, d)
-    values_t = values.transpose(1, 2).contiguous()  # [kv_heads, d, ctx]: the second matmul's weight
-    out = q.new_empty(kv_heads, group, n, d)
-    step = max(1, max_scores // (group * ctx))
-    for i in range(0, n, step):
-        j = min(n, i + step)
-        # queries i .. j - 1 on the chunk's own keys: query i + r sees own keys 0 .. i + r
-        causal = torch.full((j - i, n), -torch.inf, dtype=q.dtype, device=q.device).triu_(i + 1)
-        for h in range(kv_heads):
-            scores = _matmul_t(queries[h, :, i:j].reshape(-1, d), keys[h]).view(group, j - i, ctx)
-            scores[:, :, ctx - n :].add_(causal)
-            probs = torch.softmax(scores, dim=-1).view(-1, ctx)
-            out[h, :, i:j] = _matmul_t(probs, values_t[h]).view(group, j - i, d)
-    return out.view(heads, n, d).transpose(0, 1)
-
-
-def _matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b.T through oneDNN (a linear layer's kernel, with b as its weight)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
-
-
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -347,11 +260,11 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             start = end - 1  # which sees every key: no mask
         causal = end - start > 1
         q = query[:, :, start:end]  # [1, heads, n, head_dim]
-        if c.kv_rows is not None and causal:
-            flat = batch.cache.kv.view(-1, query.shape[3])  # [rows, head_dim]
-            k, v = (flat.index_select(0, layer_rows(batch.cache, c.kv_rows, layer, kind))
-                    .view(key.shape[1], c.context_len, -1) for kind in (0, 1))
-            out[start:end] = context_attention(q, k, v, scaling)
+        if batch.chunks_in_place:
+            kernel = native.chunk_kernel()
+            assert kernel is not None
+            out[start:end] = kernel(q[0].transpose(0, 1), batch.cache.kv, layer, c.block_table, c.context_len,
+                                    query.shape[3] ** -0.5 if scaling is None else scaling)
             continue
         if c.context_len == c.num_tokens:  # no earlier context: the chunk's own keys, causal
             k, v = key[:, :, c.start : end], value[:, :, c.start : end]
