@@ -204,3 +204,18 @@ def test_siblings_that_disagree_are_packed_apart() -> None:
     assert pack_linear_layers(model) == 4
     assert all(isinstance(getattr(model, n), PackedLinear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert pack_linear_layers(model) == 0
+
+
+def test_panels_lie_aligned_and_apart_in_memory_that_outlives_its_allocator() -> None:
+    """PanelLinear's memory (native._PanelMemory): each tensor 64-byte aligned, none overlapping, one larger than a
+    mapping in a mapping of its own, and each usable after the allocator and its mappings are let go."""
+    memory = native._PanelMemory()
+    shapes = [(3, 5, 32), (1, 7, 32), (2, 1, 32), (native.PANEL_MAPPING_BYTES // 4 // 32 + 1, 1, 32), (1, 1, 32)]
+    tensors = [memory.empty(shape) for shape in shapes]
+    del memory
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
+    for i, t in enumerate(tensors):
+        t.fill_(i)
+    assert [int(t.sum()) for t in tensors] == [i * t.numel() for i, t in enumerate(tensors)]

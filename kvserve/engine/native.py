@@ -19,10 +19,13 @@ engines' metrics show it, and `kvserve stats` prints it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
+import math
+import mmap
 import os
 import platform
 import shutil
@@ -30,6 +33,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +306,51 @@ def _linear_fn() -> Callable[..., int] | None:
     return _function("kvserve_linear", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR])
 
 
+HUGE_PAGE = 2 << 20
+PANEL_MAPPING_BYTES = 64 << 20
+
+
+class _PanelMemory:
+    """Where PanelLinear puts its panels: anonymous memory asked to be backed by 2 MiB pages (transparent huge
+    pages, which Linux gives a region that asks for them where /sys/kernel/mm/transparent_hugepage/enabled says
+    `madvise`, its usual default; elsewhere the same memory in 4 KiB pages). A decode step streams every weight
+    once, and on 4 KiB pages it misses the TLB every 4 KiB: SmolLM2's products for one row took 20.3-22.8 ms
+    (medians of three runs) on 4 KiB pages, 11.1-18.0 ms on 2 MiB ones. Panels go one after another into
+    mappings of PANEL_MAPPING_BYTES (a larger weight into one of its own); a mapping goes once no tensor in it is
+    left, but for the one being filled."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._used = self._end = 0
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialised float32 tensor of ``shape``, 64-byte aligned."""
+        count = math.prod(shape)
+        nbytes = -(-count * 4 // 64) * 64
+        with self._lock:
+            if self._map is None or self._used + nbytes > self._end:
+                self._map, self._used, self._end = self._mapping(max(PANEL_MAPPING_BYTES, nbytes))
+            with warnings.catch_warnings():  # torch warns that a buffer might not be writable: this one is
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(self._map, dtype=torch.float32, count=count, offset=self._used)
+            self._used += nbytes
+        return tensor.view(shape)
+
+    @staticmethod
+    def _mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
+        """A mapping with ``nbytes`` from a 2 MiB boundary on, asked for huge pages: (mapping, start, end)."""
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
+        with contextlib.suppress(AttributeError, OSError):  # no huge pages here: 4 KiB ones
+            m.madvise(mmap.MADV_HUGEPAGE, start, size)
+        return m, start, start + nbytes
+
+
+_PANELS = _PanelMemory()
+
+
 class PanelLinear:
     """x -> x @ weight.T + bias over a float32 CPU weight packed once into panels for the C kernel (a copy;
     ``weight`` is not kept). ``rows(ids)`` reads rows of the weight back from the panels, so that an embedding
@@ -311,7 +361,8 @@ class PanelLinear:
         panels = -(-self.n // PANEL)
         with torch.no_grad():
             packed = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - self.n)).view(panels, PANEL, self.k)
-            self.panels = packed.transpose(1, 2).contiguous()  # [panels, k, PANEL]
+            self.panels = _PANELS.empty((panels, self.k, PANEL))
+            self.panels.copy_(packed.transpose(1, 2))
             self.bias = None if bias is None else F.pad(bias.detach(), (0, panels * PANEL - self.n)).contiguous()
         assert self.panels.dtype == torch.float32 and self.panels.device.type == "cpu"
         self._fn = fn
