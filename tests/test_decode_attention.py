@@ -84,11 +84,12 @@ def test_the_kernel_reads_nothing_out_of_bounds(lens: list[int], table: list[int
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decode_rows_over_a_shared_prompt_and_alone_equal_hf_generate(arch: str, in_place: bool) -> None:
     """Streams over a shared system prompt (the cascade: its blocks read once by all rows, each row's own in place)
-    and a stream alone (its whole context in place), both ways."""
+    and a stream alone (its whole context in place), both ways; the prompts' chunks likewise (in place, or
+    gathered for SDPA under their causal masks, as where the kernels cannot be built)."""
     model = tiny_model(arch)
     engine = make_engine(model, BLOCK, 256)
-    assert engine.runner.in_place_decode  # a CPU with a compiler takes the kernel by default
-    engine.runner.in_place_decode = in_place
+    assert engine.runner.in_place_decode and engine.runner.in_place_chunks  # a CPU with a compiler: the kernels
+    engine.runner.in_place_decode = engine.runner.in_place_chunks = in_place
     root = engine.namespace().root()
     system = random_tokens((MIN_SHARED_BLOCKS + 2) * BLOCK + 3, seed=70)
     run(engine, [make_seq(model, system, 1, hash_root=root)])
