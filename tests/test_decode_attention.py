@@ -66,6 +66,29 @@ def test_in_place_attention_equals_sdpa_over_the_gathered_blocks(lens: list[int]
 
 
 @needs_kernel
+@pytest.mark.parametrize(("lens", "kv_heads", "group", "head_dim"), [
+    ([37, 250], 3, 3, 64),  # SmolLM2's heads, one query a head
+    ([1000], 3, 12, 64),  # rows over a prefix they share: 16 queries to a vector
+    ([20, 3], 2, 3, 12),  # a head size not a multiple of 16
+])
+def test_a_bfloat16_cache_reads_as_its_values_in_float32(lens: list[int], kv_heads: int, group: int,
+                                                         head_dim: int) -> None:
+    """The same float32 arithmetic over each bfloat16 value widened (exactly): the outputs are those of the
+    kernel over the cache converted to float32, whatever dtype the queries come in."""
+    assert kernel is not None
+    g = torch.Generator().manual_seed(len(lens))
+    kv = torch.randn(80, 2, 2, BLOCK, kv_heads, head_dim, generator=g).bfloat16()
+    width = max(-(-n // BLOCK) for n in lens)
+    tables = torch.randperm(80, generator=g)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), kv_heads, group, head_dim, generator=g).bfloat16()
+    out, lse = kernel(q, kv, 1, tables, torch.tensor(lens), 0.3)
+    want_out, want_lse = kernel(q.float(), kv.float(), 1, tables, torch.tensor(lens), 0.3)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+@needs_kernel
 @pytest.mark.parametrize(("lens", "table"), [
     ([0], [3]),  # a row with no token
     ([17], [3]),  # more tokens than its one block holds

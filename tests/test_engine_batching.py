@@ -412,6 +412,26 @@ def test_the_chunk_kernel_equals_sdpa_over_the_gathered_context(heads: int, kv_h
 
 
 @needs_chunk_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "tokens", "context"), [
+    (9, 3, 64, 16, 53, 245),
+    (8, 2, 32, 5, 33, 71),
+])
+def test_the_chunk_kernel_reads_a_bfloat16_cache_as_its_values_in_float32(
+        heads: int, kv_heads: int, head_dim: int, block_size: int, tokens: int, context: int) -> None:
+    assert chunk_kernel is not None
+    g = torch.Generator().manual_seed(tokens)
+    blocks = -(-context // block_size)
+    cache = KVCache(blocks + 7, num_layers=3, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                    dtype=torch.bfloat16)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    table = torch.randperm(blocks + 7, generator=g)[:blocks]
+    q = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).bfloat16()[:, :heads]
+    got = chunk_kernel(q, cache.kv, 1, table, context, 0.3)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, chunk_kernel(q.float(), cache.kv.float(), 1, table, context, 0.3), rtol=0, atol=0)
+
+
+@needs_chunk_kernel
 def test_the_chunk_kernel_refuses_what_lies_outside_the_cache() -> None:
     assert chunk_kernel is not None
     cache = KVCache(4, num_layers=2, block_size=4, num_kv_heads=1, head_dim=16, dtype=torch.float32)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.engine import native
 from kvserve.engine.model import Model, load_model, model_dtype
 from kvserve.engine.paged_attention import chunk_mask
 from kvserve.engine.tiny import init_tiny_model
@@ -34,14 +35,22 @@ def _prompts() -> list[list[int]]:
     return [random_tokens(n, seed=300 + n) for n in (5, 40, 77)]
 
 
-def _run_against_oracle(model: Model, dtype: torch.dtype) -> None:
+def _run_against_oracle(model: Model, dtype: torch.dtype, in_place: bool | None = None,
+                        caplog: pytest.LogCaptureFixture | None = None) -> None:
     """Three streams, prompts in chunks of 32 tokens (the 77-token one over three steps, its later chunks
-    attending to earlier context), each equal to the oracle's greedy tokens."""
+    attending to earlier context), each equal to the oracle's greedy tokens. `in_place`: attention through the C
+    kernels (True, where they are built) or SDPA over gathered blocks (False); None: as the engine chose."""
     engine = make_engine(model, BLOCK, 32, max_num_batched_tokens=32, max_num_seqs=4)
     assert (engine.kv_cache.kv.dtype, engine.kv_cache.kv.device.type) == (dtype, model.device.type)
+    if in_place is not None:
+        assert engine.runner.in_place_decode == engine.runner.in_place_chunks == (native.decode_kernel() is not None)
+        if not in_place:
+            engine.runner.in_place_decode = engine.runner.in_place_chunks = False
     seqs = [make_seq(model, p, NEW_TOKENS) for p in _prompts()]
     for seq, outcome in zip(seqs, run(engine, seqs), strict=True):
         assert_matches_oracle(model, seq, outcome, NEAR_TIE[dtype])
+    if caplog is not None:  # every step ran as one batch: none failed and was retried sequence by sequence
+        assert not [r for r in caplog.records if "retrying each alone" in r.getMessage()]
 
 
 def test_auto_loads_the_dtype_the_config_names_and_a_name_overrides_it(bf16_path: Path) -> None:
@@ -68,8 +77,12 @@ def test_the_services_take_a_dtype() -> None:
         prefill_parser().parse_args(["--model", "m", "--dtype", "int8"])
 
 
-def test_bfloat16_on_cpu_equals_hf_generate_in_bfloat16(bf16_path: Path) -> None:
-    _run_against_oracle(load_model(bf16_path, dtype="bfloat16"), torch.bfloat16)
+@pytest.mark.parametrize("in_place", [True, False], ids=["C kernels", "SDPA"])
+def test_bfloat16_on_cpu_equals_hf_generate_in_bfloat16(bf16_path: Path, in_place: bool,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    if in_place and native.decode_kernel() is None:
+        pytest.skip("no C kernels here")
+    _run_against_oracle(load_model(bf16_path, dtype="bfloat16"), torch.bfloat16, in_place, caplog)
 
 
 def test_a_chunk_over_earlier_context_gets_a_mask_only_on_cpu() -> None:

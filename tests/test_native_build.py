@@ -87,8 +87,9 @@ def test_an_engine_names_its_kernel_and_a_cache_the_kernel_cannot_read_is_the_fa
     assert runner.in_place_decode == (runner.attention.name != SDPA)
     assert native.attention_kernel("cuda") == AttentionKernel(SDPA, "the KV cache is on cuda: the C kernel reads "
                                                                     "host memory")
-    assert native.attention_kernel("cpu", torch.bfloat16) == AttentionKernel(
-        SDPA, "the KV cache is bfloat16: the C kernel reads float32")
+    assert native.attention_kernel("cpu", torch.bfloat16) == native.attention_kernel("cpu", torch.float32)
+    assert native.attention_kernel("cpu", torch.float16) == AttentionKernel(
+        SDPA, "the KV cache is float16: the C kernel reads float32 and bfloat16")
     monkeypatch.setenv("KVSERVE_NATIVE_ATTENTION", "0")
     assert native.attention_kernel() == AttentionKernel(SDPA, "turned off (KVSERVE_NATIVE_ATTENTION=0)")
 

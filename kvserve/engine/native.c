@@ -26,10 +26,34 @@
  * would sum the lanes one by one, for every key. */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-static inline float dot16(const float *a, const float *b, int64_t n) {
-    v16 acc = *(const v16 *)a * *(const v16 *)b;
+/* The cache holds float32 or bfloat16 (a float32's upper 16 bits); the attention kernels read either as float32.
+ * `bf16` is a constant wherever these are inlined, so each kernel is built once per type with no branch. */
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
+
+static inline __attribute__((always_inline)) const void *kv_at(const void *kv, int64_t i, const int bf16) {
+    return (const char *)kv + i * (bf16 ? 2 : 4);
+}
+
+static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t i, const int bf16) {
+    if (!bf16)
+        return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) v16 kv_get16(const void *p, int64_t i, const int bf16) {
+    if (!bf16)
+        return *(const v16 *)((const float *)p + i);
+    return (v16)(__builtin_convertvector(*(const u16x16 *)((const uint16_t *)p + i), u32x16) << 16);
+}
+
+static inline __attribute__((always_inline)) float dot16(const float *a, const void *b, int64_t n, const int bf16) {
+    v16 acc = *(const v16 *)a * kv_get16(b, 0, bf16);
     for (int64_t i = 16; i < n; i += 16)
-        acc += *(const v16 *)(a + i) * *(const v16 *)(b + i);
+        acc += *(const v16 *)(a + i) * kv_get16(b, i, bf16);
     acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -78,11 +102,11 @@ static inline v16 exp16_nonpositive(v16 x) {
     return (v16)((i16v)(p * (v16)((ni + 127) << 23)) & ~under);
 }
 
-/* Asks for the `n` floats at `p` (a block's keys and values, in one layer) a line at a time: blocks lie anywhere
+/* Asks for the `bytes` at `p` (a block's keys and values, in one layer) a line at a time: blocks lie anywhere
  * in the cache, so the hardware's prefetchers learn each one's addresses only after its first misses. */
-static inline void prefetch_block(const float *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16)
-        __builtin_prefetch(p + i, 0, 2);
+static inline void prefetch_block(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64)
+        __builtin_prefetch((const char *)p + i, 0, 2);
 }
 
 /* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
@@ -91,9 +115,9 @@ static inline void prefetch_block(const float *p, int64_t n) {
  * block's tokens. Inlined for the usual head sizes (attend_row), so that the compiler knows head_dim: the loops
  * over it unroll, and an output row of 64 or 128 floats stays in registers across a block. */
 static inline __attribute__((always_inline)) void attend_blocks(
-    const float *restrict q, const float *restrict kv, const int64_t *table, int64_t len, int64_t first,
+    const float *restrict q, const void *restrict kv, const int64_t *table, int64_t len, int64_t first,
     int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size, int64_t kv_heads, int64_t group,
-    const int64_t head_dim, float scale, float *restrict o, float *restrict m, float *restrict l) {
+    const int64_t head_dim, float scale, float *restrict o, float *restrict m, float *restrict l, const int bf16) {
     const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
     float s[queries][block_size];
     for (int64_t i = 0; i < queries; i++) {
@@ -102,22 +126,22 @@ static inline __attribute__((always_inline)) void attend_blocks(
     }
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
-        const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
+        const void *k = kv_at(kv, table[b] * block_stride + layer_offset, bf16), *v = kv_at(k, half, bf16);
         if (b + 1 < last) /* the next block lies elsewhere: ask for its keys and values now */
-            prefetch_block(kv + table[b + 1] * block_stride + layer_offset, 2 * half);
+            prefetch_block(kv_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t t = 0; t < n; t++) {
-                const float *kt = k + t * slot + h * head_dim;
+                const void *kt = kv_at(k, t * slot + h * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qi = q + (h * group + g) * head_dim;
                     float dot = 0.0f;
                     if (head_dim % 16 == 0) {
-                        dot = dot16(qi, kt, head_dim);
+                        dot = dot16(qi, kt, head_dim, bf16);
                     } else {
 #pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < head_dim; d++)
-                            dot += qi[d] * kt[d];
+                            dot += qi[d] * kv_get(kt, d, bf16);
                     }
                     s[h * group + g][t] = dot * scale;
                 }
@@ -170,10 +194,10 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 float *oi = o + (h * group + g) * head_dim;
                 const float *p = s[h * group + g];
                 for (int64_t t = 0; t < n; t++) {
-                    const float *vt = v + t * slot + h * head_dim;
+                    const void *vt = kv_at(v, t * slot + h * head_dim, bf16);
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; d++)
-                        oi[d] += p[t] * vt[d];
+                        oi[d] += p[t] * kv_get(vt, d, bf16);
                 }
             }
         }
@@ -187,9 +211,9 @@ static inline __attribute__((always_inline)) void attend_blocks(
  * of 16 lanes, zero past the last query. */
 #define WIDE_GROUP 8
 static inline __attribute__((always_inline)) void attend_blocks_wide(
-    const v16 *restrict qt, const float *restrict kv, const int64_t *table, int64_t len, int64_t first, int64_t last,
+    const v16 *restrict qt, const void *restrict kv, const int64_t *table, int64_t len, int64_t first, int64_t last,
     int64_t block_stride, int64_t layer_offset, const int64_t block_size, int64_t kv_heads, int64_t group,
-    const int64_t head_dim, float *restrict o, float *restrict m, float *restrict l) {
+    const int64_t head_dim, float *restrict o, float *restrict m, float *restrict l, const int bf16) {
     const int64_t queries = kv_heads * group, slot = kv_heads * head_dim, half = block_size * slot;
     const int64_t chunks = (group + 15) / 16;
     v16 mv[kv_heads * chunks], lv[kv_heads * chunks], s[16];
@@ -201,9 +225,9 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
     }
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
-        const float *k = kv + table[b] * block_stride + layer_offset, *v = k + half;
+        const void *k = kv_at(kv, table[b] * block_stride + layer_offset, bf16), *v = kv_at(k, half, bf16);
         if (b + 1 < last)
-            prefetch_block(kv + table[b + 1] * block_stride + layer_offset, 2 * half);
+            prefetch_block(kv_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t c = 0; c < chunks; c++) {
@@ -212,11 +236,11 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
                 for (int64_t t0 = 0; t0 < block_size; t0 += 8) { /* 8 tokens a pass: their sums stay in registers */
                     const int64_t tn = block_size - t0 < 8 ? block_size - t0 : 8;
                     v16 acc[8] = {{0}};
-                    const float *kt = k + t0 * slot + h * head_dim;
+                    const void *kt = kv_at(k, t0 * slot + h * head_dim, bf16);
                     for (int64_t d = 0; d < head_dim; d++) {
                         const v16 qd = qc[d];
                         for (int64_t t = 0; t < tn; t++)
-                            acc[t] += qd * kt[t * slot + d];
+                            acc[t] += qd * kv_get(kt, t * slot + d, bf16);
                     }
                     for (int64_t t = 0; t < tn; t++)
                         s[t0 + t] = acc[t];
@@ -239,10 +263,10 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
                     for (int64_t d = 0; d < head_dim; d++)
                         oi[d] *= cj;
                     for (int64_t t = 0; t < n; t++) {
-                        const float *vt = v + t * slot + h * head_dim;
+                        const void *vt = kv_at(v, t * slot + h * head_dim, bf16);
                         const float pt = p[t][j];
                         for (int64_t d = 0; d < head_dim; d++)
-                            oi[d] += pt * vt[d];
+                            oi[d] += pt * kv_get(vt, d, bf16);
                     }
                 }
             }
@@ -256,43 +280,70 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
     }
 }
 
-static void attend_row_wide(const v16 *qt, const float *kv, const int64_t *table, int64_t len, int64_t first,
-                            int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
-                            int64_t kv_heads, int64_t group, int64_t head_dim, float *o, float *m, float *l) {
+/* attend_blocks_wide and attend_blocks, inlined for the usual head and block sizes, for the cache's type (bf16). */
+static inline __attribute__((always_inline)) void attend_row_wide_as(
+    const v16 *qt, const void *kv, const int64_t *table, int64_t len, int64_t first, int64_t last,
+    int64_t block_stride, int64_t layer_offset, int64_t block_size, int64_t kv_heads, int64_t group,
+    int64_t head_dim, float *o, float *m, float *l, const int bf16) {
     if (head_dim == 64 && block_size == 16)
         attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, 16, kv_heads, group,
-                           64, o, m, l);
+                           64, o, m, l, bf16);
     else if (head_dim == 128 && block_size == 16)
         attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, 16, kv_heads, group,
-                           128, o, m, l);
+                           128, o, m, l, bf16);
     else
         attend_blocks_wide(qt, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
-                           head_dim, o, m, l);
+                           head_dim, o, m, l, bf16);
 }
 
-static void attend_row(const float *q, const float *kv, const int64_t *table, int64_t len, int64_t first,
-                       int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
-                       int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m, float *l) {
+static void attend_row_wide(const v16 *qt, const void *kv, const int64_t *table, int64_t len, int64_t first,
+                            int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                            int64_t kv_heads, int64_t group, int64_t head_dim, float *o, float *m, float *l, int bf16) {
+    if (bf16)
+        attend_row_wide_as(qt, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                           head_dim, o, m, l, 1);
+    else
+        attend_row_wide_as(qt, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                           head_dim, o, m, l, 0);
+}
+
+static inline __attribute__((always_inline)) void attend_row_as(
+    const float *q, const void *kv, const int64_t *table, int64_t len, int64_t first, int64_t last,
+    int64_t block_stride, int64_t layer_offset, int64_t block_size, int64_t kv_heads, int64_t group,
+    int64_t head_dim, float scale, float *o, float *m, float *l, const int bf16) {
     if (head_dim == 64)
         attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group, 64,
-                      scale, o, m, l);
+                      scale, o, m, l, bf16);
     else if (head_dim == 128)
         attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group, 128,
-                      scale, o, m, l);
+                      scale, o, m, l, bf16);
     else
         attend_blocks(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
-                      head_dim, scale, o, m, l);
+                      head_dim, scale, o, m, l, bf16);
 }
 
-/* q [rows][kv_heads][group][head_dim]; kv [blocks][layers][2][block_size][kv_heads][head_dim]; tables
- * [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group]. A row's blocks are split in ranges,
+static void attend_row(const float *q, const void *kv, const int64_t *table, int64_t len, int64_t first,
+                       int64_t last, int64_t block_stride, int64_t layer_offset, int64_t block_size,
+                       int64_t kv_heads, int64_t group, int64_t head_dim, float scale, float *o, float *m, float *l,
+                       int bf16) {
+    if (bf16)
+        attend_row_as(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                      head_dim, scale, o, m, l, 1);
+    else
+        attend_row_as(q, kv, table, len, first, last, block_stride, layer_offset, block_size, kv_heads, group,
+                      head_dim, scale, o, m, l, 0);
+}
+
+/* q [rows][kv_heads][group][head_dim]; kv [blocks][layers][2][block_size][kv_heads][head_dim], float32 or, where
+ * kv_bf16, bfloat16; tables [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group]. A row's blocks are
+ * split in ranges,
  * enough for every thread to have work with a single row, and the ranges' results merged by their maxima and
  * sums. Returns 0; -2, reading nothing, when a row's length or a block it reads is out of bounds; -1 when out
  * of memory. */
-int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, const int64_t *tables,
+int kvserve_decode_attention(const float *q, const void *kv, int64_t blocks, const int64_t *tables,
                              const int64_t *lens, int64_t rows, int64_t width, int64_t layers, int64_t layer,
                              int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-                             float *out, float *lse) {
+                             float *out, float *lse, int64_t kv_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         if (lens[r] < 1 || lens[r] > width * block_size)
             return -2;
@@ -335,11 +386,11 @@ int kvserve_decode_attention(const float *q, const float *kv, int64_t blocks, co
             if (qt != NULL)
                 attend_row_wide(qt + r * kv_heads * chunks * head_dim, kv, tables + r * width, lens[r],
                                 blocks * p / splits, blocks * (p + 1) / splits, block_stride, layer_offset, block_size,
-                                kv_heads, group, head_dim, part + at * head_dim, part_m + at, part_l + at);
+                                kv_heads, group, head_dim, part + at * head_dim, part_m + at, part_l + at, kv_bf16 != 0);
             else
                 attend_row(q + r * queries * head_dim, kv, tables + r * width, lens[r], blocks * p / splits,
                            blocks * (p + 1) / splits, block_stride, layer_offset, block_size, kv_heads, group,
-                           head_dim, scale, part + at * head_dim, part_m + at, part_l + at);
+                           head_dim, scale, part + at * head_dim, part_m + at, part_l + at, kv_bf16 != 0);
         }
     }
     free(qt);
@@ -540,10 +591,10 @@ int kvserve_rope_store(float *qkv, int64_t tokens, int64_t heads, int64_t kv_hea
  * no score matrix is written: SDPA (or two oneDNN matmuls and a softmax) over a gathered context wrote and read
  * [queries][ctx] scores, and a cold 2.5k-token prompt on SmolLM2 spent 2 of its 5.3 s there. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *restrict q, int64_t q_token, int64_t q_head, const float *restrict kv, const int64_t *table,
+    const float *restrict q, int64_t q_token, int64_t q_head, const void *restrict kv, const int64_t *table,
     int64_t ctx, int64_t n, int64_t h, int64_t j0, int64_t block_stride, int64_t layer_offset,
     const int64_t block_size, int64_t kv_heads, int64_t group, const int64_t head_dim, float scale,
-    float *restrict out) {
+    float *restrict out, const int bf16) {
     const int64_t slot = kv_heads * head_dim, half = block_size * slot, heads = kv_heads * group;
     const int64_t lanes = n * group - j0 < 16 ? n * group - j0 : 16;
     v16 qt[head_dim], ot[head_dim], pos = {0};
@@ -558,19 +609,20 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t first = ctx - n + j0 / group, end = ctx - n + (j0 + lanes - 1) / group + 1; /* keys read */
     v16 m = (v16){0} - INFINITY, l = {0};
     for (int64_t b = 0; b * block_size < end; b++) {
-        const float *k = kv + table[b] * block_stride + layer_offset + h * head_dim, *v = k + half;
+        const void *k = kv_at(kv, table[b] * block_stride + layer_offset + h * head_dim, bf16),
+                   *v = kv_at(k, half, bf16);
         if ((b + 1) * block_size < end)
-            prefetch_block(kv + table[b + 1] * block_stride + layer_offset, 2 * half);
+            prefetch_block(kv_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
         const int64_t nt = end - b * block_size < block_size ? end - b * block_size : block_size;
         v16 s[block_size];
         int64_t t0 = 0;
         for (; t0 + 8 <= nt; t0 += 8) { /* 8 keys a pass: their sums stay in registers */
             v16 acc[8] = {{0}};
-            const float *kt = k + t0 * slot;
+            const void *kt = kv_at(k, t0 * slot, bf16);
             for (int64_t d = 0; d < head_dim; d++) {
                 const v16 qd = qt[d];
                 for (int64_t t = 0; t < 8; t++)
-                    acc[t] += qd * kt[t * slot + d];
+                    acc[t] += qd * kv_get(kt, t * slot + d, bf16);
             }
             for (int64_t t = 0; t < 8; t++)
                 s[t0 + t] = acc[t];
@@ -578,7 +630,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (; t0 < nt; t0++) { /* the tile's last keys */
             v16 acc = {0};
             for (int64_t d = 0; d < head_dim; d++)
-                acc += qt[d] * k[t0 * slot + d];
+                acc += qt[d] * kv_get(k, t0 * slot + d, bf16);
             s[t0] = acc;
         }
         v16 top = m;
@@ -602,9 +654,9 @@ static inline __attribute__((always_inline)) void attend_tile(
                 acc[e] = ot[d0 + e] * corr;
             for (int64_t t = 0; t < nt; t++) {
                 const v16 p = s[t];
-                const float *vt = v + t * slot + d0;
+                const void *vt = kv_at(v, t * slot + d0, bf16);
                 for (int64_t e = 0; e < 16; e++)
-                    acc[e] += p * vt[e];
+                    acc[e] += p * kv_get(vt, e, bf16);
             }
             for (int64_t e = 0; e < 16; e++)
                 ot[d0 + e] = acc[e];
@@ -619,30 +671,42 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-static void attend_tile_any(const float *q, int64_t q_token, int64_t q_head, const float *kv, const int64_t *table,
-                            int64_t ctx, int64_t n, int64_t h, int64_t j0, int64_t block_stride, int64_t layer_offset,
-                            int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-                            float *out) {
+static inline __attribute__((always_inline)) void attend_tile_as(
+    const float *q, int64_t q_token, int64_t q_head, const void *kv, const int64_t *table, int64_t ctx, int64_t n,
+    int64_t h, int64_t j0, int64_t block_stride, int64_t layer_offset, int64_t block_size, int64_t kv_heads,
+    int64_t group, int64_t head_dim, float scale, float *out, const int bf16) {
     if (head_dim == 64 && block_size == 16)
         attend_tile(q, q_token, q_head, kv, table, ctx, n, h, j0, block_stride, layer_offset, 16, kv_heads, group, 64,
-                    scale, out);
+                    scale, out, bf16);
     else if (head_dim == 128 && block_size == 16)
         attend_tile(q, q_token, q_head, kv, table, ctx, n, h, j0, block_stride, layer_offset, 16, kv_heads, group,
-                    128, scale, out);
+                    128, scale, out, bf16);
     else if (head_dim % 16 == 0)
         attend_tile(q, q_token, q_head, kv, table, ctx, n, h, j0, block_stride, layer_offset, block_size, kv_heads,
-                    group, head_dim, scale, out);
+                    group, head_dim, scale, out, bf16);
+}
+
+static void attend_tile_any(const float *q, int64_t q_token, int64_t q_head, const void *kv, const int64_t *table,
+                            int64_t ctx, int64_t n, int64_t h, int64_t j0, int64_t block_stride, int64_t layer_offset,
+                            int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+                            float *out, int bf16) {
+    if (bf16)
+        attend_tile_as(q, q_token, q_head, kv, table, ctx, n, h, j0, block_stride, layer_offset, block_size, kv_heads,
+                       group, head_dim, scale, out, 1);
+    else
+        attend_tile_as(q, q_token, q_head, kv, table, ctx, n, h, j0, block_stride, layer_offset, block_size, kv_heads,
+                       group, head_dim, scale, out, 0);
 }
 
 /* q: the chunk's queries, query i of head hd at q[i * q_token + hd * q_head .. + head_dim]; kv
- * [blocks][layers][2][block_size][kv_heads][head_dim]; table [width], the sequence's blocks in order; out
+ * [blocks][layers][2][block_size][kv_heads][head_dim], float32 or, where kv_bf16, bfloat16; table [width], the sequence's blocks in order; out
  * [n][kv_heads * group][head_dim]. Tiles are taken last first (the longest: each reads up to its last query's
  * position), one at a time by whichever thread is free. Returns 0; -2, reading nothing, where ctx, n, the layer
  * or a block the chunk reads is out of bounds, or head_dim is not a multiple of 16. */
-int kvserve_chunk_attention(const float *q, int64_t q_token, int64_t q_head, const float *kv, int64_t blocks,
+int kvserve_chunk_attention(const float *q, int64_t q_token, int64_t q_head, const void *kv, int64_t blocks,
                             const int64_t *table, int64_t width, int64_t ctx, int64_t n, int64_t layers, int64_t layer,
                             int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-                            float *out) {
+                            float *out, int64_t kv_bf16) {
     if (n < 1 || ctx < n || ctx > width * block_size || layer < 0 || layer >= layers || head_dim % 16 ||
         head_dim < 16 || block_size < 1 || kv_heads < 1 || group < 1)
         return -2;
@@ -655,7 +719,7 @@ int kvserve_chunk_attention(const float *q, int64_t q_token, int64_t q_head, con
     for (int64_t w = 0; w < tiles * kv_heads; w++) {
         const int64_t tile = tiles - 1 - w / kv_heads, h = w % kv_heads;
         attend_tile_any(q, q_token, q_head, kv, table, ctx, n, h, tile * 16, block_stride, layer_offset, block_size,
-                        kv_heads, group, head_dim, scale, out);
+                        kv_heads, group, head_dim, scale, out, kv_bf16 != 0);
     }
     return 0;
 }

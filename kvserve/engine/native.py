@@ -50,6 +50,7 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
 SDPA = "sdpa"
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the attention kernels read (computing in float32)
 MARCH_NATIVE = "native-march-native"
 
 
@@ -243,8 +244,9 @@ def attention_kernel(device: str = "cpu", dtype: torch.dtype = torch.float32) ->
     """The decode attention of an engine whose KV cache is on `device` (a torch device type) in `dtype`."""
     if device != "cpu":
         return AttentionKernel(SDPA, f"the KV cache is on {device}: the C kernel reads host memory")
-    if dtype != torch.float32:
-        return AttentionKernel(SDPA, f"the KV cache is {str(dtype).removeprefix('torch.')}: the C kernel reads float32")
+    if dtype not in KV_DTYPES:
+        return AttentionKernel(SDPA, f"the KV cache is {str(dtype).removeprefix('torch.')}: the C kernel reads float32 "
+                               "and bfloat16")
     if os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
         return AttentionKernel(SDPA, "turned off (KVSERVE_NATIVE_ATTENTION=0)")
     return _library()[1]
@@ -455,12 +457,12 @@ ChunkKernel = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, int, floa
 @functools.cache
 def chunk_kernel() -> ChunkKernel | None:
     """``attend(q, kv, layer, table, ctx, scale)``: a prompt chunk's causal attention over its context, read in
-    place from the cache. q [n, heads, head_dim] float32 (the chunk's queries, the last at position ctx - 1; rows
-    of any stride, head_dim contiguous and a multiple of 16); kv the cache's tensor [blocks, layers, 2,
-    block_size, kv_heads, head_dim]; table [blocks] long, the sequence's blocks in order. Returns [n, heads,
-    head_dim]. None where there is no kernel or attention's is turned off (KVSERVE_NATIVE_ATTENTION=0)."""
+    place from the cache. q [n, heads, head_dim] (the chunk's queries, the last at position ctx - 1; head_dim a
+    multiple of 16); kv the cache's tensor [blocks, layers, 2, block_size, kv_heads, head_dim], float32 or bfloat16;
+    table [blocks] long, the sequence's blocks in order. Computes in float32; returns [n, heads, head_dim] float32.
+    None where there is no kernel or attention's is turned off (KVSERVE_NATIVE_ATTENTION=0)."""
     fn = _function("kvserve_chunk_attention", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
-                                               _I64, _I64, _I64, _I64, ctypes.c_float, _PTR])
+                                               _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _I64])
     if fn is None or os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
         return None
 
@@ -468,12 +470,14 @@ def chunk_kernel() -> ChunkKernel | None:
                scale: float) -> torch.Tensor:
         n, heads, head_dim = q.shape
         blocks, layers, _, block_size, kv_heads, _ = kv.shape
-        assert q.dtype == kv.dtype == torch.float32 and kv.is_contiguous()
+        assert kv.dtype in KV_DTYPES and kv.is_contiguous()
+        q = q.float()
         q = q if q.stride(2) == 1 else q.contiguous()
         assert table.dtype == torch.long and table.is_contiguous() and heads % kv_heads == 0
         out = q.new_empty(n, heads, head_dim)
         if fn(q.data_ptr(), q.stride(0), q.stride(1), kv.data_ptr(), blocks, table.data_ptr(), table.numel(), ctx, n,
-              layers, layer, block_size, kv_heads, heads // kv_heads, head_dim, scale, out.data_ptr()):
+              layers, layer, block_size, kv_heads, heads // kv_heads, head_dim, scale, out.data_ptr(),
+              kv.dtype == torch.bfloat16):
             raise ValueError("chunk attention: its length, layer, head size or a block is outside the cache")
         return out
 
@@ -484,24 +488,25 @@ def decode_attention(lib: ctypes.CDLL) -> DecodeKernel:
     """The decode attention of the kernels `lib` (load's)."""
     fn = lib.kvserve_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+    fn.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, i64]
     fn.restype = ctypes.c_int
 
     def attend(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor, lens: torch.Tensor,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [rows, kv_heads, group, head_dim] float32 (one query per head); kv the cache's tensor
-        [blocks, layers, 2, block_size, kv_heads, head_dim]; tables [rows, width] long, each row's blocks in
-        order; lens [rows] long, its tokens in them. Returns the output like q, and the log-sum-exp
-        [rows, kv_heads, group]."""
+        """q [rows, kv_heads, group, head_dim] (one query per head); kv the cache's tensor [blocks, layers, 2,
+        block_size, kv_heads, head_dim], float32 or bfloat16; tables [rows, width] long, each row's blocks in
+        order; lens [rows] long, its tokens in them. Computes in float32; returns the output like q in float32, and
+        the log-sum-exp [rows, kv_heads, group]."""
         rows, kv_heads, group, head_dim = q.shape
         _, layers, _, block_size, _, _ = kv.shape
-        assert q.dtype == kv.dtype == torch.float32 and kv.is_contiguous()
+        assert kv.dtype in KV_DTYPES and kv.is_contiguous()
         assert tables.dtype == lens.dtype == torch.long and tables.is_contiguous() and lens.is_contiguous()
-        q = q.contiguous()
+        q = q.float().contiguous()
         out, lse = torch.empty_like(q), q.new_empty(rows, kv_heads, group)
         # the kernel checks the lengths and the blocks it would read against the cache's bounds
         rc = fn(q.data_ptr(), kv.data_ptr(), kv.shape[0], tables.data_ptr(), lens.data_ptr(), rows, tables.shape[1],
-                layers, layer, block_size, kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr())
+                layers, layer, block_size, kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr(),
+                kv.dtype == torch.bfloat16)
         if rc == -2:
             raise ValueError("decode attention: a row's length or block is outside its table or the cache")
         if rc:

@@ -249,8 +249,8 @@ def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                 attn_mask=batch.decode_mask, scale=scaling,
             )  # [decodes, kv_heads, heads per kv head, head_dim]
         if not batch.chunks:
-            return o.reshape(n, heads, d)
-        out[batch.decode_rows] = o.reshape(n, heads, d)
+            return o.reshape(n, heads, d).to(query.dtype)  # the kernels return float32
+        out[batch.decode_rows] = o.reshape(n, heads, d).to(out.dtype)
     for c in batch.chunks:
         start, end = c.start, c.start + c.num_tokens
         if layer == batch.last_layer:  # the chunk's rows past this layer: its sampled last one, if any
