@@ -12,6 +12,7 @@ import torch
 
 from kvserve.engine import native
 from kvserve.engine.packed_linear import (
+    FEW_ROWS,
     FusedPart,
     PackedEmbedding,
     PackedLinear,
@@ -54,8 +55,29 @@ def test_the_kernels_product_is_the_linear_layers_at_every_row_count(n: int, k: 
             assert (got - exact).abs().max() <= 8 * max((mkl - exact).abs().max(), 1e-6)
     weight.zero_()  # the packed copy is the kernel's own
     assert product(torch.ones(1, k)).abs().sum() > 0
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
         product(torch.ones(1, k, dtype=torch.float64))
+
+
+@pytest.mark.skipif(native.linear_kernel() is None, reason="no C kernel here")
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_a_bfloat16_weights_panels_give_its_products_rounded_once(rows: int) -> None:
+    """The panels of a bfloat16 weight, widened to float32 as they are read: the float32 sum of exact products,
+    rounded to bfloat16 once, within half a bfloat16 step of the exact result (and a few float32 steps)."""
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(100, 576).bfloat16(), torch.randn(100).bfloat16()
+    panels = native.linear_kernel()(weight, bias)  # type: ignore[misc]
+    assert panels.panels.dtype == torch.bfloat16
+    ids = torch.tensor([[0, 17], [31, 99]])  # a tied embedding reads the weight's rows back from the panels
+    assert torch.equal(panels.rows(ids), weight[ids])
+    x = torch.randn(rows, 576).bfloat16()
+    got = panels(x)
+    assert got.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    product = pack(weight, bias)  # the panels for few rows, oneDNN's copy (where it takes bfloat16) for more
+    if rows <= FEW_ROWS or not has_onednn(torch.device("cpu"), torch.bfloat16):
+        assert torch.equal(product(x), got)
 
 
 @pytest.mark.parametrize("dtype", [

@@ -26,16 +26,16 @@
  * would sum the lanes one by one, for every key. */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-/* The cache holds float32 or bfloat16 (a float32's upper 16 bits); the attention kernels read either as float32.
- * `bf16` is a constant wherever these are inlined, so each kernel is built once per type with no branch. */
+/* The KV cache and the packed weights hold float32 or bfloat16 (a float32's upper 16 bits); the kernels read either
+ * as float32. `bf16` is a constant wherever these are inlined, so each kernel is built once per type, no branch. */
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
 
-static inline __attribute__((always_inline)) const void *kv_at(const void *kv, int64_t i, const int bf16) {
-    return (const char *)kv + i * (bf16 ? 2 : 4);
+static inline __attribute__((always_inline)) const void *elem_at(const void *p, int64_t i, const int bf16) {
+    return (const char *)p + i * (bf16 ? 2 : 4);
 }
 
-static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t i, const int bf16) {
+static inline __attribute__((always_inline)) float load_f32(const void *p, int64_t i, const int bf16) {
     if (!bf16)
         return ((const float *)p)[i];
     const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
@@ -44,16 +44,16 @@ static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t
     return f;
 }
 
-static inline __attribute__((always_inline)) v16 kv_get16(const void *p, int64_t i, const int bf16) {
+static inline __attribute__((always_inline)) v16 load16_f32(const void *p, int64_t i, const int bf16) {
     if (!bf16)
         return *(const v16 *)((const float *)p + i);
     return (v16)(__builtin_convertvector(*(const u16x16 *)((const uint16_t *)p + i), u32x16) << 16);
 }
 
 static inline __attribute__((always_inline)) float dot16(const float *a, const void *b, int64_t n, const int bf16) {
-    v16 acc = *(const v16 *)a * kv_get16(b, 0, bf16);
+    v16 acc = *(const v16 *)a * load16_f32(b, 0, bf16);
     for (int64_t i = 16; i < n; i += 16)
-        acc += *(const v16 *)(a + i) * kv_get16(b, i, bf16);
+        acc += *(const v16 *)(a + i) * load16_f32(b, i, bf16);
     acc += __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     acc += __builtin_shufflevector(acc, acc, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     acc += __builtin_shufflevector(acc, acc, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -126,13 +126,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
     }
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
-        const void *k = kv_at(kv, table[b] * block_stride + layer_offset, bf16), *v = kv_at(k, half, bf16);
+        const void *k = elem_at(kv, table[b] * block_stride + layer_offset, bf16), *v = elem_at(k, half, bf16);
         if (b + 1 < last) /* the next block lies elsewhere: ask for its keys and values now */
-            prefetch_block(kv_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
+            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t t = 0; t < n; t++) {
-                const void *kt = kv_at(k, t * slot + h * head_dim, bf16);
+                const void *kt = elem_at(k, t * slot + h * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qi = q + (h * group + g) * head_dim;
                     float dot = 0.0f;
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     } else {
 #pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < head_dim; d++)
-                            dot += qi[d] * kv_get(kt, d, bf16);
+                            dot += qi[d] * load_f32(kt, d, bf16);
                     }
                     s[h * group + g][t] = dot * scale;
                 }
@@ -194,10 +194,10 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 float *oi = o + (h * group + g) * head_dim;
                 const float *p = s[h * group + g];
                 for (int64_t t = 0; t < n; t++) {
-                    const void *vt = kv_at(v, t * slot + h * head_dim, bf16);
+                    const void *vt = elem_at(v, t * slot + h * head_dim, bf16);
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; d++)
-                        oi[d] += p[t] * kv_get(vt, d, bf16);
+                        oi[d] += p[t] * load_f32(vt, d, bf16);
                 }
             }
         }
@@ -225,9 +225,9 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
     }
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
-        const void *k = kv_at(kv, table[b] * block_stride + layer_offset, bf16), *v = kv_at(k, half, bf16);
+        const void *k = elem_at(kv, table[b] * block_stride + layer_offset, bf16), *v = elem_at(k, half, bf16);
         if (b + 1 < last)
-            prefetch_block(kv_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
+            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t c = 0; c < chunks; c++) {
@@ -236,11 +236,11 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
                 for (int64_t t0 = 0; t0 < block_size; t0 += 8) { /* 8 tokens a pass: their sums stay in registers */
                     const int64_t tn = block_size - t0 < 8 ? block_size - t0 : 8;
                     v16 acc[8] = {{0}};
-                    const void *kt = kv_at(k, t0 * slot + h * head_dim, bf16);
+                    const void *kt = elem_at(k, t0 * slot + h * head_dim, bf16);
                     for (int64_t d = 0; d < head_dim; d++) {
                         const v16 qd = qc[d];
                         for (int64_t t = 0; t < tn; t++)
-                            acc[t] += qd * kv_get(kt, t * slot + d, bf16);
+                            acc[t] += qd * load_f32(kt, t * slot + d, bf16);
                     }
                     for (int64_t t = 0; t < tn; t++)
                         s[t0 + t] = acc[t];
@@ -263,10 +263,10 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
                     for (int64_t d = 0; d < head_dim; d++)
                         oi[d] *= cj;
                     for (int64_t t = 0; t < n; t++) {
-                        const void *vt = kv_at(v, t * slot + h * head_dim, bf16);
+                        const void *vt = elem_at(v, t * slot + h * head_dim, bf16);
                         const float pt = p[t][j];
                         for (int64_t d = 0; d < head_dim; d++)
-                            oi[d] += pt * kv_get(vt, d, bf16);
+                            oi[d] += pt * load_f32(vt, d, bf16);
                     }
                 }
             }
@@ -450,12 +450,15 @@ int kvserve_copy_finite(void *restrict dst, const void *restrict src, int64_t n,
  * of x (a decode step's few rows read it once): 8 rows' scalars broadcast against the panel's 2 vectors per
  * input feature, 16 sums in registers, no sum across lanes. oneDNN's product over its own packed layout took
  * 28.5 ms for one row of SmolLM2-135M's weights (its one-row path streams at 19 GB/s) where this takes 19.2 ms
- * (28 GB/s, what a plain read of memory reaches here); 32.4 against 25.4 ms for 16 rows; even from 512 rows. */
+ * (28 GB/s, what a plain read of memory reaches here); 32.4 against 25.4 ms for 16 rows; even from 512 rows.
+ * A bfloat16 weight (`bf16`) is widened to float32 as it is read: half the bytes to stream, the same sums. Its
+ * panels hold each row's 32 features interleaved, 0, 16, 1, 17, ..., so that one 64-byte load widens into both
+ * vectors with a shift and a mask (gcc widened 16 at a time in four instructions, and streamed at 29 GB/s). */
 #define PANEL 32
 
 static inline __attribute__((always_inline)) void product_rows(int rows, const float *x, int64_t k,
-                                                              const float *p, const float *bias, int64_t cols,
-                                                              float *y, int64_t ldy) {
+                                                              const void *p, const float *bias, int64_t cols,
+                                                              float *y, int64_t ldy, const int bf16) {
     v16 a0[8], a1[8];
     const v16 b0 = bias ? *(const v16 *)bias : (v16){0}, b1 = bias ? *(const v16 *)(bias + 16) : (v16){0};
     for (int r = 0; r < rows; r++) {
@@ -463,7 +466,15 @@ static inline __attribute__((always_inline)) void product_rows(int rows, const f
         a1[r] = b1;
     }
     for (int64_t i = 0; i < k; i++) {
-        const v16 w0 = *(const v16 *)(p + i * PANEL), w1 = *(const v16 *)(p + i * PANEL + 16);
+        v16 w0, w1;
+        if (bf16) { /* a panel's row of 32 interleaved as (0, 16), (1, 17), ...: the even ones widen by a shift */
+            const u32x16 pair = *(const u32x16 *)((const uint16_t *)p + i * PANEL);
+            w0 = (v16)(pair << 16);
+            w1 = (v16)(pair & 0xFFFF0000u);
+        } else {
+            w0 = *(const v16 *)((const float *)p + i * PANEL);
+            w1 = *(const v16 *)((const float *)p + i * PANEL + 16);
+        }
         for (int r = 0; r < rows; r++) {
             const float s = x[r * k + i];
             a0[r] += s * w0;
@@ -484,9 +495,13 @@ static inline __attribute__((always_inline)) void product_rows(int rows, const f
 }
 
 #define PRODUCT_ROWS(R)                                                                                        \
-    static void product_rows_##R(const float *x, int64_t k, const float *p, const float *bias, int64_t cols,  \
+    static void product_rows_##R(const float *x, int64_t k, const void *p, const float *bias, int64_t cols,   \
                                  float *y, int64_t ldy) {                                                      \
-        product_rows(R, x, k, p, bias, cols, y, ldy);                                                          \
+        product_rows(R, x, k, p, bias, cols, y, ldy, 0);                                                       \
+    }                                                                                                          \
+    static void product_rows_bf16_##R(const float *x, int64_t k, const void *p, const float *bias,            \
+                                      int64_t cols, float *y, int64_t ldy) {                                   \
+        product_rows(R, x, k, p, bias, cols, y, ldy, 1);                                                       \
     }
 PRODUCT_ROWS(1)
 PRODUCT_ROWS(2)
@@ -496,13 +511,17 @@ PRODUCT_ROWS(5)
 PRODUCT_ROWS(6)
 PRODUCT_ROWS(7)
 PRODUCT_ROWS(8)
-typedef void (*product_fn)(const float *, int64_t, const float *, const float *, int64_t, float *, int64_t);
-static const product_fn PRODUCTS[9] = {NULL, product_rows_1, product_rows_2, product_rows_3, product_rows_4,
-                                       product_rows_5, product_rows_6, product_rows_7, product_rows_8};
+typedef void (*product_fn)(const float *, int64_t, const void *, const float *, int64_t, float *, int64_t);
+static const product_fn PRODUCTS[2][9] = {
+    {NULL, product_rows_1, product_rows_2, product_rows_3, product_rows_4, product_rows_5, product_rows_6,
+     product_rows_7, product_rows_8},
+    {NULL, product_rows_bf16_1, product_rows_bf16_2, product_rows_bf16_3, product_rows_bf16_4, product_rows_bf16_5,
+     product_rows_bf16_6, product_rows_bf16_7, product_rows_bf16_8}};
 
-/* x [m][k]; p [ceil(n / PANEL)][k][PANEL]; bias [ceil(n / PANEL) * PANEL] or NULL; y [m][n]. Returns 0, or -2
- * (nothing written) for sizes below 1. */
-int kvserve_linear(const float *x, int64_t m, int64_t k, const float *p, int64_t n, const float *bias, float *y) {
+/* x [m][k]; p [ceil(n / PANEL)][k][PANEL], float32 or, where p_bf16, bfloat16; bias [ceil(n / PANEL) * PANEL] or
+ * NULL; y [m][n]. Returns 0, or -2 (nothing written) for sizes below 1. */
+int kvserve_linear(const float *x, int64_t m, int64_t k, const void *p, int64_t n, const float *bias, float *y,
+                   int64_t p_bf16) {
     if (m < 1 || k < 1 || n < 1)
         return -2;
     const int64_t panels = (n + PANEL - 1) / PANEL, groups = (m + 7) / 8;
@@ -510,8 +529,8 @@ int kvserve_linear(const float *x, int64_t m, int64_t k, const float *p, int64_t
     for (int64_t j = 0; j < panels; j++) {
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r = g * 8, rows = m - r < 8 ? m - r : 8, cols = n - j * PANEL < PANEL ? n - j * PANEL : PANEL;
-            PRODUCTS[rows](x + r * k, k, p + j * k * PANEL, bias ? bias + j * PANEL : NULL, cols, y + r * n + j * PANEL,
-                           n);
+            PRODUCTS[p_bf16 != 0][rows](x + r * k, k, elem_at(p, j * k * PANEL, p_bf16 != 0), bias ? bias + j * PANEL : NULL,
+                                        cols, y + r * n + j * PANEL, n);
         }
     }
     return 0;
@@ -609,20 +628,20 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t first = ctx - n + j0 / group, end = ctx - n + (j0 + lanes - 1) / group + 1; /* keys read */
     v16 m = (v16){0} - INFINITY, l = {0};
     for (int64_t b = 0; b * block_size < end; b++) {
-        const void *k = kv_at(kv, table[b] * block_stride + layer_offset + h * head_dim, bf16),
-                   *v = kv_at(k, half, bf16);
+        const void *k = elem_at(kv, table[b] * block_stride + layer_offset + h * head_dim, bf16),
+                   *v = elem_at(k, half, bf16);
         if ((b + 1) * block_size < end)
-            prefetch_block(kv_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
+            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
         const int64_t nt = end - b * block_size < block_size ? end - b * block_size : block_size;
         v16 s[block_size];
         int64_t t0 = 0;
         for (; t0 + 8 <= nt; t0 += 8) { /* 8 keys a pass: their sums stay in registers */
             v16 acc[8] = {{0}};
-            const void *kt = kv_at(k, t0 * slot, bf16);
+            const void *kt = elem_at(k, t0 * slot, bf16);
             for (int64_t d = 0; d < head_dim; d++) {
                 const v16 qd = qt[d];
                 for (int64_t t = 0; t < 8; t++)
-                    acc[t] += qd * kv_get(kt, t * slot + d, bf16);
+                    acc[t] += qd * load_f32(kt, t * slot + d, bf16);
             }
             for (int64_t t = 0; t < 8; t++)
                 s[t0 + t] = acc[t];
@@ -630,7 +649,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (; t0 < nt; t0++) { /* the tile's last keys */
             v16 acc = {0};
             for (int64_t d = 0; d < head_dim; d++)
-                acc += qt[d] * kv_get(k, t0 * slot + d, bf16);
+                acc += qt[d] * load_f32(k, t0 * slot + d, bf16);
             s[t0] = acc;
         }
         v16 top = m;
@@ -654,9 +673,9 @@ static inline __attribute__((always_inline)) void attend_tile(
                 acc[e] = ot[d0 + e] * corr;
             for (int64_t t = 0; t < nt; t++) {
                 const v16 p = s[t];
-                const void *vt = kv_at(v, t * slot + d0, bf16);
+                const void *vt = elem_at(v, t * slot + d0, bf16);
                 for (int64_t e = 0; e < 16; e++)
-                    acc[e] += p * kv_get(vt, e, bf16);
+                    acc[e] += p * load_f32(vt, e, bf16);
             }
             for (int64_t e = 0; e < 16; e++)
                 ot[d0 + e] = acc[e];

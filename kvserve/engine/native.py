@@ -305,7 +305,7 @@ def _function(name: str, argtypes: list[type], restype: type | None = ctypes.c_i
 
 @functools.cache
 def _linear_fn() -> Callable[..., int] | None:
-    return _function("kvserve_linear", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR])
+    return _function("kvserve_linear", [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64])
 
 
 HUGE_PAGE = 2 << 20
@@ -326,16 +326,16 @@ class _PanelMemory:
         self._map: mmap.mmap | None = None
         self._used = self._end = 0
 
-    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialised float32 tensor of ``shape``, 64-byte aligned."""
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``, 64-byte aligned."""
         count = math.prod(shape)
-        nbytes = -(-count * 4 // 64) * 64
+        nbytes = -(-count * dtype.itemsize // 64) * 64
         with self._lock:
             if self._map is None or self._used + nbytes > self._end:
                 self._map, self._used, self._end = self._mapping(max(PANEL_MAPPING_BYTES, nbytes))
             with warnings.catch_warnings():  # torch warns that a buffer might not be writable: this one is
                 warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.frombuffer(self._map, dtype=torch.float32, count=count, offset=self._used)
+                tensor = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._used)
             self._used += nbytes
         return tensor.view(shape)
 
@@ -351,45 +351,52 @@ class _PanelMemory:
 
 
 _PANELS = _PanelMemory()
+_BF16_ORDER = torch.arange(PANEL).view(2, PANEL // 2).T.reshape(-1)  # 0, 16, 1, 17, ...
 
 
 class PanelLinear:
-    """x -> x @ weight.T + bias over a float32 CPU weight packed once into panels for the C kernel (a copy;
-    ``weight`` is not kept). ``rows(ids)`` reads rows of the weight back from the panels, so that an embedding
-    table tied to an output projection is held once."""
+    """x -> x @ weight.T + bias over a float32 or bfloat16 CPU weight packed once into panels for the C kernel (a
+    copy; ``weight`` is not kept), computed in float32 and returned in x's dtype. ``rows(ids)`` reads rows of the
+    weight back from the panels, so that an embedding table tied to an output projection is held once."""
 
     def __init__(self, fn: Callable[..., int], weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.n, self.k = weight.shape
         panels = -(-self.n // PANEL)
         with torch.no_grad():
             packed = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - self.n)).view(panels, PANEL, self.k)
-            self.panels = _PANELS.empty((panels, self.k, PANEL))
+            if weight.dtype == torch.bfloat16:  # features 0, 16, 1, 17, ... (native.c's product_rows)
+                packed = packed[:, _BF16_ORDER]
+            self.panels = _PANELS.empty((panels, self.k, PANEL), weight.dtype)
             self.panels.copy_(packed.transpose(1, 2))
-            self.bias = None if bias is None else F.pad(bias.detach(), (0, panels * PANEL - self.n)).contiguous()
-        assert self.panels.dtype == torch.float32 and self.panels.device.type == "cpu"
+            self.bias = None if bias is None else F.pad(bias.detach().float(), (0, panels * PANEL - self.n))
+        assert self.panels.dtype in KV_DTYPES and self.panels.device.type == "cpu"
         self._fn = fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.k).contiguous()
-        if rows.dtype != torch.float32:
-            raise TypeError(f"the packed linear layer takes float32, got {rows.dtype}")
+        if x.dtype not in KV_DTYPES:
+            raise TypeError(f"the packed linear layer takes float32 or bfloat16, got {x.dtype}")
+        rows = x.reshape(-1, self.k).float().contiguous()
         y = rows.new_empty(rows.shape[0], self.n)
         if rows.shape[0]:
             self._fn(rows.data_ptr(), rows.shape[0], self.k, self.panels.data_ptr(), self.n,
-                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr())
-        return y.view(*x.shape[:-1], self.n)
+                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                     self.panels.dtype == torch.bfloat16)
+        return y.view(*x.shape[:-1], self.n).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows ``ids`` (any shape of long) -> [*ids.shape, k]."""
         flat = ids.reshape(-1)
         if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.n:
             raise IndexError(f"row ids must be in [0, {self.n})")
-        return self.panels[flat // PANEL, :, flat % PANEL].reshape(*ids.shape, self.k)
+        at = flat % PANEL
+        if self.panels.dtype == torch.bfloat16:
+            at = at % 16 * 2 + at // 16
+        return self.panels[flat // PANEL, :, at].reshape(*ids.shape, self.k)
 
 
 def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], PanelLinear] | None:
-    """``pack(weight, bias)``: a PanelLinear over a float32 CPU weight; None where there is no kernel or it is
-    turned off (KVSERVE_NATIVE_LINEAR=0)."""
+    """``pack(weight, bias)``: a PanelLinear over a float32 or bfloat16 CPU weight; None where there is no kernel or
+    it is turned off (KVSERVE_NATIVE_LINEAR=0)."""
     fn = _linear_fn()
     if fn is None or os.environ.get("KVSERVE_NATIVE_LINEAR", "1") == "0":
         return None

@@ -25,6 +25,7 @@ import torch
 from kvserve.engine import native
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+FEW_ROWS = 4  # TwoCopies
 Product = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -39,8 +40,9 @@ def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _native(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the C kernel's product takes weights on ``device`` in ``dtype`` (float32 on a CPU, kernel loaded)."""
-    return device.type == "cpu" and dtype == torch.float32 and native.linear_kernel() is not None
+    """Whether the C kernel's product takes weights on ``device`` in ``dtype`` (float32 or bfloat16 on a CPU, kernel
+    loaded)."""
+    return device.type == "cpu" and dtype in native.KV_DTYPES and native.linear_kernel() is not None
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -50,13 +52,35 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
-    """x -> x @ weight.T + bias, over a copy of ``weight`` packed for this CPU (see ``can_pack``)."""
+    """x -> x @ weight.T + bias, over a copy of ``weight`` packed for this CPU (see ``can_pack``); a bfloat16 one
+    where both products take it, over two copies (TwoCopies)."""
     kernel = native.linear_kernel()
-    if kernel is not None and _native(weight.device, weight.dtype):
-        return kernel(weight, bias)
+    few = kernel(weight, bias) if kernel is not None and _native(weight.device, weight.dtype) else None
+    if few is not None and (weight.dtype == torch.float32 or not has_onednn(weight.device, weight.dtype)):
+        return few
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def wide(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return wide if few is None else TwoCopies(few, wide)
+
+
+class TwoCopies:
+    """A bfloat16 weight held twice: a product of at most FEW_ROWS rows (a decode step) streams the C kernel's
+    panels, widened to float32 as they are read; more rows (a prompt) go through oneDNN's copy, whose bfloat16
+    instructions compute twice as many products a cycle as float32 ones. On SmolLM2's weights in bfloat16 (2
+    cores, AVX-512 BF16): one row 9.6 ms on the panels, 14.8 on oneDNN's; 16 rows 30.6 against 18.5."""
+
+    def __init__(self, few: native.PanelLinear, wide: Product) -> None:
+        self.few, self.wide = few, wide
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.few(x) if x.numel() <= FEW_ROWS * x.shape[-1] else self.wide(x)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.few.rows(ids)
 
 
 def _stand_in(weight: torch.Tensor) -> torch.Tensor:
