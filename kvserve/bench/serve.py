@@ -501,7 +501,7 @@ def report_text(r: Mapping[str, Any]) -> str:
     tokens = f"{s['system_tokens']} tokens in the model's tokenizer, " if s.get("system_tokens") is not None else ""
     lines = [f"serve, {s['scenario']}: {shape}, system prompt {tokens}{s['system_words']} words, questions "
              f"{s['question_words']} words, answers {s['answer_tokens']} tokens (greedy); {s['load']}; "
-             f"model {s['model']}",
+             f"model {s['model']}" + (f" in {s['dtype']}" if s.get("dtype", "auto") != "auto" else ""),
              "TTFT to the first chunk with content, ITL between content chunks, as the client sees them"]
     for sec in sections:
         if "skipped" in sec or "failed" in sec:
@@ -613,7 +613,8 @@ def package_version(name: str) -> str:
 def kvserve_server(args: argparse.Namespace, logs: Path, tmp: Path) -> Iterator[Endpoint]:
     """The three services (plaintext) with the HTTP API in front of decode."""
     try:
-        with local_stack(args.model_dir, tmp, "kvserve", logs, http=True) as s:
+        dtype = [] if args.dtype == "auto" else ["--dtype", args.dtype]
+        with local_stack(args.model_dir, tmp, "kvserve", logs, engine_args=dtype, http=True) as s:
             http = s.service("http")
             yield Endpoint("kvserve", f"{http.url}/v1", args.model_dir.name, EXTRA_BODIES["kvserve"],
                            package_version("kvserve"), http.log_path)
@@ -649,7 +650,8 @@ def vllm_server(args: argparse.Namespace, logs: Path, threads: vllm_peer.Threads
     try:
         version = vllm_peer.vllm_version(args.vllm_python)
         with vllm_peer.vllm_server(args.vllm_python, args.model_dir, kv_space_gib=args.vllm_kv_space,
-                                   threads=threads, start_timeout_s=args.vllm_start_timeout, log_path=log_path) as url:
+                                   threads=threads, start_timeout_s=args.vllm_start_timeout, log_path=log_path,
+                                   dtype=None if args.dtype == "auto" else args.dtype) as url:
             yield Endpoint(name, url, vllm_peer.SERVED_MODEL, EXTRA_BODIES["vllm"], version, log_path)
     except vllm_peer.PeerSkipped as e:
         raise ServerSkipped(str(e)) from e
@@ -745,7 +747,7 @@ def run(args: argparse.Namespace, w: Workload, load: Load) -> dict[str, Any]:
             progress.step(max(0, per_server * (i + 1) - progress.done))  # past what did not run
     ratios, goals = comparison(sections)
     settings = {**dataclasses.asdict(w), "load": load.describe(), "concurrency": load.concurrency, "rate": load.rate,
-                "model": args.target or str(args.model_dir), "servers": names}
+                "model": args.target or str(args.model_dir), "dtype": args.dtype, "servers": names}
     return {"bench": "serve", "settings": settings, "servers": sections, "ratios": ratios, "goals": goals}
 
 
@@ -812,6 +814,9 @@ def _add_server_flags(ap: argparse.ArgumentParser) -> None:
                        help="vLLM's KV cache, VLLM_CPU_KVCACHE_SPACE (default %(default)s)")
     where.add_argument("--vllm-start-timeout", type=float, default=vllm_peer.DEFAULT_START_TIMEOUT_S, metavar="S",
                        help="how long vLLM may take to get ready (default %(default)g)")
+    where.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                       help="with --servers: kvserve's and vLLM's weights and KV cache (default: what the model's "
+                            "config names)")
     where.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here")
 
 

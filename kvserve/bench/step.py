@@ -147,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="40,2000", help="tokens each row has in context (default %(default)s)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed at each point (default %(default)s)")
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="the copy's size (default %(default)s)")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the weights' and KV cache's (default: what the model's config names)")
     ap.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON to PATH (- prints it)")
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    model = load_model(ensure_model(args.model))
+    model = load_model(ensure_model(args.model), dtype=args.dtype)
     engine = Engine(model, kv_cache_memory=max(rows_list) * (max(contexts) + args.steps + 32) * model.num_layers * 2
                     * model.num_kv_heads * model.head_dim * model.dtype.itemsize * 2,
                     config=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max(rows_list)))
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = weight_bytes(model.hf_model)
     kv_per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize
     code = "own (engine.llama)" if engine.runner.forward is not None else "Hugging Face's modules"
-    print(f"model {model.path.name}: {weights / 1e6:.0f} MB of weights, {kv_per_token} bytes of KV a token; "
+    print(f"model {model.path.name} in {str(model.dtype).removeprefix('torch.')}: {weights / 1e6:.0f} MB of weights, "
+          f"{kv_per_token} bytes of KV a token; "
           f"forward: {code}; {torch.get_num_threads()} threads", flush=True)
     print(f"memory bandwidth: copy {bw['copy_gb_per_s']:.1f} GB/s, read {bw['read_gb_per_s']:.1f} GB/s "
           f"(the bound below uses the copy's)", flush=True)
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal: one-row step <= {STEP_GOAL}x its bound: {'met' if met else 'NOT met'} "
               f"(x{', x'.join(f'{r:.2f}' for r in one_row)})")
     if args.json:
-        write_json(args.json, {"model": str(model.path), "forward": code, "threads": torch.get_num_threads(),
+        write_json(args.json, {"model": str(model.path), "dtype": str(model.dtype).removeprefix("torch."), "forward": code, "threads": torch.get_num_threads(),
                                "weight_bytes": weights, "kv_bytes_per_token": kv_per_token, **bw, "points": points})
     return 0
 

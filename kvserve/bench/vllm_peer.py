@@ -275,14 +275,15 @@ def exit_on_signals() -> Iterator[None]:
 
 @contextlib.contextmanager
 def vllm_server(python: Path, model: Path, *, kv_space_gib: int, threads: Threads, start_timeout_s: float,
-                log_path: Path) -> Iterator[str]:
-    """vLLM's OpenAI server under `threads` on a free loopback port, its output in log_path; yields its /v1 URL
-    once healthy and stops its whole process group on exit."""
+                log_path: Path, dtype: str | None = None) -> Iterator[str]:
+    """vLLM's OpenAI server under `threads` on a free loopback port, in `dtype` (default: the model config's), its
+    output in log_path; yields its /v1 URL once healthy and stops its whole process group on exit."""
     port = free_port()
     with exit_on_signals():
         try:
             with open(log_path, "wb") as log:
-                proc = subprocess.Popen(vllm_command(python, model, port, model_dtype(model)), stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(vllm_command(python, model, port, dtype or model_dtype(model)),
+                                        stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT,
                                         env=vllm_env(python, kv_space_gib, threads),
                                         start_new_session=True)
