@@ -565,37 +565,97 @@ void kvserve_rms_norm(const float *x, float *residual, const float *weight, int6
     }
 }
 
+/* bfloat16 from float32, rounded to nearest, ties to even, as torch rounds (a NaN stays a NaN). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+/* kvserve_rms_norm in bfloat16, rounding where Hugging Face's bfloat16 ops round: the residual sum, the normalized
+ * row before the weight's product, and that product; the mean of squares in float32. */
+void kvserve_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, int64_t rows, int64_t dim,
+                           float eps, uint16_t *out) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim;
+        uint16_t *h = residual ? residual + r * dim : (uint16_t *)xr, *o = out + r * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            if (residual)
+                h[i] = to_bf16(load_f32(h, i, 1) + load_f32(xr, i, 1));
+            const float v = load_f32(h, i, 1);
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) {
+            const uint16_t n = to_bf16(load_f32(h, i, 1) * scale);
+            o[i] = to_bf16(load_f32(weight, i, 1) * load_f32(&n, 0, 1)); /* the weight times the rounded row */
+        }
+    }
+}
+
 /* Rotary embeddings on a step's queries and keys, in place, and its keys and values written into their cache
  * slots: qkv [tokens][heads + 2 * kv_heads][head_dim] (queries, keys, values); cos and sin [positions][head_dim],
  * sin with its first half negated, so that x * cos + (x turned by head_dim / 2) * sin is Hugging Face's
  * x * cos + rotate_half(x) * sin; a token's slot is block `blocks[t]`, offset `offsets[t]` in it. In torch this
  * was a roll (itself a cat), two products, a sum and two indexed writes a layer. Returns 0, or -2 (nothing
  * written) where a position, block or offset is out of bounds. */
-int kvserve_rope_store(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       const float *cos, const float *sin, int64_t table_len, const int64_t *positions,
-                       float *kv, int64_t blocks, int64_t layers, int64_t layer, int64_t block_size,
-                       const int64_t *slot_blocks, const int64_t *offsets) {
+static inline float from_bf16(uint16_t v) {
+    return load_f32(&v, 0, 1);
+}
+
+/* One head's rotary, in place: x * cos + (x turned by half) * sin; in bfloat16 each product is rounded, then their
+ * sum, as bfloat16 tensors' ops round. */
+static inline __attribute__((always_inline)) void rope_head(void *x, const void *c, const void *s, int64_t head_dim,
+                                                           const int bf16) {
+    const int64_t half = head_dim / 2;
+    float turned[head_dim];
+    for (int64_t i = 0; i < head_dim; i++)
+        turned[i] = load_f32(x, (i + half) % head_dim, bf16);
+    for (int64_t i = 0; i < head_dim; i++) {
+        const float a = load_f32(x, i, bf16) * load_f32(c, i, bf16), b = turned[i] * load_f32(s, i, bf16);
+        if (bf16)
+            ((uint16_t *)x)[i] = to_bf16(from_bf16(to_bf16(a)) + from_bf16(to_bf16(b)));
+        else
+            ((float *)x)[i] = a + b;
+    }
+}
+
+/* Rotary embeddings on a step's queries and keys, in place, and its keys and values written into their cache
+ * slots: qkv [tokens][heads + 2 * kv_heads][head_dim] (queries, keys, values); cos and sin [positions][head_dim],
+ * sin with its first half negated, so that x * cos + (x turned by head_dim / 2) * sin is Hugging Face's
+ * x * cos + rotate_half(x) * sin; a token's slot is block `blocks[t]`, offset `offsets[t]` in it; all float32, or
+ * all bfloat16 where `bf16`. In torch this was a roll (itself a cat), two products, a sum and two indexed writes a
+ * layer. Returns 0, or -2 (nothing written) where a position, block or offset is out of bounds. */
+int kvserve_rope_store(void *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, const void *cos,
+                       const void *sin, int64_t table_len, const int64_t *positions, void *kv, int64_t blocks,
+                       int64_t layers, int64_t layer, int64_t block_size, const int64_t *slot_blocks,
+                       const int64_t *offsets, int64_t bf16) {
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= table_len || slot_blocks[t] < 0 || slot_blocks[t] >= blocks ||
             offsets[t] < 0 || offsets[t] >= block_size)
             return -2;
     if (layer < 0 || layer >= layers || head_dim % 2)
         return -2;
-    const int64_t row = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, slot = kv_heads * head_dim;
+    const int64_t row = (heads + 2 * kv_heads) * head_dim, slot = kv_heads * head_dim, size = bf16 ? 2 : 4;
     const int64_t kv_half = block_size * slot, block_stride = layers * 2 * kv_half;
 #pragma omp parallel for schedule(static) if (tokens >= 64)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
+        const char *c = (const char *)cos + positions[t] * head_dim * size;
+        const char *s = (const char *)sin + positions[t] * head_dim * size;
+        char *q = (char *)qkv + t * row * size;
         for (int64_t h = 0; h < heads + kv_heads; h++) {
-            float *x = qkv + t * row + h * head_dim, turned[head_dim];
-            for (int64_t i = 0; i < head_dim; i++)
-                turned[i] = x[(i + half) % head_dim];
-            for (int64_t i = 0; i < head_dim; i++)
-                x[i] = x[i] * c[i] + turned[i] * s[i];
+            if (bf16)
+                rope_head(q + h * head_dim * size, c, s, head_dim, 1);
+            else
+                rope_head(q + h * head_dim * size, c, s, head_dim, 0);
         }
-        float *k = kv + slot_blocks[t] * block_stride + layer * 2 * kv_half + offsets[t] * slot;
-        memcpy(k, qkv + t * row + heads * head_dim, sizeof(float) * slot);
-        memcpy(k + kv_half, qkv + t * row + (heads + kv_heads) * head_dim, sizeof(float) * slot);
+        char *k = (char *)kv + (slot_blocks[t] * block_stride + layer * 2 * kv_half + offsets[t] * slot) * size;
+        memcpy(k, q + heads * head_dim * size, size * slot);
+        memcpy(k + kv_half * size, q + (heads + kv_heads) * head_dim * size, size * slot);
     }
     return 0;
 }

@@ -405,22 +405,24 @@ def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor | None], PanelLinear
 
 @functools.cache
 def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor] | None:
-    """``norm(x, residual, weight, eps)``: Hugging Face's RMSNorm of float32 CPU rows x [rows, dim], or where
-    ``residual`` is given, of residual += x (in place); None where there is no kernel."""
-    fn = _function("kvserve_rms_norm", [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR], None)
-    if fn is None:
+    """``norm(x, residual, weight, eps)``: Hugging Face's RMSNorm of float32 or bfloat16 CPU rows x [rows, dim], or
+    where ``residual`` is given, of residual += x (in place); None where there is no kernel."""
+    args: list[type] = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+    fns = {torch.float32: _function("kvserve_rms_norm", args, None),
+           torch.bfloat16: _function("kvserve_rms_norm_bf16", args, None)}
+    if None in fns.values():
         return None
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, dim = x.shape
         x = x.contiguous()
-        assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() == dim
+        assert x.dtype == weight.dtype and x.dtype in fns and weight.is_contiguous() and weight.numel() == dim
         assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                     and residual.is_contiguous())
         out = torch.empty_like(x)
         if rows:
-            fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), rows, dim, eps,
-               out.data_ptr())
+            fns[x.dtype](x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), rows,
+                         dim, eps, out.data_ptr())
         return out
 
     return norm
@@ -434,10 +436,11 @@ RopeStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 def rope_store_kernel() -> RopeStore | None:
     """``rope_store(qkv, cos, sin, positions, kv, layer, slot_blocks, slot_offsets)``: rotary embeddings on a step's
     queries and keys in ``qkv`` [tokens, heads + 2 * kv_heads, head_dim] (in place), and its keys and values
-    written into the cache ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim] (float32, CPU); cos and sin
-    [positions, head_dim] as engine.llama builds them. None where there is no kernel."""
+    written into the cache ``kv`` [blocks, layers, 2, block_size, kv_heads, head_dim] (CPU, float32 or bfloat16, as
+    all of them are); cos and sin [positions, head_dim] as engine.llama builds them. None where there is no
+    kernel."""
     fn = _function("kvserve_rope_store", [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                          _I64, _I64, _PTR, _PTR])
+                                          _I64, _I64, _PTR, _PTR, _I64])
     if fn is None:
         return None
 
@@ -446,13 +449,13 @@ def rope_store_kernel() -> RopeStore | None:
         tokens, width, head_dim = qkv.shape
         blocks, layers, _, block_size, kv_heads, _ = kv.shape
         assert qkv.is_contiguous() and kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-        assert qkv.dtype == kv.dtype == cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
+        assert qkv.dtype == kv.dtype == cos.dtype == sin.dtype and kv.dtype in KV_DTYPES and cos.shape == sin.shape
         assert positions.dtype == slot_blocks.dtype == slot_offsets.dtype == torch.long
         positions, slot_blocks, slot_offsets = (t.contiguous() for t in (positions, slot_blocks, slot_offsets))
         assert positions.numel() == slot_blocks.numel() == slot_offsets.numel() == tokens
         if fn(qkv.data_ptr(), tokens, width - 2 * kv_heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
               cos.shape[0], positions.data_ptr(), kv.data_ptr(), blocks, layers, layer, block_size,
-              slot_blocks.data_ptr(), slot_offsets.data_ptr()):
+              slot_blocks.data_ptr(), slot_offsets.data_ptr(), kv.dtype == torch.bfloat16):
             raise ValueError("rope_store: a position, block or offset is outside its table or the cache")
 
     return rope_store
