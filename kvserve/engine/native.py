@@ -408,10 +408,10 @@ def rms_norm_kernel() -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tens
     """``norm(x, residual, weight, eps)``: Hugging Face's RMSNorm of float32 or bfloat16 CPU rows x [rows, dim], or
     where ``residual`` is given, of residual += x (in place); None where there is no kernel."""
     args: list[type] = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
-    fns = {torch.float32: _function("kvserve_rms_norm", args, None),
-           torch.bfloat16: _function("kvserve_rms_norm_bf16", args, None)}
-    if None in fns.values():
+    f32, bf16 = _function("kvserve_rms_norm", args, None), _function("kvserve_rms_norm_bf16", args, None)
+    if f32 is None or bf16 is None:
         return None
+    fns = {torch.float32: f32, torch.bfloat16: bf16}
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, dim = x.shape
