@@ -134,7 +134,7 @@ class LlamaForward:
         self.cos = (emb.cos() * rope.attention_scaling).to(self.embed.dtype)
         sin = emb.sin() * rope.attention_scaling
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.embed.dtype)
-        on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.KV_DTYPES
+        on_cpu = self.embed.device.type == "cpu" and self.embed.dtype in native.KERNEL_DTYPES
         self.norm_kernel = native.rms_norm_kernel() if on_cpu else None
         self.rope_store = native.rope_store_kernel() if on_cpu else None
 

@@ -50,7 +50,7 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
 SDPA = "sdpa"
-KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the attention kernels read (computing in float32)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (computing in float32)
 MARCH_NATIVE = "native-march-native"
 
 
@@ -244,7 +244,7 @@ def attention_kernel(device: str = "cpu", dtype: torch.dtype = torch.float32) ->
     """The decode attention of an engine whose KV cache is on `device` (a torch device type) in `dtype`."""
     if device != "cpu":
         return AttentionKernel(SDPA, f"the KV cache is on {device}: the C kernel reads host memory")
-    if dtype not in KV_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         return AttentionKernel(SDPA, f"the KV cache is {str(dtype).removeprefix('torch.')}: the C kernel reads float32 "
                                "and bfloat16")
     if os.environ.get("KVSERVE_NATIVE_ATTENTION", "1") == "0":
@@ -369,11 +369,11 @@ class PanelLinear:
             self.panels = _PANELS.empty((panels, self.k, PANEL), weight.dtype)
             self.panels.copy_(packed.transpose(1, 2))
             self.bias = None if bias is None else F.pad(bias.detach().float(), (0, panels * PANEL - self.n))
-        assert self.panels.dtype in KV_DTYPES and self.panels.device.type == "cpu"
+        assert self.panels.dtype in KERNEL_DTYPES and self.panels.device.type == "cpu"
         self._fn = fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in KV_DTYPES:
+        if x.dtype not in KERNEL_DTYPES:
             raise TypeError(f"the packed linear layer takes float32 or bfloat16, got {x.dtype}")
         rows = x.reshape(-1, self.k).float().contiguous()
         y = rows.new_empty(rows.shape[0], self.n)
@@ -449,7 +449,7 @@ def rope_store_kernel() -> RopeStore | None:
         tokens, width, head_dim = qkv.shape
         blocks, layers, _, block_size, kv_heads, _ = kv.shape
         assert qkv.is_contiguous() and kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-        assert qkv.dtype == kv.dtype == cos.dtype == sin.dtype and kv.dtype in KV_DTYPES and cos.shape == sin.shape
+        assert qkv.dtype == kv.dtype == cos.dtype == sin.dtype and kv.dtype in KERNEL_DTYPES and cos.shape == sin.shape
         assert positions.dtype == slot_blocks.dtype == slot_offsets.dtype == torch.long
         positions, slot_blocks, slot_offsets = (t.contiguous() for t in (positions, slot_blocks, slot_offsets))
         assert positions.numel() == slot_blocks.numel() == slot_offsets.numel() == tokens
@@ -480,7 +480,7 @@ def chunk_kernel() -> ChunkKernel | None:
                scale: float) -> torch.Tensor:
         n, heads, head_dim = q.shape
         blocks, layers, _, block_size, kv_heads, _ = kv.shape
-        assert kv.dtype in KV_DTYPES and kv.is_contiguous()
+        assert kv.dtype in KERNEL_DTYPES and kv.is_contiguous()
         q = q.float()
         q = q if q.stride(2) == 1 else q.contiguous()
         assert table.dtype == torch.long and table.is_contiguous() and heads % kv_heads == 0
@@ -509,7 +509,7 @@ def decode_attention(lib: ctypes.CDLL) -> DecodeKernel:
         the log-sum-exp [rows, kv_heads, group]."""
         rows, kv_heads, group, head_dim = q.shape
         _, layers, _, block_size, _, _ = kv.shape
-        assert kv.dtype in KV_DTYPES and kv.is_contiguous()
+        assert kv.dtype in KERNEL_DTYPES and kv.is_contiguous()
         assert tables.dtype == lens.dtype == torch.long and tables.is_contiguous() and lens.is_contiguous()
         q = q.float().contiguous()
         out, lse = torch.empty_like(q), q.new_empty(rows, kv_heads, group)

@@ -1,5 +1,6 @@
 """Linear layers whose weights are reordered once, at start, into a layout made for this CPU's product: panels
-for kvserve's C kernel (float32, engine.native), else oneDNN's blocked layout (bfloat16, or no kernel here).
+for kvserve's C kernel (engine.native: float32; bfloat16 beside oneDNN's copy, TwoCopies), else oneDNN's blocked
+layout (no kernel here).
 
 torch's ``nn.Linear`` on a CPU calls MKL's GEMM with the weight as stored, and a decode step's few rows
 against a weight matrix are bound by how fast that matrix streams in: measured here (one core, the tiny
@@ -42,7 +43,7 @@ def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 def _native(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the C kernel's product takes weights on ``device`` in ``dtype`` (float32 or bfloat16 on a CPU, kernel
     loaded)."""
-    return device.type == "cpu" and dtype in native.KV_DTYPES and native.linear_kernel() is not None
+    return device.type == "cpu" and dtype in native.KERNEL_DTYPES and native.linear_kernel() is not None
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -71,7 +72,8 @@ class TwoCopies:
     """A bfloat16 weight held twice: a product of at most FEW_ROWS rows (a decode step) streams the C kernel's
     panels, widened to float32 as they are read; more rows (a prompt) go through oneDNN's copy, whose bfloat16
     instructions compute twice as many products a cycle as float32 ones. On SmolLM2's weights in bfloat16 (2
-    cores, AVX-512 BF16): one row 9.6 ms on the panels, 14.8 on oneDNN's; 16 rows 30.6 against 18.5."""
+    cores, AVX-512 BF16): one row 6.8-9.9 ms on the panels, 14.8 on oneDNN's; 4 rows 10.2-10.6 against 13.2; about
+    even at 6 to 8; 16 rows 30.6 against 18.5-22.7."""
 
     def __init__(self, few: native.PanelLinear, wide: Product) -> None:
         self.few, self.wide = few, wide
