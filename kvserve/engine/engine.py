@@ -128,7 +128,8 @@ class Engine:
             device=model.device,
         )
         self.pool = BlockPool(self.kv_cache.num_blocks, keep_cached)
-        log.info("KV pool: %d blocks of %d tokens (%d MiB, %d tokens)%s", self.kv_cache.num_blocks, block_size,
+        log.info("KV pool: %d blocks of %d tokens in %s (%d MiB, %d tokens)%s", self.kv_cache.num_blocks, block_size,
+                 model.kv_dtype_name,
                  self.kv_cache.kv.nbytes >> 20, self.kv_cache.num_blocks * block_size,
                  "; its memory is taken as its blocks are used" if keep_cached is not None else "")
         # (hashes the pool named, hashes it evicted) after each step that changed them, on the step thread
