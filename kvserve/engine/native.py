@@ -47,7 +47,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 # OpenMP: torch's own runtime, already loaded (libgomp.so.1), runs the kernel's loop on the threads torch computes on.
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast")
+# On x86 the loops gcc vectorizes itself go in 512-bit vectors where the target has them, as the explicit ones do
+# (it tunes Zen 4 and most AVX-512 CPUs for 256): one row's decode attention over 2,000 tokens, 30 layers of
+# SmolLM2, took 5.6-6.0 ms with 256-bit loops and 4.7-5.4 with 512 alone (three A/B runs), 6.8 and 6.3-6.5 in a step.
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno", "-ffp-contract=fast",
+         *(("-mprefer-vector-width=512",) if platform.machine() == "x86_64" else ()))
 BUILD_TIMEOUT_S = 120
 SDPA = "sdpa"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write (computing in float32)
