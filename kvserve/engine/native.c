@@ -102,10 +102,10 @@ static inline v16 exp16_nonpositive(v16 x) {
     return (v16)((i16v)(p * (v16)((ni + 127) << 23)) & ~under);
 }
 
-/* Asks for the `bytes` at `p` (a block's keys and values, in one layer) a line at a time: blocks lie anywhere
+/* Asks for the `n` values at `p` (a block's keys and values, in one layer) a line at a time: blocks lie anywhere
  * in the cache, so the hardware's prefetchers learn each one's addresses only after its first misses. */
-static inline void prefetch_block(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64)
+static inline void prefetch_block(const void *p, int64_t n, const int bf16) {
+    for (int64_t i = 0; i < n * (bf16 ? 2 : 4); i += 64)
         __builtin_prefetch((const char *)p + i, 0, 2);
 }
 
@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
     for (int64_t b = first; b < last; b++) {
         const void *k = elem_at(kv, table[b] * block_stride + layer_offset, bf16), *v = elem_at(k, half, bf16);
         if (b + 1 < last) /* the next block lies elsewhere: ask for its keys and values now */
-            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
+            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half, bf16);
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t t = 0; t < n; t++) {
@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
     for (int64_t b = first; b < last; b++) {
         const void *k = elem_at(kv, table[b] * block_stride + layer_offset, bf16), *v = elem_at(k, half, bf16);
         if (b + 1 < last)
-            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
+            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half, bf16);
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t c = 0; c < chunks; c++) {
@@ -336,9 +336,8 @@ static void attend_row(const float *q, const void *kv, const int64_t *table, int
 
 /* q [rows][kv_heads][group][head_dim]; kv [blocks][layers][2][block_size][kv_heads][head_dim], float32 or, where
  * kv_bf16, bfloat16; tables [rows][width]; lens [rows]; out like q; lse [rows][kv_heads][group]. A row's blocks are
- * split in ranges,
- * enough for every thread to have work with a single row, and the ranges' results merged by their maxima and
- * sums. Returns 0; -2, reading nothing, when a row's length or a block it reads is out of bounds; -1 when out
+ * split in ranges, enough for every thread to have work with a single row, and the ranges' results merged by their
+ * maxima and sums. Returns 0; -2, reading nothing, when a row's length or a block it reads is out of bounds; -1 when out
  * of memory. */
 int kvserve_decode_attention(const float *q, const void *kv, int64_t blocks, const int64_t *tables,
                              const int64_t *lens, int64_t rows, int64_t width, int64_t layers, int64_t layer,
@@ -574,6 +573,10 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
 
+static inline float from_bf16(uint16_t v) {
+    return load_f32(&v, 0, 1);
+}
+
 /* kvserve_rms_norm in bfloat16, rounding where Hugging Face's bfloat16 ops round: the residual sum, the normalized
  * row before the weight's product, and that product; the mean of squares in float32. */
 void kvserve_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, int64_t rows, int64_t dim,
@@ -592,19 +595,9 @@ void kvserve_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t
         const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
         for (int64_t i = 0; i < dim; i++) {
             const uint16_t n = to_bf16(load_f32(h, i, 1) * scale);
-            o[i] = to_bf16(load_f32(weight, i, 1) * load_f32(&n, 0, 1)); /* the weight times the rounded row */
+            o[i] = to_bf16(load_f32(weight, i, 1) * from_bf16(n)); /* the weight times the rounded row */
         }
     }
-}
-
-/* Rotary embeddings on a step's queries and keys, in place, and its keys and values written into their cache
- * slots: qkv [tokens][heads + 2 * kv_heads][head_dim] (queries, keys, values); cos and sin [positions][head_dim],
- * sin with its first half negated, so that x * cos + (x turned by head_dim / 2) * sin is Hugging Face's
- * x * cos + rotate_half(x) * sin; a token's slot is block `blocks[t]`, offset `offsets[t]` in it. In torch this
- * was a roll (itself a cat), two products, a sum and two indexed writes a layer. Returns 0, or -2 (nothing
- * written) where a position, block or offset is out of bounds. */
-static inline float from_bf16(uint16_t v) {
-    return load_f32(&v, 0, 1);
 }
 
 /* One head's rotary, in place: x * cos + (x turned by half) * sin; in bfloat16 each product is rounded, then their
@@ -691,7 +684,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         const void *k = elem_at(kv, table[b] * block_stride + layer_offset + h * head_dim, bf16),
                    *v = elem_at(k, half, bf16);
         if ((b + 1) * block_size < end)
-            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half * (bf16 ? 2 : 4));
+            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half, bf16);
         const int64_t nt = end - b * block_size < block_size ? end - b * block_size : block_size;
         v16 s[block_size];
         int64_t t0 = 0;
