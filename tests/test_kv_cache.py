@@ -37,16 +37,3 @@ def test_slot_bytes_are_the_slot_itself() -> None:
     assert cache.kv[1].flatten()[0].item() == 2.5 and not cache.kv[0].any()
     with pytest.raises(ValueError, match="at least one block"):
         KVCache(0, num_layers=1, block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32)
-
-
-def test_release_gives_back_whole_pages_of_the_blocks_named_and_nothing_past_them() -> None:
-    # 3 KiB blocks: 3 blocks end inside a 4 KiB page, which the next block shares
-    cache = KVCache(8, num_layers=3, block_size=16, num_kv_heads=1, head_dim=8, dtype=torch.float32)
-    assert cache.block_bytes == 3072 and cache.releasable
-    assert cache.kv.data_ptr() % (2 << 20) == 0  # from a 2 MiB boundary: the mapping asks for huge pages
-    cache.kv.fill_(1)
-    cache.release(3)
-    assert not cache.kv[:2].any()  # the first 8 KiB: pages given back, reading as zeros
-    assert bool((cache.kv[3:] == 1).all())  # the page that holds block 3 too is kept
-    cache.release(8)
-    assert not cache.kv.any()

@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.engine.native import huge_page_mapping
-
 if TYPE_CHECKING:
     from kvserve.engine.model import Model
 
@@ -31,18 +29,13 @@ class KVCache:
         # layout of a stored block (docs/DESIGN.md, "KV block format"), so moving it is one copy.
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         self._map: mmap.mmap | None = None
-        self._start = 0
         if torch.device(device).type == "cpu":
             # Anonymous memory, zero and untouched until a block is first written: the process holds the
-            # blocks its pool has taken (engine.block_pool takes fresh ones last), not the pool's size. In 2 MiB
-            # pages where Linux gives them: a step reads each row's blocks of a layer wherever they lie, a few
-            # 4 KiB pages each. The decode kernel over blocks in random places, SmolLM2's shape, 30 layers, took
-            # 89 ms on 2 MiB pages against 97 on 4 KiB ones at 16 rows of 2,000 tokens, 5.5 against 5.9 at one row.
-            self._map, self._start, _ = huge_page_mapping(math.prod(shape) * dtype.itemsize)
+            # blocks its pool has taken (engine.block_pool takes fresh ones last), not the pool's size.
+            self._map = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
             with warnings.catch_warnings():  # torch warns that a buffer might not be writable: this one is
                 warnings.simplefilter("ignore", UserWarning)
-                self.kv = torch.frombuffer(self._map, dtype=dtype, count=math.prod(shape),
-                                           offset=self._start).view(shape)
+                self.kv = torch.frombuffer(self._map, dtype=dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.block_bytes = self.kv[0].nbytes
@@ -51,16 +44,14 @@ class KVCache:
     @property
     def releasable(self) -> bool:
         """Whether `release` gives memory back: a CPU cache, on Linux."""
-        return self._map is not None and hasattr(mmap, "MADV_DONTNEED")
+        return self._map is not None and hasattr(mmap, "MADV_REMOVE")
 
     def release(self, num_blocks: int) -> None:
         """Gives the memory of the first ``num_blocks`` blocks back to the kernel (where `releasable`): they read as
         zeros, and take pages again as they are written. Only blocks nobody holds."""
         if self._map is not None and num_blocks and self.releasable:
-            # whole pages only: the kernel would round a length up, into a block somebody holds
-            length = min(num_blocks, self.num_blocks) * self.block_bytes // mmap.PAGESIZE * mmap.PAGESIZE
-            if length:
-                self._map.madvise(mmap.MADV_DONTNEED, self._start, length)
+            # A shared anonymous mapping is backed by shmem: MADV_DONTNEED would leave its pages in place.
+            self._map.madvise(mmap.MADV_REMOVE, 0, min(num_blocks * self.block_bytes, len(self._map)))
 
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

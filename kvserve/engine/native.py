@@ -336,23 +336,22 @@ class _PanelMemory:
         nbytes = -(-count * dtype.itemsize // 64) * 64
         with self._lock:
             if self._map is None or self._used + nbytes > self._end:
-                self._map, self._used, self._end = huge_page_mapping(max(PANEL_MAPPING_BYTES, nbytes))
+                self._map, self._used, self._end = self._mapping(max(PANEL_MAPPING_BYTES, nbytes))
             with warnings.catch_warnings():  # torch warns that a buffer might not be writable: this one is
                 warnings.simplefilter("ignore", UserWarning)
                 tensor = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._used)
             self._used += nbytes
         return tensor.view(shape)
 
-
-def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
-    """Private anonymous memory (zero, taken page by page as it is written) with ``nbytes`` from a 2 MiB boundary
-    on, asked for transparent huge pages (_PanelMemory says where Linux gives them): (mapping, start, end)."""
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
-    with contextlib.suppress(AttributeError, OSError):  # no huge pages here: 4 KiB ones
-        m.madvise(mmap.MADV_HUGEPAGE, start, size)
-    return m, start, start + nbytes
+    @staticmethod
+    def _mapping(nbytes: int) -> tuple[mmap.mmap, int, int]:
+        """A mapping with ``nbytes`` from a 2 MiB boundary on, asked for huge pages: (mapping, start, end)."""
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = -ctypes.addressof(ctypes.c_char.from_buffer(m)) % HUGE_PAGE
+        with contextlib.suppress(AttributeError, OSError):  # no huge pages here: 4 KiB ones
+            m.madvise(mmap.MADV_HUGEPAGE, start, size)
+        return m, start, start + nbytes
 
 
 _PANELS = _PanelMemory()
