@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = weight_bytes(model.hf_model)
     kv_per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize
     code = "own (engine.llama)" if engine.runner.forward is not None else "Hugging Face's modules"
-    print(f"model {model.path.name} in {str(model.dtype).removeprefix('torch.')}: {weights / 1e6:.0f} MB of weights, "
+    print(f"model {model.path.name} in {model.kv_dtype_name}: {weights / 1e6:.0f} MB of weights, "
           f"{kv_per_token} bytes of KV a token; "
           f"forward: {code}; {torch.get_num_threads()} threads", flush=True)
     print(f"memory bandwidth: copy {bw['copy_gb_per_s']:.1f} GB/s, read {bw['read_gb_per_s']:.1f} GB/s "
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal: one-row step <= {STEP_GOAL}x its bound: {'met' if met else 'NOT met'} "
               f"(x{', x'.join(f'{r:.2f}' for r in one_row)})")
     if args.json:
-        write_json(args.json, {"model": str(model.path), "dtype": str(model.dtype).removeprefix("torch."), "forward": code, "threads": torch.get_num_threads(),
+        write_json(args.json, {"model": str(model.path), "dtype": model.kv_dtype_name, "forward": code,
+                               "threads": torch.get_num_threads(),
                                "weight_bytes": weights, "kv_bytes_per_token": kv_per_token, **bw, "points": points})
     return 0
 
