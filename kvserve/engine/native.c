@@ -102,11 +102,28 @@ static inline v16 exp16_nonpositive(v16 x) {
     return (v16)((i16v)(p * (v16)((ni + 127) << 23)) & ~under);
 }
 
-/* Asks for the `n` values at `p` (a block's keys and values, in one layer) a line at a time: blocks lie anywhere
- * in the cache, so the hardware's prefetchers learn each one's addresses only after its first misses. */
-static inline void prefetch_block(const void *p, int64_t n, const int bf16) {
-    for (int64_t i = 0; i < n * (bf16 ? 2 : 4); i += 64)
-        __builtin_prefetch((const char *)p + i, 0, 2);
+/* The next block's keys and values (`n` values at `p`, one layer's), asked for a few lines at a time while the
+ * current block is computed. Blocks lie anywhere in the cache, so the hardware's prefetchers learn each one's
+ * addresses only after its first misses; but asked all at once (384 lines of a float32 SmolLM2 block) the requests
+ * fill the core's miss buffers and the last of them wait for memory, the block's compute after them. Spread over
+ * the current block's loops, the next block's reads overlap its compute: decode attention over 16 rows of 200
+ * tokens, SmolLM2's shape, 8.9 -> 6.2 ms; one row of 2,000 tokens 5.4 -> 3.4 ms; prompt chunks 11-19 % faster. */
+typedef struct {
+    const char *p;
+    int64_t at, end; /* bytes asked for, bytes in all */
+} Ahead;
+
+static inline Ahead ahead(const void *p, int64_t n, const int bf16) {
+    return (Ahead){p, 0, p == NULL ? 0 : n * (bf16 ? 2 : 4)};
+}
+
+static inline int64_t lines_each(const Ahead *a, int64_t calls) { /* spread over `calls` calls of ask */
+    return (a->end / 64 + calls - 1) / calls;
+}
+
+static inline __attribute__((always_inline)) void ask(Ahead *a, int64_t lines) {
+    for (int64_t i = 0; i < lines && a->at < a->end; i++, a->at += 64)
+        __builtin_prefetch(a->p + a->at, 0, 2);
 }
 
 /* One row's attention over blocks [first, last) of its table: unnormalized outputs o, maxima m and sums l for
@@ -127,11 +144,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
         const void *k = elem_at(kv, table[b] * block_stride + layer_offset, bf16), *v = elem_at(k, half, bf16);
-        if (b + 1 < last) /* the next block lies elsewhere: ask for its keys and values now */
-            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half, bf16);
+        Ahead next = ahead(b + 1 < last ? elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16) : NULL,
+                           2 * half, bf16);
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        const int64_t per = lines_each(&next, kv_heads * n);
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t t = 0; t < n; t++) {
+                ask(&next, per);
                 const void *kt = elem_at(k, t * slot + h * head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qi = q + (h * group + g) * head_dim;
@@ -189,6 +208,7 @@ static inline __attribute__((always_inline)) void attend_blocks(
             }
             l[i] += sum;
         }
+        ask(&next, next.end / 64); /* what is left (a short last block) */
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t g = 0; g < group; g++) {
                 float *oi = o + (h * group + g) * head_dim;
@@ -226,9 +246,10 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
     memset(o, 0, sizeof(float) * queries * head_dim);
     for (int64_t b = first; b < last; b++) {
         const void *k = elem_at(kv, table[b] * block_stride + layer_offset, bf16), *v = elem_at(k, half, bf16);
-        if (b + 1 < last)
-            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half, bf16);
+        Ahead next = ahead(b + 1 < last ? elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16) : NULL,
+                           2 * half, bf16);
         const int64_t n = len - b * block_size < block_size ? len - b * block_size : block_size;
+        const int64_t per = lines_each(&next, kv_heads * group);
         for (int64_t h = 0; h < kv_heads; h++) {
             for (int64_t c = 0; c < chunks; c++) {
                 const v16 *qc = qt + (h * chunks + c) * head_dim;
@@ -258,6 +279,7 @@ static inline __attribute__((always_inline)) void attend_blocks_wide(
                 mv[h * chunks + c] = top;
                 const int64_t g_end = group - c * 16 < 16 ? group - c * 16 : 16;
                 for (int64_t j = 0; j < g_end; j++) {
+                    ask(&next, per);
                     float *oi = o + (h * group + c * 16 + j) * head_dim;
                     const float cj = corr[j];
                     for (int64_t d = 0; d < head_dim; d++)
@@ -683,9 +705,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int64_t b = 0; b * block_size < end; b++) {
         const void *k = elem_at(kv, table[b] * block_stride + layer_offset + h * head_dim, bf16),
                    *v = elem_at(k, half, bf16);
-        if ((b + 1) * block_size < end)
-            prefetch_block(elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16), 2 * half, bf16);
+        Ahead next = ahead((b + 1) * block_size < end ? elem_at(kv, table[b + 1] * block_stride + layer_offset, bf16)
+                           : NULL, 2 * half, bf16);
         const int64_t nt = end - b * block_size < block_size ? end - b * block_size : block_size;
+        const int64_t per = lines_each(&next, head_dim / 16 * nt);
         v16 s[block_size];
         int64_t t0 = 0;
         for (; t0 + 8 <= nt; t0 += 8) { /* 8 keys a pass: their sums stay in registers */
@@ -725,6 +748,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             for (int64_t e = 0; e < 16; e++)
                 acc[e] = ot[d0 + e] * corr;
             for (int64_t t = 0; t < nt; t++) {
+                ask(&next, per);
                 const v16 p = s[t];
                 const void *vt = elem_at(v, t * slot + d0, bf16);
                 for (int64_t e = 0; e < 16; e++)
