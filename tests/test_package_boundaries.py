@@ -40,8 +40,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     # It starts the services as `python -m` processes, with credentials it makes; the engine's model helpers
     # (fetch, check) are stdlib only.
     "kvserve.stack": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "client"},
-    "kvserve.bench": {"protos", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff", "prefill_service",
-                      "decode_service", "kvserve.router", "client", "kvserve.http", "kvserve.stack"},
+    "kvserve.bench": {"protos", "kvserve.host", "kvserve.rpc", "kvserve.engine", "kvstore", "kvserve.handoff",
+                      "prefill_service", "decode_service", "kvserve.router", "client", "kvserve.http", "kvserve.stack"},
     "kvserve.pytest_plugin": {"kvserve.rpc", "kvserve.engine", "kvstore", "client", "kvserve.stack"},
     "kvserve.cli": set(LAYERS[:-1]),  # the `kvserve` command: each service's `__main__` and every benchmark
 }

@@ -38,6 +38,7 @@ from kvserve.engine.packed_linear import FusedPart, PackedLinear
 from kvserve.engine.sampling import Sampler, SamplingParams
 from kvserve.engine.scheduler import SchedulerConfig
 from kvserve.engine.sequence import Sequence
+from kvserve.host.process import prepare_engine_process
 
 STEP_GOAL = 1.5  # a one-row step <= 1.5x its bound
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
+    prepare_engine_process(0)  # glibc's malloc as the services set it (else a step's larger buffers fault in anew)
     model = load_model(ensure_model(args.model), dtype=args.dtype)
     engine = Engine(model, kv_cache_memory=max(rows_list) * (max(contexts) + args.steps + 32) * model.num_layers * 2
                     * model.num_kv_heads * model.head_dim * model.dtype.itemsize * 2,

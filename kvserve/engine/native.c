@@ -624,12 +624,14 @@ void kvserve_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t
 
 /* One head's rotary, in place: x * cos + (x turned by half) * sin; in bfloat16 each product is rounded, then their
  * sum, as bfloat16 tensors' ops round. */
-static inline __attribute__((always_inline)) void rope_head(void *x, const void *c, const void *s, int64_t head_dim,
+static inline __attribute__((always_inline)) void rope_head(void *x, const void *c, const void *s, const int64_t head_dim,
                                                            const int bf16) {
     const int64_t half = head_dim / 2;
     float turned[head_dim];
-    for (int64_t i = 0; i < head_dim; i++)
-        turned[i] = load_f32(x, (i + half) % head_dim, bf16);
+    for (int64_t i = 0; i < half; i++) {
+        turned[i] = load_f32(x, i + half, bf16);
+        turned[i + half] = load_f32(x, i, bf16);
+    }
     for (int64_t i = 0; i < head_dim; i++) {
         const float a = load_f32(x, i, bf16) * load_f32(c, i, bf16), b = turned[i] * load_f32(s, i, bf16);
         if (bf16)
@@ -637,6 +639,21 @@ static inline __attribute__((always_inline)) void rope_head(void *x, const void 
         else
             ((float *)x)[i] = a + b;
     }
+}
+
+/* rope_head over a token's `n` heads, inlined for the usual head sizes (their loops then unroll and vectorize). */
+static inline __attribute__((always_inline)) void rope_heads_as(char *q, int64_t n, const void *c, const void *s,
+                                                               int64_t head_dim, const int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    if (head_dim == 64)
+        for (int64_t h = 0; h < n; h++)
+            rope_head(q + h * 64 * size, c, s, 64, bf16);
+    else if (head_dim == 128)
+        for (int64_t h = 0; h < n; h++)
+            rope_head(q + h * 128 * size, c, s, 128, bf16);
+    else
+        for (int64_t h = 0; h < n; h++)
+            rope_head(q + h * head_dim * size, c, s, head_dim, bf16);
 }
 
 /* Rotary embeddings on a step's queries and keys, in place, and its keys and values written into their cache
@@ -662,12 +679,10 @@ int kvserve_rope_store(void *qkv, int64_t tokens, int64_t heads, int64_t kv_head
         const char *c = (const char *)cos + positions[t] * head_dim * size;
         const char *s = (const char *)sin + positions[t] * head_dim * size;
         char *q = (char *)qkv + t * row * size;
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            if (bf16)
-                rope_head(q + h * head_dim * size, c, s, head_dim, 1);
-            else
-                rope_head(q + h * head_dim * size, c, s, head_dim, 0);
-        }
+        if (bf16)
+            rope_heads_as(q, heads + kv_heads, c, s, head_dim, 1);
+        else
+            rope_heads_as(q, heads + kv_heads, c, s, head_dim, 0);
         char *k = (char *)kv + (slot_blocks[t] * block_stride + layer * 2 * kv_half + offsets[t] * slot) * size;
         memcpy(k, q + heads * head_dim * size, size * slot);
         memcpy(k + kv_half * size, q + (heads + kv_heads) * head_dim * size, size * slot);
