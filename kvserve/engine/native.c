@@ -624,8 +624,8 @@ void kvserve_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t
 
 /* One head's rotary, in place: x * cos + (x turned by half) * sin; in bfloat16 each product is rounded, then their
  * sum, as bfloat16 tensors' ops round. */
-static inline __attribute__((always_inline)) void rope_head(void *x, const void *c, const void *s, const int64_t head_dim,
-                                                           const int bf16) {
+static inline __attribute__((always_inline)) void rope_head(void *x, const void *c, const void *s,
+                                                           const int64_t head_dim, const int bf16) {
     const int64_t half = head_dim / 2;
     float turned[head_dim];
     for (int64_t i = 0; i < half; i++) {
