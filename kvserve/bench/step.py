@@ -14,6 +14,13 @@ rows' keys and values) over the machine's memory bandwidth. Measured here, in on
 
 Printed: a table, one line per (rows, context), with the step over the bound. The goal: a one-row step at
 most 1.5x its bound (issue 58).
+
+Then the engine alone on `kvserve bench serve --scenario fan-out`'s load (`--fan-out` requests, 0 skips it): that
+many prompts added at once, each a shared prefix of `--fan-out-prefix` token ids that nothing has cached yet and
+`--fan-out-own` of its own, `--fan-out-answer` greedy tokens each, in forwards of at most decode's token budget on
+a CPU (256): output tokens over the time from adding them to the last token, the median of three, each under a
+prefix of its own. Served, the same load also pays for the requests' way in and every token's way out on the same
+cores; this is what the engine makes without them.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from kvserve.bench.report import write_json
 from kvserve.bench.target import MODEL_HELP, ensure_model
 from kvserve.engine import llama, model_runner, paged_attention
 from kvserve.engine.engine import Engine
+from kvserve.engine.hashing import Namespace
 from kvserve.engine.model import load_model
 from kvserve.engine.packed_linear import FusedPart, PackedLinear
 from kvserve.engine.sampling import Sampler, SamplingParams
@@ -41,6 +49,8 @@ from kvserve.engine.sequence import Sequence
 from kvserve.host.process import prepare_engine_process
 
 STEP_GOAL = 1.5  # a one-row step <= 1.5x its bound
+DECODE_CPU_BUDGET = 256  # decode's --max-num-batched-tokens on a CPU (decode_service.__main__)
+FAN_OUT_REPEATS = 3
 
 
 def seconds(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -140,6 +150,21 @@ def decode_steps(engine: Engine, rows: int, context: int, steps: int) -> tuple[f
     return statistics.median(step_ms), statistics.median(attn_ms)
 
 
+def fan_out(engine: Engine, requests: int, prefix: int, own: int, answer: int, seed: int) -> float:
+    """Seconds from adding ``requests`` prompts at once (``prefix`` token ids shared, none cached yet, then ``own``
+    each) until each has ``answer`` tokens."""
+    vocab = engine.model.vocab_size
+    root = Namespace("bench-step", engine.model.kv_dtype_name, engine.block_size).root()
+    shared = [(31 * i + 7 * seed + 1) % vocab for i in range(prefix)]
+    seqs = [Sequence(shared + [(13 * i + 97 * r + 1009 * seed + 3) % vocab for i in range(own)],
+                     Sampler(SamplingParams(), engine.model.device), answer, hash_root=root) for r in range(requests)]
+    began = time.perf_counter()
+    for seq in seqs:
+        engine.add(seq)
+    engine.run_until_done()
+    return time.perf_counter() - began
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvserve bench step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,15 +175,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="the copy's size (default %(default)s)")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="the weights' and KV cache's (default: what the model's config names)")
+    ap.add_argument("--fan-out", type=int, default=16, metavar="N",
+                    help="requests at once in the engine-alone fan-out (default %(default)s; 0 skips it)")
+    ap.add_argument("--fan-out-prefix", type=int, default=128, help="their shared prefix's tokens (default %(default)s)")
+    ap.add_argument("--fan-out-own", type=int, default=52, help="each one's own prompt tokens (default %(default)s)")
+    ap.add_argument("--fan-out-answer", type=int, default=32, help="tokens each generates (default %(default)s)")
     ap.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON to PATH (- prints it)")
     args = ap.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     prepare_engine_process(0)  # glibc's malloc as the services set it (else a step's larger buffers fault in anew)
     model = load_model(ensure_model(args.model), dtype=args.dtype)
-    engine = Engine(model, kv_cache_memory=max(rows_list) * (max(contexts) + args.steps + 32) * model.num_layers * 2
-                    * model.num_kv_heads * model.head_dim * model.dtype.itemsize * 2,
-                    config=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max(rows_list)))
+    kv_tokens = max(max(rows_list) * (max(contexts) + args.steps + 32),
+                 args.fan_out * (args.fan_out_prefix + args.fan_out_own + args.fan_out_answer + 32))
+    engine = Engine(model, kv_cache_memory=kv_tokens * model.num_layers * 2 * model.num_kv_heads * model.head_dim
+                    * model.dtype.itemsize * 2,
+                    config=SchedulerConfig(max_num_batched_tokens=DECODE_CPU_BUDGET,
+                                           max_num_seqs=max(*rows_list, args.fan_out)))
     engine.warm_up()
     bw = bandwidth(args.bandwidth_mib)
     weights = weight_bytes(model.hf_model)
@@ -188,10 +221,22 @@ def main(argv: list[str] | None = None) -> int:
         met = max(one_row) <= STEP_GOAL
         print(f"goal: one-row step <= {STEP_GOAL}x its bound: {'met' if met else 'NOT met'} "
               f"(x{', x'.join(f'{r:.2f}' for r in one_row)})")
+    fan: dict[str, Any] | None = None
+    if args.fan_out > 0:
+        runs = [fan_out(engine, args.fan_out, args.fan_out_prefix, args.fan_out_own, args.fan_out_answer, seed)
+                for seed in range(FAN_OUT_REPEATS)]
+        tokens = args.fan_out * args.fan_out_answer
+        fan = {"requests": args.fan_out, "prefix_tokens": args.fan_out_prefix, "own_tokens": args.fan_out_own,
+               "answer_tokens": args.fan_out_answer, "budget": DECODE_CPU_BUDGET, "runs_s": runs,
+               "tok_s": tokens / statistics.median(runs)}
+        print(f"fan-out, the engine alone: {args.fan_out} prompts of {args.fan_out_prefix} shared + "
+              f"{args.fan_out_own} own tokens, {args.fan_out_answer} tokens each: {fan['tok_s']:.1f} tok/s "
+              f"(median of {', '.join(f'{r:.2f}' for r in runs)} s)")
     if args.json:
         write_json(args.json, {"model": str(model.path), "dtype": model.kv_dtype_name, "forward": code,
                                "threads": torch.get_num_threads(),
-                               "weight_bytes": weights, "kv_bytes_per_token": kv_per_token, **bw, "points": points})
+                               "weight_bytes": weights, "kv_bytes_per_token": kv_per_token, **bw, "points": points,
+                               "fan_out": fan})
     return 0
 
 
