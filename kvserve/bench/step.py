@@ -150,6 +150,11 @@ def decode_steps(engine: Engine, rows: int, context: int, steps: int) -> tuple[f
     return statistics.median(step_ms), statistics.median(attn_ms)
 
 
+def kv_bytes(model: Any) -> int:
+    """A token's keys and values, every layer's."""
+    return int(model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize)
+
+
 def fan_out(engine: Engine, requests: int, prefix: int, own: int, answer: int, seed: int) -> float:
     """Seconds from adding ``requests`` prompts at once (``prefix`` token ids shared, none cached yet, then ``own``
     each) until each has ``answer`` tokens."""
@@ -186,16 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     prepare_engine_process(0)  # glibc's malloc as the services set it (else a step's larger buffers fault in anew)
     model = load_model(ensure_model(args.model), dtype=args.dtype)
-    kv_tokens = max(max(rows_list) * (max(contexts) + args.steps + 32),
-                 args.fan_out * (args.fan_out_prefix + args.fan_out_own + args.fan_out_answer + 32))
-    engine = Engine(model, kv_cache_memory=kv_tokens * model.num_layers * 2 * model.num_kv_heads * model.head_dim
-                    * model.dtype.itemsize * 2,
-                    config=SchedulerConfig(max_num_batched_tokens=DECODE_CPU_BUDGET,
-                                           max_num_seqs=max(*rows_list, args.fan_out)))
+    engine = Engine(model, kv_cache_memory=max(rows_list) * (max(contexts) + args.steps + 32) * kv_bytes(model) * 2,
+                    config=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max(rows_list)))
     engine.warm_up()
     bw = bandwidth(args.bandwidth_mib)
     weights = weight_bytes(model.hf_model)
-    kv_per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+    kv_per_token = kv_bytes(model)
     code = "own (engine.llama)" if engine.runner.forward is not None else "Hugging Face's modules"
     print(f"model {model.path.name} in {model.kv_dtype_name}: {weights / 1e6:.0f} MB of weights, "
           f"{kv_per_token} bytes of KV a token; "
@@ -223,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(x{', x'.join(f'{r:.2f}' for r in one_row)})")
     fan: dict[str, Any] | None = None
     if args.fan_out > 0:
+        del engine  # its pool and packed weights go first
+        kv_tokens = args.fan_out * (args.fan_out_prefix + args.fan_out_own + args.fan_out_answer + 32)
+        engine = Engine(model, kv_cache_memory=kv_tokens * kv_bytes(model) * 2,
+                        config=SchedulerConfig(max_num_batched_tokens=DECODE_CPU_BUDGET, max_num_seqs=args.fan_out))
+        engine.warm_up()
         runs = [fan_out(engine, args.fan_out, args.fan_out_prefix, args.fan_out_own, args.fan_out_answer, seed)
                 for seed in range(FAN_OUT_REPEATS)]
         tokens = args.fan_out * args.fan_out_answer
