@@ -346,7 +346,7 @@ ISSUE_METRICS = (  # issue 4, item 7; then the engine's (issue 8, item 9)
     "generated_tokens_total", "ttft_seconds_bucket", "running_requests", "waiting_requests",
     "engine_batch_sequences_bucket", "engine_batch_tokens_bucket", "engine_kv_blocks", "engine_preemptions_total",
     "engine_pool_hit_tokens_total", "engine_queue_wait_seconds_bucket", "engine_running_sequences",
-    "engine_waiting_sequences",
+    "engine_waiting_sequences", "engine_forward_seconds_total", "engine_forward_off_core_seconds_total",
 )
 
 

@@ -8,6 +8,7 @@ Every run ends with the pool intact and no block left in use (``tests.engine_fix
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -479,3 +480,31 @@ def test_a_chat_turn_over_its_history_reads_it_in_place_and_equals_hf_generate(
     assert shapes.count((5, 5)) == layers and (1, 5) in shapes  # the other prompt, its first token sampled
     for seq, outcome in zip([other, turn], outcomes, strict=True):
         assert_matches_oracle(model, seq, outcome)
+
+
+def test_step_stats_time_the_forward_and_the_step_threads_wait_for_a_core() -> None:
+    model = tiny_model("llama")
+    log = StepLog()
+    engine = make_engine(model, BLOCK, 256, on_step=log)
+    run(engine, [make_seq(model, p, MAX_NEW) for p in _prompts(4)])
+    forwards = [s for s in log.steps if s.num_seqs]
+    assert forwards and all(0.0 <= s.off_core_s <= s.forward_s and s.forward_s > 0 for s in forwards)
+    assert all(s.forward_s == s.off_core_s == 0.0 for s in log.steps if not s.num_seqs)
+
+    # A thread that holds the GIL whenever it can: each forward waits for it at every kernel's return.
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    log.steps.clear()
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        run(engine, [make_seq(model, p, 4) for p in _prompts(2, seed=3)])
+    finally:
+        stop.set()
+        spinner.join()
+    forwards = [s for s in log.steps if s.num_seqs]
+    assert sum(s.off_core_s for s in forwards) > 0.2 * sum(s.forward_s for s in forwards)

@@ -78,6 +78,10 @@ class StepStats:
     pool_free: int
     pool_cached: int
     num_threads: int = 0  # the threads the forward computed on (kvserve.host.cores: its own and those lent); 0: none
+    forward_s: float = 0.0  # the forward's wall time
+    # of it, the step thread off its core: waiting for a core that other threads held (the streams' handlers, other
+    # processes) or for the GIL; its own kernels' wall time less the CPU time it spent
+    off_core_s: float = 0.0
 
     @property
     def idle(self) -> bool:
@@ -314,17 +318,20 @@ class Engine:
             self.connector.save(spill)
         for seq in plan.to_load:
             self.connector.load(seq, self._loaded)
-        threads = 0
+        threads, forward_s, off_core_s = 0, 0.0, 0.0
         if plan.scheduled:
             if self.cores:
                 self.cores.busy()
             threads = self.cores.current if self.cores else torch.get_num_threads()
+            began, cpu = time.perf_counter(), time.thread_time()
             try:
                 self._run(plan.scheduled)
+                forward_s = time.perf_counter() - began
+                off_core_s = max(0.0, forward_s - (time.thread_time() - cpu))
             finally:
                 if self.cores:
                     self.cores.step_done()
-        stats = self._stats(plan, threads)
+        stats = self._stats(plan, threads, forward_s, off_core_s)
         if self.on_pool_change is not None:
             named, evicted = self.pool.take_changes()
             if named or evicted:
@@ -333,7 +340,7 @@ class Engine:
             self.on_step(stats)
         return stats
 
-    def _stats(self, plan: Schedule, threads: int) -> StepStats:
+    def _stats(self, plan: Schedule, threads: int, forward_s: float = 0.0, off_core_s: float = 0.0) -> StepStats:
         now = time.perf_counter()
         return StepStats(
             num_seqs=len(plan.scheduled), num_tokens=plan.num_tokens, num_admitted=len(plan.admitted),
@@ -343,7 +350,7 @@ class Engine:
             num_prompt_tokens=plan.num_prompt_tokens, num_pool_hit_tokens=plan.num_pool_hit_tokens,
             num_coalesced_tokens=plan.num_coalesced_tokens,
             pool_used=self.pool.num_used, pool_free=self.pool.num_free, pool_cached=self.pool.num_cached,
-            num_threads=threads,
+            num_threads=threads, forward_s=forward_s, off_core_s=off_core_s,
         )
 
     def _run(self, scheduled: list[tuple[Sequence, int]]) -> None:

@@ -17,8 +17,9 @@ BATCH_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class EngineMetrics:
-    """Per forward: sequences and tokens; sequences running and waiting; the pool's blocks; preemptions,
-    prompt tokens computed, pool prefix hits (coalesced ones among them), queue wait. Once: the decode attention
+    """Per forward: sequences and tokens, its time and the step thread's time off its core; sequences running and
+    waiting; the pool's blocks; preemptions, prompt tokens computed, pool prefix hits (coalesced ones among them),
+    queue wait. Once: the decode attention
     the engine runs (`attention`: its runner's; default, that of an engine of this process with a float32 KV
     cache on the CPU)."""
 
@@ -52,6 +53,12 @@ class EngineMetrics:
                              registry=registry)
         self.steps = Counter(p + "steps", "Forwards, by the threads they computed on (more than the service's own: "
                              "cores an idle peer lent, kvserve.host.cores)", ["threads"], registry=registry)
+        self.forward_seconds = Counter(p + "forward_seconds", "Wall time in forwards", registry=registry)
+        self.off_core_seconds = Counter(
+            p + "forward_off_core_seconds", "Of the time in forwards, the step thread off its core: waiting for a core "
+            "that other threads or processes held (on a CPU the streams' handlers, the host's other work), or for "
+            "Python's lock; a rising share of forward_seconds says the cores are oversubscribed", registry=registry,
+        )
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Time from a sequence's arrival to its admission",
                                     buckets=QUEUE_WAIT_BUCKETS, registry=registry)
 
@@ -70,6 +77,8 @@ class EngineMetrics:
             self.steps.labels(threads=str(stats.num_threads)).inc()
             self.batch_seqs.observe(stats.num_seqs)
             self.batch_tokens.observe(stats.num_tokens)
+            self.forward_seconds.inc(stats.forward_s)
+            self.off_core_seconds.inc(stats.off_core_s)
         self.blocks.labels(state="used").set(stats.pool_used)
         self.blocks.labels(state="cached").set(stats.pool_cached)
         self.blocks.labels(state="free").set(stats.pool_free)
