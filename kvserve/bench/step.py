@@ -41,7 +41,7 @@ from kvserve.bench.target import MODEL_HELP, ensure_model
 from kvserve.engine import llama, model_runner, paged_attention
 from kvserve.engine.engine import Engine
 from kvserve.engine.hashing import Namespace
-from kvserve.engine.model import load_model
+from kvserve.engine.model import Model, load_model
 from kvserve.engine.packed_linear import FusedPart, PackedLinear
 from kvserve.engine.sampling import Sampler, SamplingParams
 from kvserve.engine.scheduler import SchedulerConfig
@@ -150,7 +150,7 @@ def decode_steps(engine: Engine, rows: int, context: int, steps: int) -> tuple[f
     return statistics.median(step_ms), statistics.median(attn_ms)
 
 
-def kv_bytes(model: Any) -> int:
+def kv_bytes(model: Model) -> int:
     """A token's keys and values, every layer's."""
     return int(model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize)
 

@@ -79,8 +79,8 @@ class StepStats:
     pool_cached: int
     num_threads: int = 0  # the threads the forward computed on (kvserve.host.cores: its own and those lent); 0: none
     forward_s: float = 0.0  # the forward's wall time
-    # of it, the step thread off its core: waiting for a core that other threads held (the streams' handlers, other
-    # processes) or for the GIL; its own kernels' wall time less the CPU time it spent
+    # of it, the step thread off its core (the wall time less the thread's CPU time): waiting for a core that other
+    # threads held (the streams' handlers, other processes) or for the GIL
     off_core_s: float = 0.0
 
     @property

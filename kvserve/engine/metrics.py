@@ -19,9 +19,8 @@ BATCH_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 class EngineMetrics:
     """Per forward: sequences and tokens, its time and the step thread's time off its core; sequences running and
     waiting; the pool's blocks; preemptions, prompt tokens computed, pool prefix hits (coalesced ones among them),
-    queue wait. Once: the decode attention
-    the engine runs (`attention`: its runner's; default, that of an engine of this process with a float32 KV
-    cache on the CPU)."""
+    queue wait. Once: the decode attention the engine runs (`attention`: its runner's; default, that of an engine
+    of this process with a float32 KV cache on the CPU)."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str, attention: AttentionKernel | None = None) -> None:
         p = prefix + "engine_"
