@@ -41,6 +41,7 @@ from kvserve.bench.target import MODEL_HELP, ensure_model
 from kvserve.engine import llama, model_runner, paged_attention
 from kvserve.engine.engine import Engine
 from kvserve.engine.hashing import Namespace
+from kvserve.engine.kv_cache import KVCache
 from kvserve.engine.model import Model, load_model
 from kvserve.engine.packed_linear import FusedPart, PackedLinear
 from kvserve.engine.sampling import Sampler, SamplingParams
@@ -152,7 +153,8 @@ def decode_steps(engine: Engine, rows: int, context: int, steps: int) -> tuple[f
 
 def kv_bytes(model: Model) -> int:
     """A token's keys and values, every layer's."""
-    return int(model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize)
+    return KVCache.bytes_per_block(num_layers=model.num_layers, block_size=1, num_kv_heads=model.num_kv_heads,
+                                   head_dim=model.head_dim, dtype=model.dtype)
 
 
 def fan_out(engine: Engine, requests: int, prefix: int, own: int, answer: int, seed: int) -> float:
