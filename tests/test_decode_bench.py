@@ -39,9 +39,10 @@ def test_itl_windows_take_the_gaps_they_say() -> None:
 
 def test_throughput_report_reads_ratios_off_the_runs() -> None:
     timeline = {"last_first_token_s": 0.1, "itl_median_s": 0.02}
-    stack = [{"streams": 1, "generated_tokens": 8, "s": 0.5, "tok_s": 16.0, "token_ids": [[1, 2]], **timeline},
+    stack = [{"streams": 1, "generated_tokens": 8, "s": 0.5, "tok_s": 16.0, "token_ids": [[1, 2]], **timeline,
+              "runs_s": [0.5, 0.4, 0.6]},
              {"streams": 16, "generated_tokens": 128, "s": 2.0, "tok_s": 64.0, "token_ids": [[1, 2]] * 15 + [[3, 4]],
-              **timeline}]
+              **timeline, "runs_s": [2.0, 2.0, 1.5]}]
     hf = {"torch_threads": 2, "runs": [
         {"streams": 1, "generated_tokens": 8, "s": 0.4, "tok_s": 20.0, "token_ids": [[1, 2]], "engine_tok_s": 18.0},
         {"streams": 16, "generated_tokens": 128, "s": 1.0, "tok_s": 128.0, "token_ids": [[1, 2]] * 16,
@@ -50,7 +51,9 @@ def test_throughput_report_reads_ratios_off_the_runs() -> None:
     row = report["rows"][1]
     assert row["stack_ratio"] == 4.0 and row["hf_ratio"] == 6.4 and row["stack_vs_hf"] == 0.5
     assert row["same_tokens_as_hf"] == 15 and row["engine_vs_hf"] == 0.75
-    assert report["goals"] == {"scaling": {"value": 4.0, "goal": 4.0, "met": True},
+    assert report["goals"]["scaling"]["each_repeat"] == pytest.approx([4.0, 3.2, 6.4])  # 16 s_one / s_top, paired
+    assert report["goals"] == {"scaling": {"value": 4.0, "goal": 4.0, "met": True,
+                                           "each_repeat": report["goals"]["scaling"]["each_repeat"]},
                                "vs_hf": {"value": 0.5, "goal": 0.7, "met": False}}
 
 
@@ -93,6 +96,7 @@ def test_bench_decode_reports_measured_ratios(tmp_path: Path, capsys: pytest.Cap
     for r in rows:
         assert r["generated_tokens"] == r["hf_generated_tokens"] == r["streams"] * new_tokens
         assert r["stack_tok_s"] == pytest.approx(r["generated_tokens"] / r["stack_s"])
+        assert len(r["stack_runs_s"]) == 3 and r["stack_s"] == sorted(r["stack_runs_s"])[1]  # the median of 3
         assert r["hf_tok_s"] == pytest.approx(r["hf_generated_tokens"] / r["hf_s"])
         assert r["stack_ratio"] == pytest.approx(r["stack_tok_s"] / base["stack_tok_s"])
         assert r["hf_ratio"] == pytest.approx(r["hf_tok_s"] / base["hf_tok_s"])

@@ -1,14 +1,16 @@
 """Streamed requests as a benchmark client sees them: when each was sent, when each token arrived
-(`time.perf_counter`), and its final result; one request or many at once, a thread each."""
+(`time.perf_counter`), and its final result; one request at a time, or many at once on one asyncio loop."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.client import Client, Result, Usage
+from client.client import AsyncClient, Client, Result, Usage
 
 
 @dataclass(slots=True)
@@ -61,23 +63,62 @@ def timed_stream(client: Client, start_at: float | None = None, **request: Any) 
     return trace
 
 
-class Streams:
-    """Requests streamed concurrently, a thread each, from `start()` on."""
+class StreamLoop:
+    """One `AsyncClient` to the front door at `addr` (plaintext, no token) on an asyncio loop in a thread of its
+    own: what `Streams` sends from, and keeps connected from one run to the next. The client shares the stack's
+    cores: the sync client, a thread per stream woken for every token, moved the tiny model's 16-stream figure
+    by about 5 % (docs/BENCHMARKS.md, "Decode throughput and chunked prefill")."""
 
-    def __init__(self, client: Client, requests: list[dict[str, Any]]) -> None:
-        self.client = client
+    def __init__(self, addr: str, timeout_s: float = 600.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bench-streams", daemon=True)
+        self._thread.start()
+        self.client = self.submit(self._client(addr, timeout_s)).result()
+
+    @staticmethod
+    async def _client(addr: str, timeout_s: float) -> AsyncClient:
+        return AsyncClient(addr, timeout_s=timeout_s)  # made on the loop its channel runs on
+
+    def submit(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def close(self) -> None:
+        self.submit(self.client.close()).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> StreamLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Streams:
+    """Requests streamed concurrently from `start()` on, each a task on `loop`."""
+
+    def __init__(self, loop: StreamLoop, requests: list[dict[str, Any]]) -> None:
+        self.loop = loop
         self.requests = requests
         self.traces = [StreamTrace() for _ in requests]
-        self._pool = ThreadPoolExecutor(len(requests), thread_name_prefix="bench-stream")
         self._futures: list[Future[None]] = []
+
+    async def _stream(self, trace: StreamTrace, request: dict[str, Any]) -> None:
+        async for item in self.loop.client.stream(**request):
+            now = time.perf_counter()
+            if isinstance(item, Result):
+                trace.result, trace.end = item, now
+            else:
+                trace.token_ids.append(item.token_id)
+                trace.arrivals.append(now)
 
     def start(self) -> float:
         """Sends every request; returns the time just before the first was sent."""
         t0 = time.perf_counter()
         for t in self.traces:
             t.sent = t0
-        self._futures = [self._pool.submit(stream_into, self.client, t, **r)
-                         for t, r in zip(self.traces, self.requests, strict=True)]
+        self._futures = [self.loop.submit(self._stream(t, r)) for t, r in zip(self.traces, self.requests, strict=True)]
         return t0
 
     def wait_for(self, num_tokens: int, timeout_s: float) -> None:
@@ -98,9 +139,11 @@ class Streams:
         return t0, self.join()
 
     def join(self) -> list[StreamTrace]:
+        """Every stream's trace; the first that failed raises here, and the others are cancelled."""
         try:
             for f in self._futures:
                 f.result()
         finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            for f in self._futures:
+                f.cancel()
         return self.traces
