@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.client import AsyncClient, Client, Result, Usage
+from client.client import AsyncClient, Chunk, Client, Result, Usage
 
 
 @dataclass(slots=True)
@@ -22,6 +22,15 @@ class StreamTrace:
     result: Result | None = None
     end: float = 0.0  # when the final result arrived
     sent: float = 0.0  # just before the request was sent
+
+    def take(self, item: Chunk | Result) -> None:
+        """Records a streamed token, or the result, as it arrives."""
+        now = time.perf_counter()
+        if isinstance(item, Result):
+            self.result, self.end = item, now
+        else:
+            self.token_ids.append(item.token_id)
+            self.arrivals.append(now)
 
     def gaps(self) -> list[tuple[float, float]]:
         """(previous token's arrival, this token's arrival) for every token after the first."""
@@ -46,12 +55,7 @@ class StreamTrace:
 
 def stream_into(client: Client, trace: StreamTrace, **request: Any) -> None:
     for item in client.stream(**request):
-        now = time.perf_counter()
-        if isinstance(item, Result):
-            trace.result, trace.end = item, now
-        else:
-            trace.token_ids.append(item.token_id)
-            trace.arrivals.append(now)
+        trace.take(item)
 
 
 def timed_stream(client: Client, start_at: float | None = None, **request: Any) -> StreamTrace:
@@ -105,12 +109,7 @@ class Streams:
 
     async def _stream(self, trace: StreamTrace, request: dict[str, Any]) -> None:
         async for item in self.loop.client.stream(**request):
-            now = time.perf_counter()
-            if isinstance(item, Result):
-                trace.result, trace.end = item, now
-            else:
-                trace.token_ids.append(item.token_id)
-                trace.arrivals.append(now)
+            trace.take(item)
 
     def start(self) -> float:
         """Sends every request; returns the time just before the first was sent."""
