@@ -7,6 +7,8 @@ their own so that nothing is reused from an earlier level, after one untimed war
 largest N (as HF runs each batch once untimed first). Measured: the stack's tokens/s = the
 tokens the client received, summed over the N streams, / the wall time from just before the first
 request is sent to when the last stream's final result arrived (the prompts' prefill is inside it).
+Each level runs `--repeats` times, the levels in turn, and its row is the median run; the streams go out on
+one asyncio loop (bench.streams.StreamLoop), whose CPU shares the stack's cores.
 Beside it, in the same run, the same prompts go through Hugging Face `generate` as one padded batch
 (`python -m bench.hf_batch` in a subprocess, before the stack starts: the same model, greedy,
 EOS ignored, the same number of new tokens, the wall time of the `generate` call). Printed: tokens/s
